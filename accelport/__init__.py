@@ -1,0 +1,200 @@
+"""accelport: one PyTorch training script on TPU, Trainium, GPU and CPU.
+
+    import accelport as ap
+
+    model = Net().to(ap.device())
+    for x, y in ap.loader(train_loader):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        ap.optimizer_step(opt)
+        opt.zero_grad()
+    print(ap.metrics())
+
+Importing accelport imports neither torch nor any vendor library; the backend is
+chosen (and torch imported) on first use.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ._runtime import RUNTIME as _RT
+from .contract import Backend, Metrics, Probe, StepRecord
+from .errors import (
+    AccelportDeprecationWarning,
+    AccelportError,
+    BackendUnavailableError,
+    DiagnosticWarning,
+    PluginWarning,
+    UnknownBackendError,
+)
+from .hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    import torch
+
+    from ._loader import DeviceLoader
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccelportDeprecationWarning",
+    "AccelportError",
+    "Backend",
+    "BackendInfo",
+    "BackendUnavailableError",
+    "DiagnosticWarning",
+    "Metrics",
+    "PluginWarning",
+    "Probe",
+    "StepRecord",
+    "UnknownBackendError",
+    "after_step",
+    "all_reduce",
+    "backend",
+    "backends",
+    "barrier",
+    "device",
+    "hookimpl",
+    "is_main_process",
+    "load",
+    "loader",
+    "metrics",
+    "optimizer_step",
+    "rank",
+    "save",
+    "sync",
+    "use",
+    "world_size",
+]
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """One registered backend as ``ap.backends()`` lists it."""
+
+    name: str
+    platform: str
+    lazy: bool
+    available: bool
+    reason: str
+    device_count: int | None
+    plugin: str
+    selected: bool
+    description: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def backend() -> Backend:
+    """The selected backend (chosen on first call). Its ``reason`` says why it was chosen."""
+    return _RT.backend()
+
+
+def use(name: str) -> Backend:
+    """Choose the backend explicitly; wins over ``ACCELPORT_BACKEND`` and the matrix.
+
+    Raises :class:`UnknownBackendError` (with the nearest known name) or
+    :class:`BackendUnavailableError` (with the probe's reason).
+    """
+    return _RT.use(name)
+
+
+def backends() -> list[BackendInfo]:
+    """Every registered backend, available or not, with its probe's reason.
+
+    Cheap and safe: probes read metadata and /sys only, nothing is imported.
+    """
+    from .selection import resolve
+
+    host = _RT.host()
+    try:
+        selected = _RT._backend.name if _RT._backend else resolve(host, _RT.explicit, os.environ)[0].name
+    except AccelportError:
+        selected = None
+    out = []
+    for name, b in host.backends.items():
+        p = b.probe()
+        out.append(BackendInfo(name, b.platform, b.lazy, p.available, p.reason, p.device_count,
+                               host.backend_plugin.get(name, "?"), name == selected, b.description))
+    return out
+
+
+def device(index: int | None = None) -> torch.device:
+    """The device to put the model and data on (this process's device when several run)."""
+    return _RT.backend().device(index)
+
+
+def loader(iterable: Iterable[Any], *, prefetch: int = 2) -> DeviceLoader:
+    """Wrap a DataLoader (or any iterable of batches): batches arrive on the device, prefetched.
+
+    The time the loop waits for data and each batch's shapes are recorded for
+    ``ap.metrics()`` and the diagnostics.
+    """
+    from ._loader import DeviceLoader
+
+    return DeviceLoader(iterable, _RT, prefetch=prefetch)
+
+
+def optimizer_step(optimizer: Any, **kwargs: Any) -> Any:
+    """Average gradients over replicas, step the optimizer, and end the step (lazy work runs)."""
+    b = _RT.backend()
+    result = b.optimizer_step(optimizer, **kwargs)
+    _RT.tracker.step_end(b, _RT._host)
+    return result
+
+
+def sync() -> None:
+    """Wait for all queued device work (eager) or execute the pending graph (lazy)."""
+    _RT.backend().sync()
+
+
+def metrics() -> Metrics:
+    """A snapshot: steps, compilations, compile time, transfers, CPU fallbacks, data wait."""
+    return _RT.metrics()
+
+
+def after_step(fn: Callable[..., Any], *tensors: Any) -> None:
+    """Call ``fn`` with host values of ``tensors`` without forcing an extra device round trip."""
+    if not callable(fn):
+        raise TypeError(f"after_step needs a callable first, not {type(fn).__name__}")
+    _RT.backend().after_step(fn, tensors)
+
+
+def rank() -> int:
+    """This process's rank among all replicas (0 when alone)."""
+    return _RT.backend().rank()
+
+
+def world_size() -> int:
+    """How many replicas train together (1 when alone)."""
+    return _RT.backend().world_size()
+
+
+def is_main_process() -> bool:
+    """True on rank 0: the process that logs and writes checkpoints."""
+    return _RT.backend().rank() == 0
+
+
+def barrier() -> None:
+    """Wait until every replica reaches this point (no-op when alone)."""
+    _RT.backend().barrier()
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Reduce ``tensor`` in place over replicas; ``op`` is "sum" or "mean"."""
+    return _RT.backend().all_reduce(tensor, op)
+
+
+def save(obj: Any, path: str | os.PathLike[str]) -> None:
+    """Checkpoint ``obj``: tensors to host, main process only, atomic rename."""
+    _RT.backend().save(obj, path)
+
+
+def load(path: str | os.PathLike[str], map_location: Any = None) -> Any:
+    """Read a checkpoint written by :func:`save`, onto this backend's device."""
+    return _RT.backend().load(path, map_location)

@@ -1,0 +1,91 @@
+"""The ``accelport`` command. Each subcommand lives in its own module and registers here.
+
+Nothing escapes as a traceback: a known problem prints one line saying what to
+do (exit 1, or 2 for a usage error); with ``--json`` even failures print valid
+JSON (``{"error": ..., "kind": ...}``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main", "COMMANDS", "UsageError", "emit_json"]
+
+#: Subcommand modules; each defines ``register(subparsers)`` that adds its parser
+#: and sets ``func(args) -> int`` as the default.
+COMMANDS: tuple[str, ...] = ("accelport.cli_backends",)
+
+
+class UsageError(Exception):
+    """Bad command-line input (exit status 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # argparse would print and exit; we decide the format
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = _Parser(
+        prog="accelport",
+        description="One PyTorch training script on TPU, Trainium, GPU and CPU.",
+    )
+    parser.add_argument("--version", action="version", version=f"accelport {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for module in COMMANDS:
+        importlib.import_module(module).register(sub)
+    return parser
+
+
+def emit_json(obj: Any) -> None:
+    """Print ``obj`` as JSON; anything not serialisable is written with str()."""
+    print(json.dumps(obj, indent=2, sort_keys=False, default=str))
+
+
+def _fail(kind: str, message: str, as_json: bool, code: int) -> int:
+    if as_json:
+        emit_json({"error": message, "kind": kind})
+    else:
+        print(f"accelport: error: {message}", file=sys.stderr)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from .errors import AccelportError
+
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in args_list
+    try:
+        parser = build_parser()
+        args = parser.parse_args(args_list)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
+        with warnings.catch_warnings(record=as_json) as caught:
+            if not as_json:
+                warnings.simplefilter("default")
+            code = int(args.func(args) or 0)
+        del caught
+        return code
+    except UsageError as exc:
+        return _fail("usage", str(exc), as_json, 2)
+    except AccelportError as exc:
+        return _fail(type(exc).__name__, str(exc), as_json, 1)
+    except KeyboardInterrupt:
+        return _fail("interrupted", "interrupted", as_json, 130)
+    except Exception as exc:  # the last line of defence: never a traceback
+        return _fail(
+            "internal",
+            f"unexpected {type(exc).__name__}: {exc} (this is a bug in accelport; please report it "
+            "with the output of `accelport doctor --markdown`)",
+            as_json,
+            1,
+        )

@@ -1,0 +1,281 @@
+"""The contract every backend fulfils, and the records it produces.
+
+A backend is a class registered through the ``accelport_register_backends``
+hook. Two families implement it (see :mod:`accelport.eager` and
+:mod:`accelport.lazy`); a backend is normally a handful of constants on one of
+them. Constructing a backend and probing it must be cheap and safe: no torch
+import, no vendor import, no device touched.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Probe", "Metrics", "StepRecord", "Backend", "COUNTER_FIELDS"]
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What a cheap look at the machine says about a backend.
+
+    ``reason`` is one sentence a user can act on: why it is available, or what
+    is missing. ``details`` carries facts for ``accelport doctor`` (versions,
+    the PJRT device it would use, ...).
+    """
+
+    available: bool
+    reason: str
+    device_count: int | None = None
+    details: Mapping[str, str] = field(default_factory=dict)
+
+
+# Fields of Metrics that come from the backend's own counters. A backend that
+# cannot measure one leaves it out of ``counters()`` and the field is None.
+COUNTER_FIELDS: tuple[str, ...] = (
+    "compilations",
+    "compile_seconds",
+    "cache_hits",
+    "executions",
+    "execute_seconds",
+    "host_to_device",
+    "device_to_host",
+    "cpu_fallback",
+    "memory_bytes",
+    "peak_memory_bytes",
+)
+# Counters that are levels, not running totals: never subtracted from a baseline.
+LEVEL_FIELDS = frozenset({"memory_bytes", "peak_memory_bytes"})
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """A snapshot of a run, cumulative since the backend was selected.
+
+    A field the backend cannot measure is ``None``, never 0: 0 means "measured,
+    and it did not happen".
+    """
+
+    backend: str
+    steps: int
+    compilations: int | None = None
+    compile_seconds: float | None = None
+    cache_hits: int | None = None
+    executions: int | None = None
+    execute_seconds: float | None = None
+    host_to_device: int | None = None
+    device_to_host: int | None = None
+    cpu_fallback: dict[str, int] | None = None
+    memory_bytes: int | None = None
+    peak_memory_bytes: int | None = None
+    data_wait_seconds: float = 0.0
+    step_seconds: float = 0.0
+    batch_signatures: int = 0
+    compile_cache_dir: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One finished step, as observers of ``accelport_step_end`` see it.
+
+    ``delta`` holds the change of the backend's cheap per-step counters
+    (``Backend.step_counters()``) over this step.
+    """
+
+    step: int
+    backend: str
+    lazy: bool
+    seconds: float
+    data_wait_seconds: float
+    signature: tuple[Any, ...] | None
+    delta: Mapping[str, float]
+    time: float
+
+
+class Backend(abc.ABC):
+    """The contract. Subclasses set the class constants and implement the operations."""
+
+    name: ClassVar[str]
+    #: The platform this backend drives: cpu, nvidia-gpu, gcp-tpu or aws-neuron.
+    platform: ClassVar[str]
+    #: True for graph-building (XLA) backends whose work runs at a sync.
+    lazy: ClassVar[bool] = False
+    description: ClassVar[str] = ""
+    #: Distributions whose installed versions matter to this backend (doctor shows them).
+    packages: ClassVar[tuple[str, ...]] = ("torch",)
+    #: Why this backend was selected (set by the selection; one readable sentence).
+    reason: str = ""
+
+    def __init__(self) -> None:
+        self._probe_cache: Probe | None = None
+
+    # -- detection -----------------------------------------------------------------
+    def probe(self) -> Probe:
+        """Whether this backend can run here. Cached; never raises; starts no runtime."""
+        if self._probe_cache is None:
+            try:
+                self._probe_cache = self._probe()
+            except Exception as exc:  # a probe must never take the caller down
+                self._probe_cache = Probe(False, f"probe failed: {type(exc).__name__}: {exc}")
+        return self._probe_cache
+
+    @abc.abstractmethod
+    def _probe(self) -> Probe:
+        """Look at package metadata, /sys, /dev and the environment only."""
+
+    # -- lifecycle --------------------------------------------------------------------
+    def prepare(self) -> None:  # noqa: B027 - optional hook for subclasses
+        """Called once when this backend is first used (imports, process group)."""
+
+    # -- operations -------------------------------------------------------------------
+    @abc.abstractmethod
+    def device(self, index: int | None = None) -> torch.device:
+        """The device this process should put its model and data on."""
+
+    @abc.abstractmethod
+    def sync(self) -> None:
+        """Wait for (eager) or execute (lazy) all queued device work."""
+
+    @abc.abstractmethod
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Average gradients across replicas, step, and flush lazy work."""
+
+    @abc.abstractmethod
+    def wrap_loader(self, iterable: Iterable[Any], *, prefetch: int) -> Iterator[Any]:
+        """Yield the batches of ``iterable`` already on ``self.device()``."""
+
+    def counters(self) -> dict[str, Any]:
+        """Every counter this backend can report (keys from COUNTER_FIELDS)."""
+        return {}
+
+    def step_counters(self) -> dict[str, float]:
+        """The few counters cheap enough to read after every step."""
+        return {}
+
+    def compile_cache_dir(self) -> str | None:
+        """Where compiled graphs are cached, if this backend has such a cache."""
+        return None
+
+    # -- distributed ------------------------------------------------------------------
+    @abc.abstractmethod
+    def world_size(self) -> int: ...
+
+    @abc.abstractmethod
+    def rank(self) -> int: ...
+
+    @abc.abstractmethod
+    def barrier(self) -> None: ...
+
+    @abc.abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce ``tensor`` in place over all replicas ("sum" or "mean") and return it."""
+
+    # -- host values ------------------------------------------------------------------
+    def after_step(self, fn: Callable[..., Any], tensors: tuple[Any, ...]) -> None:
+        """Run ``fn`` with host copies of ``tensors`` once the step's work is flushed.
+
+        Eager backends run it right away; lazy ones defer it to the next sync.
+        """
+        fn(*(to_host(t) for t in tensors))
+
+    # -- checkpoints ------------------------------------------------------------------
+    def save(self, obj: Any, path: str | os.PathLike[str]) -> None:
+        """Write ``obj`` to ``path`` from the main process only, atomically.
+
+        Tensors are moved to the host first. The bytes go to a temporary file in
+        the same directory, are flushed and fsynced, then renamed over ``path``:
+        a crash mid-write leaves the previous checkpoint intact.
+        """
+        import torch
+
+        host_obj = tree_map_tensors(obj, lambda t: t.detach().to("cpu"))
+        if self.rank() == 0:
+            atomic_torch_save(torch, host_obj, os.fspath(path))
+
+    def load(self, path: str | os.PathLike[str], map_location: Any = None) -> Any:
+        """Read a checkpoint written by :meth:`save` onto this backend's device."""
+        import torch
+
+        obj = torch.load(os.fspath(path), map_location="cpu", weights_only=False)
+        target = map_location if map_location is not None else self.device()
+        return tree_map_tensors(obj, lambda t: t.to(target))
+
+    # -- doctor ----------------------------------------------------------------------
+    def doctor_checks(self, context: Any) -> list[Any]:
+        """Findings specific to this backend (see accelport.doctor)."""
+        return []
+
+    def __repr__(self) -> str:
+        return f"<accelport backend {self.name!r} ({self.platform})>"
+
+
+# -- helpers shared by both families ---------------------------------------------------
+
+
+def tree_map_tensors(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """Apply ``fn`` to every tensor inside nested dicts, lists, tuples and namedtuples."""
+    import torch
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return fn(x)
+        if isinstance(x, dict):
+            return type(x)((k, walk(v)) for k, v in x.items())
+        if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
+            return type(x)(*(walk(v) for v in x))
+        if isinstance(x, (list, tuple)):
+            return type(x)(walk(v) for v in x)
+        return x
+
+    return walk(obj)
+
+
+def to_host(value: Any) -> Any:
+    """A tensor as a Python number (0-d) or a CPU tensor; anything else unchanged."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is always present when tensors are
+        return value
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        return value.item() if value.ndim == 0 else value.to("cpu")
+    return value
+
+
+def atomic_torch_save(torch: Any, obj: Any, path: str) -> None:
+    """torch.save to a temp file, fsync, rename: readers never see a half-written file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".accelport-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    # Make the rename itself durable.
+    try:
+        dfd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)

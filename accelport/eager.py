@@ -1,0 +1,200 @@
+"""The eager family: one implementation for every native PyTorch device.
+
+``cpu``, ``cuda``, ``tpu`` (TorchTPU) and ``neuron`` (TorchNeuron) differ only in
+the constants below, so the code path ``cpu`` runs in every test run is the one
+``tpu`` and ``neuron`` run on hardware.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar
+
+from .contract import Backend
+from ._loader import prefetch_iter
+
+__all__ = ["EagerBackend"]
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+class EagerBackend(Backend):
+    """A native PyTorch device: work runs as it is issued (or queued per op)."""
+
+    lazy = False
+    #: torch.device type: "cpu", "cuda", "tpu", "neuron".
+    device_type: ClassVar[str]
+    #: torch.distributed backend for several processes.
+    dist_backend: ClassVar[str] = "gloo"
+    #: torch.compile backend name.
+    compile_backend: ClassVar[str] = "inductor"
+    #: Device type for torch.autocast.
+    autocast_device_type: ClassVar[str] = "cpu"
+    #: How to wait for queued work: "none" (cpu), "module" (torch.<device_type>.synchronize)
+    #: or "accelerator" (torch.accelerator.synchronize; TorchTPU forbids torch.tpu.* in user code).
+    sync_api: ClassVar[str] = "none"
+    #: Pin host memory and copy batches with non_blocking=True (CUDA-style DMA).
+    pin_memory: ClassVar[bool] = False
+    #: Whether the device is indexed per process (LOCAL_RANK) when several run on one host.
+    per_process_device: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._torch: Any = None
+        self._device: Any = None
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def prepare(self) -> None:
+        import torch
+
+        self._torch = torch
+        if self.sync_api == "module" and self.per_process_device:
+            module = getattr(torch, self.device_type, None)
+            set_device = getattr(module, "set_device", None)
+            if set_device is not None and _env_int("WORLD_SIZE", 1) > 1:
+                set_device(_env_int("LOCAL_RANK", 0))
+        if _env_int("WORLD_SIZE", 1) > 1:
+            import torch.distributed as dist
+
+            if dist.is_available() and not dist.is_initialized():
+                dist.init_process_group(backend=self.dist_backend)
+
+    def _t(self) -> Any:
+        if self._torch is None:
+            self.prepare()
+        return self._torch
+
+    # -- operations --------------------------------------------------------------------
+    def device(self, index: int | None = None) -> Any:
+        torch = self._t()
+        if index is None and self._device is not None:
+            return self._device
+        if self.device_type == "cpu":
+            dev = torch.device("cpu")
+        else:
+            idx = index if index is not None else (
+                _env_int("LOCAL_RANK", 0) if self.per_process_device else 0)
+            dev = torch.device(self.device_type, idx)
+        if index is None:
+            self._device = dev
+        return dev
+
+    def sync(self) -> None:
+        torch = self._t()
+        if self.sync_api == "module":
+            getattr(torch, self.device_type).synchronize()
+        elif self.sync_api == "accelerator":
+            torch.accelerator.synchronize()
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        if self.world_size() > 1:
+            self._average_gradients(optimizer)
+        return optimizer.step(**kwargs)
+
+    def _average_gradients(self, optimizer: Any) -> None:
+        """All-reduce every gradient, coalesced: one collective per (device, dtype) group."""
+        torch = self._t()
+        import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        groups: dict[tuple[Any, Any], list[Any]] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and not p.grad.is_sparse:
+                    groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        world = self.world_size()
+        with torch.no_grad():
+            for grads in groups.values():
+                flat = _flatten_dense_tensors(grads)
+                dist.all_reduce(flat)
+                flat.div_(world)
+                for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                    g.copy_(reduced)
+
+    def wrap_loader(self, iterable: Iterable[Any], *, prefetch: int) -> Iterator[Any]:
+        device = self.device()
+        if self.device_type == "cpu":
+            move = None  # batches already live on the host
+        else:
+            from .contract import tree_map_tensors
+
+            pin = self.pin_memory
+
+            def move(batch: Any) -> Any:
+                def to_dev(t: Any) -> Any:
+                    if pin and not t.is_pinned():
+                        t = t.pin_memory()
+                    return t.to(device, non_blocking=pin)
+
+                return tree_map_tensors(batch, to_dev)
+
+        return prefetch_iter(iterable, depth=prefetch, transform=move)
+
+    # -- metrics -----------------------------------------------------------------------
+    def _dynamo_counts(self) -> dict[str, Any]:
+        # torch._dynamo is imported by torch.compile; if nothing imported it, nothing
+        # was compiled, and importing it here would cost a second for nothing.
+        utils = sys.modules.get("torch._dynamo.utils")
+        if utils is None:
+            return {"compilations": 0, "compile_seconds": 0.0}
+        stats = utils.counters.get("stats", {})
+        times = getattr(utils, "compilation_time_metrics", {}).get("_compile.compile_inner", [])
+        return {"compilations": int(stats.get("unique_graphs", 0)), "compile_seconds": float(sum(times))}
+
+    def counters(self) -> dict[str, Any]:
+        out = self._dynamo_counts()
+        if self.device_type != "cpu" and self._torch is not None:
+            module = getattr(self._torch, self.device_type, None)
+            for key, fn in (("memory_bytes", "memory_allocated"), ("peak_memory_bytes", "max_memory_allocated")):
+                f = getattr(module, fn, None)
+                if f is not None:
+                    try:
+                        out[key] = int(f())
+                    except Exception:
+                        pass
+        return out
+
+    def step_counters(self) -> dict[str, float]:
+        utils = sys.modules.get("torch._dynamo.utils")
+        if utils is None:
+            return {"compilations": 0}
+        return {"compilations": int(utils.counters.get("stats", {}).get("unique_graphs", 0))}
+
+    # -- distributed -------------------------------------------------------------------
+    def _dist(self) -> Any:
+        if "torch.distributed" not in sys.modules and self._torch is None:
+            return None
+        import torch.distributed as dist
+
+        return dist if dist.is_available() and dist.is_initialized() else None
+
+    def world_size(self) -> int:
+        dist = self._dist()
+        return dist.get_world_size() if dist is not None else _env_int("WORLD_SIZE", 1)
+
+    def rank(self) -> int:
+        dist = self._dist()
+        return dist.get_rank() if dist is not None else _env_int("RANK", 0)
+
+    def barrier(self) -> None:
+        dist = self._dist()
+        if dist is not None:
+            dist.barrier()
+
+    def all_reduce(self, tensor: Any, op: str = "sum") -> Any:
+        if op not in ("sum", "mean"):
+            raise ValueError(f"all_reduce op must be 'sum' or 'mean', not {op!r}")
+        dist = self._dist()
+        if dist is None or dist.get_world_size() == 1:
+            return tensor
+        dist.all_reduce(tensor)
+        if op == "mean":
+            tensor.div_(dist.get_world_size())
+        return tensor

@@ -1,0 +1,66 @@
+"""Exceptions and warning categories: each one says what went wrong and what to do."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+__all__ = [
+    "AccelportError",
+    "UnknownBackendError",
+    "BackendUnavailableError",
+    "PluginWarning",
+    "AccelportDeprecationWarning",
+    "DiagnosticWarning",
+    "nearest",
+]
+
+
+def nearest(name: str, known: Iterable[str]) -> str | None:
+    """The closest known name to ``name`` (for "did you mean"), or None."""
+    matches = difflib.get_close_matches(name.lower(), list(known), n=1, cutoff=0.5)
+    return matches[0] if matches else None
+
+
+class AccelportError(Exception):
+    """Base class of every error accelport raises on purpose."""
+
+
+class UnknownBackendError(AccelportError, ValueError):
+    """A backend name that no registered plugin provides."""
+
+    def __init__(self, name: str, known: Iterable[str], source: str = "") -> None:
+        self.name = name
+        self.known = sorted(known)
+        self.suggestion = nearest(name, self.known)
+        where = f" (from {source})" if source else ""
+        hint = f" Did you mean {self.suggestion!r}?" if self.suggestion else ""
+        super().__init__(
+            f"unknown backend {name!r}{where}.{hint} "
+            f"Known backends: {', '.join(self.known)}."
+        )
+
+
+class BackendUnavailableError(AccelportError, RuntimeError):
+    """A known backend that cannot run here; ``reason`` is its probe's explanation."""
+
+    def __init__(self, name: str, reason: str, source: str = "") -> None:
+        self.name = name
+        self.reason = reason
+        where = f" (from {source})" if source else ""
+        super().__init__(
+            f"backend {name!r}{where} is not available: {reason}. "
+            "Run `accelport backends` to see what is available here."
+        )
+
+
+class PluginWarning(UserWarning):
+    """A plugin failed to load or raised in a hook and was disabled."""
+
+
+class AccelportDeprecationWarning(DeprecationWarning):
+    """The selected path or a setting in effect is deprecated by its vendor."""
+
+
+class DiagnosticWarning(UserWarning):
+    """A diagnosis of a slow or wrong training run (see ``ap.diagnostics()``)."""

@@ -1,0 +1,95 @@
+"""Every hook accelport calls: the one place to read the extension API.
+
+A plugin is a module or object with functions decorated ``@accelport.hookimpl``
+and named like the specifications below. Built-in backends are plugins of
+exactly this kind (see ``backends/``); third-party packages expose theirs
+through the ``accelport`` entry-point group::
+
+    [project.entry-points.accelport]
+    mybackend = "mypackage.accelport_plugin"
+
+Hooks are for discovery, selection and observation. The per-step hot path is
+plain method calls on the selected :class:`accelport.contract.Backend`.
+
+A plugin that raises in a hook is disabled with one :class:`PluginWarning`
+naming it; the remaining plugins keep working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from .contract import Backend, StepRecord
+
+PROJECT = "accelport"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def accelport_register_backends(register: Callable[[type[Backend]], None]) -> None:
+    """Register the backends this plugin ships.
+
+    Call ``register(BackendClass)`` once per backend class (a subclass of
+    :class:`accelport.contract.Backend` with a unique ``name``). Every plugin's
+    implementation is called (collect-all); the return value is ignored. A name
+    that is already registered is skipped with a warning: to replace a built-in
+    backend, disable its plugin with ``ACCELPORT_DISABLED_PLUGINS``.
+    """
+
+
+@hookspec(firstresult=True)
+def accelport_select_backend(
+    candidates: Sequence[Backend],
+    platform: str,
+    recommendation: Any,
+) -> Backend | None:
+    """Choose the backend to use when neither ``ap.use()`` nor ``ACCELPORT_BACKEND`` did.
+
+    ``candidates`` are the registered backends whose probe says available, in
+    registration order; ``platform`` is the detected platform name (``cpu``,
+    ``nvidia-gpu``, ``gcp-tpu``, ``aws-neuron``); ``recommendation`` is the
+    compatibility matrix's verdict for this platform and torch version.
+
+    Return the chosen backend (one of ``candidates``) or None to defer.
+    Stops at the first non-None result. The built-in default is ``trylast``, so
+    a site policy plugin is asked before it.
+    """
+
+
+@hookspec
+def accelport_compat_rows() -> Sequence[Mapping[str, Any]] | None:
+    """Return extra compatibility-matrix rows (same schema as ``compat_matrix/*.toml``).
+
+    A third-party backend uses this to bring its own support data, so
+    selection and ``accelport matrix`` know about it. Collect-all; each result
+    is validated like the shipped data and an invalid row names its plugin.
+    """
+
+
+@hookspec
+def accelport_doctor_checks(context: Any) -> Sequence[Any] | None:
+    """Return findings for ``accelport doctor``.
+
+    ``context`` gives read-only facts already gathered (platform, installed
+    package versions, environment, probes). Return a list of findings (see
+    :mod:`accelport.doctor`). Collect-all. Must never import a vendor runtime
+    or touch a device: a training job may hold it.
+    """
+
+
+@hookspec
+def accelport_step_end(record: StepRecord) -> None:
+    """Observe one finished training step.
+
+    Called after every ``ap.optimizer_step()`` with a
+    :class:`accelport.contract.StepRecord`: the step number, its wall time,
+    the time spent waiting for data, the batch signature and the change in the
+    backend's counters. Collect-all; keep it cheap, it is on the hot path. The
+    built-in diagnostics are an implementation of this hook.
+    """

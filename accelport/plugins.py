@@ -1,0 +1,264 @@
+"""Build the plugin manager: built-ins and entry points through one code path.
+
+Like tox 4's manager: block what the user disabled, load, register, then
+``check_pending()``. Unlike a bare pluggy manager, a plugin that fails to
+import, to register, or raises inside a hook is disabled with one
+:class:`~accelport.errors.PluginWarning` naming it, and the others keep working.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+
+from . import hookspecs
+from .contract import Backend
+from .errors import PluginWarning
+from .platform import PLATFORMS
+
+__all__ = ["BUILTIN_PLUGINS", "ENTRY_POINT_GROUP", "PluginHost", "FailedPlugin", "create_manager"]
+
+ENTRY_POINT_GROUP = "accelport"
+
+#: Built-in plugins: (name, module). Loaded exactly like entry points; disable any
+#: of them by name with ACCELPORT_DISABLED_PLUGINS.
+BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
+    ("cpu", "accelport._backends.cpu"),
+    ("cuda", "accelport._backends.cuda"),
+    ("default-selection", "accelport.selection"),
+)
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    name: str
+    module: str
+    distribution: str | None
+    version: str | None
+    builtin: bool
+    hooks: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class FailedPlugin:
+    name: str
+    stage: str  # "import", "register", "hook <name>", "backend"
+    error: str
+
+
+def _disabled_names(env: Mapping[str, str]) -> set[str]:
+    raw = env.get("ACCELPORT_DISABLED_PLUGINS", "")
+    return {part.strip() for part in raw.split(",") if part.strip()}
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+class PluginHost:
+    """A pluggy manager plus accelport's bookkeeping: what loaded, what failed, which backends."""
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.plugins: dict[str, PluginInfo] = {}
+        self.failed: list[FailedPlugin] = []
+        self.disabled: list[str] = []
+        self.backends: dict[str, Backend] = {}
+        self.backend_plugin: dict[str, str] = {}
+        self._step_end: list[tuple[str, Callable[..., Any]]] | None = None
+
+    # -- loading -------------------------------------------------------------------------
+    def load(self, name: str, loader: Callable[[], Any], *, module: str, dist: Any = None,
+             builtin: bool) -> None:
+        try:
+            obj = loader()
+        except Exception as exc:
+            self._fail(name, "import", exc)
+            return
+        try:
+            self.pm.register(obj, name=name)
+        except Exception as exc:
+            self._fail(name, "register", exc)
+            return
+        hooks = tuple(sorted(c.name for c in self.pm.get_hookcallers(obj) or ()))
+        self.plugins[name] = PluginInfo(
+            name=name,
+            module=module,
+            distribution=getattr(dist, "name", None) if dist is not None else None,
+            version=getattr(dist, "version", None) if dist is not None else None,
+            builtin=builtin,
+            hooks=hooks,
+        )
+
+    def check_pending(self) -> None:
+        """Disable every plugin that implements a hook accelport does not define."""
+        for _ in range(len(self.plugins) + 1):
+            try:
+                self.pm.check_pending()
+                return
+            except pluggy.PluginValidationError as exc:
+                name = self.pm.get_name(exc.plugin) if exc.plugin is not None else None
+                if name is None:
+                    raise
+                self._fail(name, "register", exc)
+
+    def _fail(self, name: str, stage: str, exc: BaseException) -> None:
+        plugin = self.pm.get_plugin(name)
+        if plugin is not None:
+            self.pm.unregister(plugin)
+        self.plugins.pop(name, None)
+        for backend, owner in list(self.backend_plugin.items()):
+            if owner == name:
+                del self.backend_plugin[backend]
+                self.backends.pop(backend, None)
+        self._step_end = None
+        message = f"{type(exc).__name__}: {exc}"
+        self.failed.append(FailedPlugin(name, stage, message))
+        warnings.warn(
+            f"accelport plugin {name!r} was disabled: {stage} failed with {message}. "
+            f"The other plugins keep working; set ACCELPORT_DISABLED_PLUGINS={name} to silence this.",
+            PluginWarning,
+            stacklevel=3,
+        )
+
+    # -- calling hooks -------------------------------------------------------------------
+    def _impls(self, hook: str) -> list[Any]:
+        caller = getattr(self.pm.hook, hook)
+        return [i for i in caller.get_hookimpls() if not (i.hookwrapper or i.wrapper)]
+
+    def call(self, hook: str, **kwargs: Any) -> list[Any]:
+        """Call every implementation (registration order), isolating failures; non-None results."""
+        results = []
+        for impl in self._impls(hook):
+            try:
+                result = impl.function(*(kwargs[a] for a in impl.argnames))
+            except Exception as exc:
+                self._fail(impl.plugin_name, f"hook {hook}", exc)
+                continue
+            if result is not None:
+                results.append(result)
+        return results
+
+    def call_first(self, hook: str, **kwargs: Any) -> Any:
+        """Call implementations in pluggy's order (tryfirst .. trylast); first non-None wins."""
+        for impl in reversed(self._impls(hook)):
+            try:
+                result = impl.function(*(kwargs[a] for a in impl.argnames))
+            except Exception as exc:
+                self._fail(impl.plugin_name, f"hook {hook}", exc)
+                continue
+            if result is not None:
+                return result
+        return None
+
+    def step_end(self, record: Any) -> None:
+        """The hot-path hook: a cached list of implementations, each isolated."""
+        if self._step_end is None:
+            self._step_end = [(i.plugin_name, i.function) for i in self._impls("accelport_step_end")]
+        for name, function in self._step_end:
+            try:
+                function(record)
+            except Exception as exc:
+                self._fail(name, "hook accelport_step_end", exc)
+
+    @property
+    def has_step_observers(self) -> bool:
+        if self._step_end is None:
+            self._step_end = [(i.plugin_name, i.function) for i in self._impls("accelport_step_end")]
+        return bool(self._step_end)
+
+    # -- backends ------------------------------------------------------------------------
+    def collect_backends(self) -> None:
+        for impl in self._impls("accelport_register_backends"):
+            plugin = impl.plugin_name
+
+            def register(cls: type[Backend], _plugin: str = plugin) -> None:
+                self._register_backend(_plugin, cls)
+
+            try:
+                impl.function(*([register] if impl.argnames else []))
+            except Exception as exc:
+                self._fail(plugin, "hook accelport_register_backends", exc)
+
+    def _register_backend(self, plugin: str, cls: type[Backend]) -> None:
+        problem = None
+        if not (isinstance(cls, type) and issubclass(cls, Backend)):
+            problem = f"{cls!r} is not a subclass of accelport.contract.Backend"
+        elif not isinstance(getattr(cls, "name", None), str) or not cls.name:
+            problem = f"{cls.__name__} has no string 'name'"
+        elif getattr(cls, "platform", None) not in PLATFORMS:
+            problem = (f"{cls.__name__}.platform is {getattr(cls, 'platform', None)!r}; "
+                       f"expected one of {', '.join(PLATFORMS)}")
+        elif cls.name in self.backends:
+            problem = (f"backend name {cls.name!r} is already registered by plugin "
+                       f"{self.backend_plugin[cls.name]!r}; disable that plugin to replace it")
+        if problem:
+            warnings.warn(f"accelport plugin {plugin!r}: backend skipped: {problem}", PluginWarning,
+                          stacklevel=4)
+            self.failed.append(FailedPlugin(plugin, "backend", problem))
+            return
+        try:
+            self.backends[cls.name] = cls()
+        except Exception as exc:
+            self._fail(plugin, "backend", exc)
+            return
+        self.backend_plugin[cls.name] = plugin
+
+
+def _entry_points() -> list[tuple[Any, Any]]:
+    """(distribution, entry point) for the accelport group, each distribution once (pluggy's way)."""
+    seen: set[str] = set()
+    found = []
+    for dist in md.distributions():
+        dist_name = (dist.metadata or {}).get("name") if hasattr(dist, "metadata") else None
+        key = (dist_name or "").lower()
+        if key and key in seen:
+            continue
+        seen.add(key)
+        for ep in dist.entry_points:
+            if ep.group == ENTRY_POINT_GROUP:
+                found.append((dist, ep))
+    return found
+
+
+def create_manager(environ: Mapping[str, str] | None = None) -> PluginHost:
+    """Build a fresh plugin host: built-ins, then third-party entry points, then backends.
+
+    ``ACCELPORT_DISABLED_PLUGINS=a,b`` skips plugins by name (built-in or third
+    party); ``ACCELPORT_DISABLE_PLUGIN_AUTOLOAD=1`` loads no entry points.
+    """
+    env = os.environ if environ is None else environ
+    host = PluginHost()
+    disabled = _disabled_names(env)
+    for name, module in BUILTIN_PLUGINS:
+        if name in disabled:
+            host.disabled.append(name)
+            continue
+        host.load(name, lambda m=module: importlib.import_module(m), module=module, builtin=True)
+    if not _truthy(env.get("ACCELPORT_DISABLE_PLUGIN_AUTOLOAD")):
+        try:
+            entry_points = _entry_points()
+        except Exception as exc:  # broken metadata on disk
+            warnings.warn(f"accelport could not read entry points: {exc}", PluginWarning, stacklevel=2)
+            entry_points = []
+        for dist, ep in entry_points:
+            if ep.name in disabled:
+                host.disabled.append(ep.name)
+                continue
+            if ep.name in host.plugins:
+                warnings.warn(
+                    f"accelport plugin {ep.name!r} from {getattr(dist, 'name', '?')} skipped: "
+                    "a plugin of that name is already loaded", PluginWarning, stacklevel=2)
+                continue
+            host.load(ep.name, ep.load, module=ep.value, dist=dist, builtin=False)
+    host.check_pending()
+    host.collect_backends()
+    return host

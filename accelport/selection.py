@@ -1,0 +1,89 @@
+"""Which backend runs, and why, in one readable sentence.
+
+Order: ``ap.use(name)`` > ``ACCELPORT_BACKEND`` > the ``accelport_select_backend``
+hook (this module's default, ``trylast``: the recommended available backend)
+> ``cpu``. This module is itself a built-in plugin, so a site policy plugin
+can be asked first, or this default can be disabled by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .contract import Backend
+from .errors import AccelportError, BackendUnavailableError, UnknownBackendError
+from .hookspecs import hookimpl
+
+__all__ = ["resolve", "accelport_select_backend"]
+
+
+@hookimpl(trylast=True)
+def accelport_select_backend(
+    candidates: Sequence[Backend], platform: str, recommendation: Any
+) -> tuple[Backend, str] | None:
+    """Default policy: the best-ranked available backend for the platform."""
+    by_name = {b.name: b for b in candidates}
+    ranked = tuple(getattr(recommendation, "ranked", ()))
+    torch_v = getattr(recommendation, "torch_version", None)
+    on = f"{platform} with torch {torch_v}" if torch_v else platform
+    for position, name in enumerate(ranked):
+        if name not in by_name:
+            continue
+        backend = by_name[name]
+        if position == 0:
+            return backend, f"{name} is the recommended backend for {on}; {backend.probe().reason}"
+        skipped = ", ".join(ranked[:position])
+        return backend, (f"{name} is the best available backend for {on} "
+                         f"({skipped} ranked higher but not available; see `accelport backends`)")
+    for backend in candidates:
+        if backend.platform == platform and backend.name != "cpu":
+            return backend, f"{backend.name} is the only available backend for {platform}"
+    return None
+
+
+def _named(known: Mapping[str, Backend], name: str, source: str) -> tuple[Backend, str]:
+    key = name.strip().lower()
+    if key not in known:
+        raise UnknownBackendError(name, known, source)
+    backend = known[key]
+    probe = backend.probe()
+    if not probe.available:
+        raise BackendUnavailableError(key, probe.reason, source)
+    return backend, f"{key} was chosen by {source}; {probe.reason}"
+
+
+def resolve(host: Any, explicit: str | None, environ: Mapping[str, str]) -> tuple[Backend, str]:
+    """Pick the backend; return it with the reason. Raises a specific error on bad input."""
+    known: Mapping[str, Backend] = host.backends
+    if explicit is not None:
+        if not isinstance(explicit, str) or not explicit.strip():
+            raise UnknownBackendError(str(explicit), known, "ap.use()")
+        return _named(known, explicit, f"ap.use({explicit.strip()!r})")
+    forced = environ.get("ACCELPORT_BACKEND", "").strip()
+    if forced:
+        return _named(known, forced, f"ACCELPORT_BACKEND={forced}")
+
+    from .compat import recommend
+    from .platform import detect
+
+    plat = detect()
+    candidates = [b for b in known.values() if b.probe().available]
+    chosen = host.call_first(
+        "accelport_select_backend", candidates=candidates, platform=plat.name,
+        recommendation=recommend(plat.name),
+    )
+    if chosen is not None:
+        backend, reason = chosen if isinstance(chosen, tuple) else (chosen, "")
+        if backend in candidates:
+            return backend, reason or f"{backend.name} was chosen by a selection plugin"
+    cpu = known.get("cpu")
+    if cpu is not None and cpu.probe().available:
+        return cpu, f"cpu: no accelerator backend is available on this machine ({plat.describe()})"
+    if not known:
+        raise AccelportError(
+            "no backend is registered: every backend plugin is disabled or failed to load "
+            "(check ACCELPORT_DISABLED_PLUGINS and `accelport backends`)"
+        )
+    reason = cpu.probe().reason if cpu is not None else "the cpu plugin is disabled"
+    raise BackendUnavailableError("cpu", reason, "the fallback")

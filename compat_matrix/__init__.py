@@ -1,0 +1,1 @@
+"""Data files of the compatibility matrix (TOML); see accelport.compat."""

@@ -1,0 +1,61 @@
+"""Test environments. nox, not tox: each environment needs its own pinned torch
+(torch_xla X.Y needs torch X.Y exactly; torch-tpu needs torch 2.11 to 2.15), and
+nox sessions are plain Python, so the pins, markers and environment variables
+live in one readable file.
+
+    nox                 # every suite: default (torch CPU), xla (XLA:CPU), tpu (torch-tpu import checks)
+    nox -s demo         # the main job: environment check + portable example
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+# Virtual environments outlive a fresh clone (torch_xla's is about 7 GB): reuse them.
+nox.options.envdir = os.environ.get(
+    "ACCELPORT_NOX_ENVDIR", os.path.join(os.path.expanduser("~"), ".cache", "accelport", "nox")
+)
+nox.options.reuse_venv = "yes"
+nox.options.sessions = ["tests"]
+nox.options.error_on_missing_interpreters = True
+
+TORCH = os.environ.get("ACCELPORT_TEST_TORCH", "2.13.0")  # the CPU build this machine serves
+XLA_TORCH = "2.9.0"  # torch_xla's last release; it needs this exact torch
+TPU_TORCH = "2.13.0"
+
+
+def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
+    # pytest exits 5 when it collects nothing; nox treats any non-zero exit as failure,
+    # so an environment that silently lost its tests fails loudly.
+    session.run("pytest", *args, *session.posargs, env=env or {})
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The whole suite on the default environment: latest torch CPU build."""
+    session.install(f"torch=={TORCH}", "numpy", "-e", ".[test]")
+    _pytest(session, "-m", "not xla and not tpu_pkg")
+
+
+@nox.session
+def xla(session: nox.Session) -> None:
+    """The xla backend for real on XLA:CPU (torch 2.9.0 + torch_xla 2.9.0)."""
+    session.install(f"torch=={XLA_TORCH}", f"torch_xla=={XLA_TORCH}", "numpy", "-e", ".[test]")
+    _pytest(session, "-m", "xla", env={"PJRT_DEVICE": "CPU"})
+
+
+@nox.session
+def tpu(session: nox.Session) -> None:
+    """Our assumptions about TorchTPU, checked against the real torch-tpu package (no TPU needed)."""
+    session.install(f"torch=={TPU_TORCH}", "torch-tpu", "numpy", "-e", ".[test]")
+    _pytest(session, "-m", "tpu_pkg")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: check the environment, then train the portable example on the best backend."""
+    session.install(f"torch=={TORCH}", "numpy", "-e", ".")
+    session.run("accelport", "backends")
+    session.run("python", "examples/quickstart.py")

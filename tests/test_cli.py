@@ -1,0 +1,84 @@
+"""The accelport command: output formats, exit codes, and no tracebacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from accelport.cli import main
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    import os
+
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELPORT_")}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "accelport", *args], capture_output=True, text=True,
+                          env=full_env, timeout=120)
+
+
+def test_backends_json_lists_cpu_available_and_selected() -> None:
+    out = run_cli("backends", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    by_name = {b["name"]: b for b in data["backends"]}
+    assert by_name["cpu"]["available"] and by_name["cpu"]["selected"]
+    assert not by_name["cuda"]["selected"]
+    assert data["selected"]["name"] == "cpu" and data["selected"]["reason"]
+    assert data["failed_plugins"] == []
+
+
+def test_backends_human_output_marks_selected() -> None:
+    out = run_cli("backends")
+    assert out.returncode == 0
+    assert any(line.startswith("* cpu") for line in out.stdout.splitlines())
+    assert "selected: cpu" in out.stdout
+
+
+def test_unknown_backend_in_environment_is_reported_not_raised() -> None:
+    out = run_cli("backends", "--json", env={"ACCELPORT_BACKEND": "cdua"})
+    data = json.loads(out.stdout)
+    assert out.returncode == 1
+    assert data["selected"]["name"] is None
+    assert "Did you mean 'cuda'" in data["selected"]["reason"]
+    assert "Traceback" not in out.stderr
+
+
+def test_usage_error_is_json_with_json_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["backends", "--json", "--frobnicate"]) == 2
+    data = json.loads(capsys.readouterr().out)
+    assert data["kind"] == "usage" and "--frobnicate" in data["error"]
+
+
+def test_unknown_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bakends"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'bakends'" in err and "Traceback" not in err
+
+
+def test_no_command_prints_help_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "backends" in capsys.readouterr().out
+
+
+def test_unexpected_exception_becomes_one_line_and_valid_json(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    import accelport.cli_backends as cb
+
+    monkeypatch.setattr(cb, "run", lambda args: 1 / 0)
+    assert main(["backends", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["kind"] == "internal" and "ZeroDivisionError" in data["error"]
+    assert main(["backends"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("accelport: error: unexpected ZeroDivisionError") and "Traceback" not in err
+
+
+def test_console_script_is_installed() -> None:
+    import shutil
+
+    exe = shutil.which("accelport") or str(__import__("pathlib").Path(sys.executable).with_name("accelport"))
+    out = subprocess.run([exe, "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("accelport ")

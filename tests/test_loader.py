@@ -1,0 +1,87 @@
+"""ap.loader: prefetching, wait accounting, signatures, failure and early exit."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import accelport as ap
+from accelport._loader import prefetch_iter, signature
+
+
+def test_signature_reads_shapes_and_dtypes_of_nested_batches() -> None:
+    import torch
+
+    batch = {"ids": torch.zeros(4, 7, dtype=torch.long), "extra": [torch.ones(4), 3, "text"]}
+    assert signature(batch) == (((4, 7), "int64"), ((4,), "float32"))
+    assert signature([1, 2]) == ()
+
+
+def test_prefetch_preserves_order_and_items() -> None:
+    assert list(prefetch_iter(range(50), depth=3)) == list(range(50))
+    assert list(prefetch_iter(range(5), depth=0, transform=lambda v: v * 10)) == [0, 10, 20, 30, 40]
+
+
+def test_producer_error_reaches_the_training_loop() -> None:
+    def bad():  # type: ignore[no-untyped-def]
+        yield 1
+        raise KeyError("corrupt sample 17")
+
+    it = prefetch_iter(bad(), depth=2)
+    assert next(it) == 1
+    with pytest.raises(KeyError, match="corrupt sample 17"):
+        next(it)
+
+
+def test_breaking_out_stops_the_producer_thread() -> None:
+    produced = []
+
+    def endless():  # type: ignore[no-untyped-def]
+        i = 0
+        while True:
+            produced.append(i)
+            yield i
+            i += 1
+
+    it = prefetch_iter(endless(), depth=2)
+    assert [next(it) for _ in range(3)] == [0, 1, 2]
+    it.close()
+    deadline = time.time() + 5
+    while any(t.name == "accelport-prefetch" for t in threading.enumerate()) and time.time() < deadline:
+        time.sleep(0.02)
+    assert not any(t.name == "accelport-prefetch" for t in threading.enumerate())
+    assert len(produced) <= 3 + 2 + 1  # consumed + queue depth + the one being put
+
+
+def test_bad_prefetch_and_non_iterables_are_rejected_with_advice() -> None:
+    with pytest.raises(ValueError, match="non-negative int"):
+        ap.loader([1], prefetch=-1)
+    with pytest.raises(TypeError, match="iterable of batches"):
+        ap.loader(42)  # type: ignore[arg-type]
+
+
+def test_data_wait_is_measured_and_signatures_counted() -> None:
+    import torch
+
+    def slow():  # type: ignore[no-untyped-def]
+        for n in (3, 3, 5):
+            time.sleep(0.05)
+            yield torch.zeros(n)
+
+    ap.use("cpu")
+    out = []
+    for batch in ap.loader(slow(), prefetch=0):
+        out.append(batch.shape[0])
+    m = ap.metrics()
+    assert out == [3, 3, 5]
+    assert m.data_wait_seconds >= 0.15 * 0.9  # the sleeps happened while the loop waited
+    assert m.batch_signatures == 2
+
+
+def test_len_passes_through_and_each_iteration_is_a_new_epoch() -> None:
+    ap.use("cpu")
+    dl = ap.loader([1, 2, 3])
+    assert len(dl) == 3
+    assert list(dl) == [1, 2, 3] and list(dl) == [1, 2, 3]

@@ -1,0 +1,110 @@
+"""Selection order, reasons, and the errors for bad backend names."""
+
+from __future__ import annotations
+
+import pytest
+
+import accelport as ap
+
+
+def test_default_on_this_machine_is_cpu_with_a_reason() -> None:
+    b = ap.backend()
+    assert b.name == "cpu"
+    assert "cpu" in b.reason and "torch" in b.reason
+
+
+def test_unknown_backend_lists_known_names_and_suggests_nearest() -> None:
+    with pytest.raises(ap.UnknownBackendError) as info:
+        ap.use("cdua")
+    err = info.value
+    assert err.suggestion == "cuda"
+    assert "cpu" in err.known and "cuda" in err.known
+    assert "Did you mean 'cuda'?" in str(err)
+    assert "Known backends: " in str(err)
+
+
+def test_unknown_backend_from_environment_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACCELPORT_BACKEND", "cpuu")
+    with pytest.raises(ap.UnknownBackendError, match=r"ACCELPORT_BACKEND=cpuu.*Did you mean 'cpu'"):
+        ap.device()
+
+
+def test_unknown_name_with_nothing_close_has_no_suggestion() -> None:
+    with pytest.raises(ap.UnknownBackendError) as info:
+        ap.use("quantum-annealer")
+    assert info.value.suggestion is None
+    assert "Did you mean" not in str(info.value)
+
+
+def test_known_but_unavailable_carries_the_probe_reason() -> None:
+    with pytest.raises(ap.BackendUnavailableError) as info:
+        ap.use("cuda")
+    assert info.value.name == "cuda"
+    assert "CPU-only build" in info.value.reason or "no NVIDIA GPU" in info.value.reason
+    assert info.value.reason in str(info.value)
+
+
+def test_the_two_errors_are_distinct_types() -> None:
+    assert not issubclass(ap.UnknownBackendError, ap.BackendUnavailableError)
+    assert not issubclass(ap.BackendUnavailableError, ap.UnknownBackendError)
+    assert issubclass(ap.UnknownBackendError, ap.AccelportError)
+
+
+def test_explicit_use_wins_over_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACCELPORT_BACKEND", "cuda")  # unavailable here: would raise if consulted
+    b = ap.use("cpu")
+    assert b.name == "cpu"
+    assert "ap.use('cpu')" in b.reason
+
+
+def test_environment_is_case_and_space_tolerant(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACCELPORT_BACKEND", " CPU ")
+    assert ap.backend().name == "cpu"
+    assert "ACCELPORT_BACKEND" in ap.backend().reason
+
+
+def test_empty_name_is_an_unknown_backend() -> None:
+    with pytest.raises(ap.UnknownBackendError):
+        ap.use("  ")
+
+
+def test_site_policy_plugin_is_asked_before_the_default(install_plugin) -> None:  # type: ignore[no-untyped-def]
+    install_plugin(
+        "policy",
+        "site_policy",
+        "import accelport as ap\n"
+        "seen = {}\n"
+        "@ap.hookimpl\n"
+        "def accelport_select_backend(candidates, platform, recommendation):\n"
+        "    seen['args'] = ([c.name for c in candidates], platform, recommendation.recommended)\n"
+        "    return candidates[0], 'site policy: always the first candidate'\n",
+    )
+    import sys
+
+    b = ap.backend()
+    assert b.reason == "site policy: always the first candidate"
+    names, platform, recommended = sys.modules["site_policy"].seen["args"]
+    assert names == ["cpu"] and platform == "cpu" and recommended == "cpu"
+
+
+def test_policy_returning_none_defers_to_default(install_plugin) -> None:  # type: ignore[no-untyped-def]
+    install_plugin(
+        "policy", "deferring_policy",
+        "import accelport as ap\n"
+        "@ap.hookimpl\n"
+        "def accelport_select_backend(candidates, platform, recommendation):\n"
+        "    return None\n",
+    )
+    assert ap.backend().reason.startswith("cpu is the recommended backend")
+
+
+def test_disabling_the_default_policy_falls_back_to_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACCELPORT_DISABLED_PLUGINS", "default-selection")
+    b = ap.backend()
+    assert b.name == "cpu" and "no accelerator backend is available" in b.reason
+
+
+def test_no_backend_at_all_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACCELPORT_DISABLED_PLUGINS", "cpu,cuda")
+    with pytest.raises(ap.AccelportError, match="no backend is registered"):
+        ap.backend()

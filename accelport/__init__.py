@@ -32,6 +32,7 @@ from .errors import (
     UnknownBackendError,
 )
 from .hookspecs import hookimpl
+from . import data  # noqa: E402 - torch-free; ap.data.BucketCollate etc.
 
 if TYPE_CHECKING:
     import torch
@@ -57,6 +58,8 @@ __all__ = [
     "backend",
     "backends",
     "barrier",
+    "data",
+    "diagnostics",
     "device",
     "hookimpl",
     "is_main_process",
@@ -163,6 +166,17 @@ def after_step(fn: Callable[..., Any], *tensors: Any) -> None:
     if not callable(fn):
         raise TypeError(f"after_step needs a callable first, not {type(fn).__name__}")
     _RT.backend().after_step(fn, tensors)
+
+
+def diagnostics() -> list[Any]:
+    """What the built-in diagnostics found so far in this run (``Diagnosis`` items).
+
+    Each has ``kind`` (recompilation, host-sync, input-bound, graph-growth,
+    cpu-fallback, deprecated-config), ``message`` (cause and fix), ``step`` and
+    ``evidence``. Empty when diagnostics are disabled (``ACCELPORT_DIAGNOSTICS=0``).
+    """
+    plugin = _RT.host().pm.get_plugin("diagnostics")
+    return list(getattr(plugin, "findings", []))
 
 
 def rank() -> int:

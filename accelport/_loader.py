@@ -104,6 +104,15 @@ def prefetch_iter(
         stop.set()
 
 
+def describe_loader(iterable: Any) -> dict[str, Any]:
+    """What diagnostics need to know about a loader, read from its attributes."""
+    info: dict[str, Any] = {"type": type(iterable).__name__}
+    for key in ("num_workers", "batch_size", "drop_last"):
+        if hasattr(iterable, key):
+            info[key] = getattr(iterable, key)
+    return info
+
+
 class DeviceLoader:
     """What ``ap.loader()`` returns: iterate it like the wrapped loader.
 
@@ -130,6 +139,7 @@ class DeviceLoader:
         runtime = self._runtime
         backend = runtime.backend()
         tracker = runtime.tracker
+        tracker.loader_info = describe_loader(self.iterable)
         it = iter(backend.wrap_loader(self.iterable, prefetch=self.prefetch))
         clock = time.perf_counter
         while True:

@@ -24,6 +24,7 @@ class StepTracker:
         self._last_signature: tuple[Any, ...] | None = None
         self._last_end: float | None = None
         self._last_counters: dict[str, float] = {}
+        self.loader_info: dict[str, Any] = {}
 
     def batch_arrived(self, wait: float, sig: tuple[Any, ...]) -> None:
         self.data_wait += wait
@@ -53,6 +54,7 @@ class StepTracker:
                 signature=self._last_signature,
                 delta=delta,
                 time=time.time(),
+                loader=self.loader_info,
             )
         )
 

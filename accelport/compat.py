@@ -42,3 +42,26 @@ def recommend(platform: str, torch_version: str | None = None) -> Verdict:
         torch_version = _packages.version("torch")
     ranked = _PREFERENCE.get(platform, ())
     return Verdict(platform, torch_version, ranked, {name: "recommended" for name in ranked[:1]})
+
+
+#: Environment variables whose vendor has deprecated them, with what to do instead.
+DEPRECATED_SETTINGS: Mapping[str, str] = {
+    "XLA_USE_BF16": (
+        "XLA_USE_BF16 is deprecated since torch_xla 2.6 and torch-neuronx 2.5 (and can stall bf16 "
+        "accumulation or produce NaN): convert the model with model.to(torch.bfloat16) or use "
+        "torch.autocast for the forward pass, and unset XLA_USE_BF16."
+    ),
+    "XLA_DOWNCAST_BF16": (
+        "XLA_DOWNCAST_BF16 is deprecated since torch_xla 2.6 and torch-neuronx 2.5: convert the model "
+        "with model.to(torch.bfloat16) or use torch.autocast, and unset XLA_DOWNCAST_BF16."
+    ),
+}
+
+
+def deprecated_settings(environ: Mapping[str, str]) -> list[str]:
+    """Messages for each deprecated setting in effect (set to anything but empty or 0)."""
+    return [
+        message
+        for name, message in DEPRECATED_SETTINGS.items()
+        if environ.get(name, "").strip() not in ("", "0")
+    ]

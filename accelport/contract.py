@@ -101,6 +101,8 @@ class StepRecord:
     signature: tuple[Any, ...] | None
     delta: Mapping[str, float]
     time: float
+    #: What the loader said about itself: num_workers, batch_size, type (empty if unknown).
+    loader: Mapping[str, Any] = field(default_factory=dict)
 
 
 class Backend(abc.ABC):

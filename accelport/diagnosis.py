@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import warnings
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,6 +86,46 @@ GRAPH_GROWTH_ABSOLUTE = 100_000  # torch_xla trims graphs past this size itself
 FALLBACK_CHECK_STEPS = frozenset({1, 2, 5, 10, 20, 50, 100, 200, 500, 1000})
 
 
+class HostSyncTracer:
+    """Opt-in (``ACCELPORT_DIAGNOSTICS=trace``): where the step reads device values on the host.
+
+    Wraps the few ``torch.Tensor`` methods that copy a device tensor to the host
+    and counts the first caller outside torch itself. It costs a Python call per
+    wrapped method call, so it is off by default.
+    """
+
+    METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__format__", "numpy")
+    _installed = False
+    sites: Counter[str] = Counter()
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._installed:
+            return
+        import torch
+
+        torch_dir = os.path.dirname(torch.__file__)
+        here = os.path.abspath(__file__)
+
+        def wrap(original: Any) -> Any:
+            def traced(self: Any, *args: Any, **kwargs: Any) -> Any:
+                if self.device.type != "cpu":
+                    frame = sys._getframe(1)
+                    while frame is not None and (frame.f_code.co_filename.startswith(torch_dir)
+                                                 or frame.f_code.co_filename == here):
+                        frame = frame.f_back
+                    if frame is not None:
+                        cls.sites[f"{frame.f_code.co_filename}:{frame.f_lineno}"] += 1
+                return original(self, *args, **kwargs)
+
+            traced.__wrapped__ = original  # type: ignore[attr-defined]
+            return traced
+
+        for name in cls.METHODS:
+            setattr(torch.Tensor, name, wrap(getattr(torch.Tensor, name)))
+        cls._installed = True
+
+
 @dataclass(frozen=True)
 class Diagnosis:
     """One finding: what was seen (``evidence``), and the cause and fix (``message``)."""
@@ -128,6 +169,8 @@ class Diagnostics:
         self._compile_changes: list[str] = []
         self._graph_sizes: deque[float] = deque(maxlen=50)
         self._env = os.environ if environ is None else environ
+        self._trace = (self._env.get("ACCELPORT_DIAGNOSTICS") or "").strip().lower() == "trace"
+        HostSyncTracer.sites.clear()
 
     # -- reporting ------------------------------------------------------------------------
     def report(self, kind: str, message: str, step: int, **evidence: Any) -> None:
@@ -153,6 +196,8 @@ class Diagnostics:
             self._compile_changes.append(change or "")
         if record.step == 1:
             self._deprecated_config(record)
+            if self._trace:
+                HostSyncTracer.install()
         self._recompilation(record)
         self._host_sync(record)
         self._input_bound(record)
@@ -199,15 +244,19 @@ class Diagnostics:
         if len(syncing) < HOST_SYNC_STEPS:
             return
         per_step = sum(r.delta.get("device_to_host", 0) for r in syncing) / len(recent)
+        sites = [site for site, _ in HostSyncTracer.sites.most_common(3)]
+        where = (f" It happens at {', '.join(sites)}." if sites else
+                 " Set ACCELPORT_DIAGNOSTICS=trace to see the file and line.")
         self.report(
             "host-sync",
             f"{per_step:.1f} device-to-host transfers per step in {len(syncing)} of the last {len(recent)} "
             "steps: something reads device values inside the step (.item(), print(tensor), .tolist(), "
             "if tensor:), which stops the device and cuts the graph. Log with "
             "ap.after_step(fn, loss) instead: it runs fn with host values once the step has run, "
-            "without an extra round trip.",
+            f"without an extra round trip.{where}",
             record.step,
             transfers_per_step=round(per_step, 2),
+            sites=sites,
         )
 
     def _input_bound(self, record: StepRecord) -> None:

@@ -213,11 +213,6 @@ class Backend(abc.ABC):
         target = map_location if map_location is not None else self.device()
         return tree_map_tensors(obj, lambda t: t.to(target))
 
-    # -- doctor ----------------------------------------------------------------------
-    def doctor_checks(self, context: Any) -> list[Any]:
-        """Findings specific to this backend (see accelport.doctor)."""
-        return []
-
     def __repr__(self) -> str:
         return f"<accelport backend {self.name!r} ({self.platform})>"
 

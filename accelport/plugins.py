@@ -146,8 +146,8 @@ class PluginHost:
         caller = getattr(self.pm.hook, hook)
         return [i for i in caller.get_hookimpls() if not (i.hookwrapper or i.wrapper)]
 
-    def call(self, hook: str, **kwargs: Any) -> list[Any]:
-        """Call every implementation (registration order), isolating failures; non-None results."""
+    def call_each(self, hook: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        """Call every implementation (registration order), isolating failures: (plugin, result) pairs."""
         results = []
         for impl in self._impls(hook):
             try:
@@ -156,8 +156,12 @@ class PluginHost:
                 self._fail(impl.plugin_name, f"hook {hook}", exc)
                 continue
             if result is not None:
-                results.append(result)
+                results.append((impl.plugin_name, result))
         return results
+
+    def call(self, hook: str, **kwargs: Any) -> list[Any]:
+        """Call every implementation, isolating failures; the non-None results."""
+        return [result for _, result in self.call_each(hook, **kwargs)]
 
     def call_first(self, hook: str, **kwargs: Any) -> Any:
         """Call implementations in pluggy's order (tryfirst .. trylast); first non-None wins."""

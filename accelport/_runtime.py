@@ -27,6 +27,8 @@ class StepTracker:
         self.loader_info: dict[str, Any] = {}
 
     def batch_arrived(self, wait: float, sig: tuple[Any, ...]) -> None:
+        if self._last_end is None:  # the first step starts when the loop first asks for data
+            self._last_end = time.perf_counter() - wait
         self.data_wait += wait
         self._pending_wait += wait
         self._last_signature = sig

@@ -19,7 +19,11 @@ __all__ = ["main", "COMMANDS", "UsageError", "emit_json"]
 
 #: Subcommand modules; each defines ``register(subparsers)`` that adds its parser
 #: and sets ``func(args) -> int`` as the default.
-COMMANDS: tuple[str, ...] = ("accelport.cli_backends", "accelport.cli_doctor")
+COMMANDS: tuple[str, ...] = (
+    "accelport.cli_backends",
+    "accelport.cli_doctor",
+    "accelport.cli_report",
+)
 
 
 class UsageError(Exception):

@@ -270,12 +270,12 @@ class Diagnostics:
         workers = (record.loader or {}).get("num_workers")
         cpus = os.cpu_count() or 1
         if workers is None:
-            advice = ("use a torch DataLoader with num_workers > 0 (at most the number of CPU cores), "
+            advice = ("wrap a torch DataLoader with num_workers > 0 (at most the number of CPU cores), "
                       "and move decoding and augmentation out of the training loop")
             worker_text = "a plain iterable"
         elif workers == 0:
-            advice = (f"set num_workers to 2..{max(2, cpus)} so batches are prepared in parallel "
-                      "while the device computes")
+            n = f"{max(1, cpus - 1)}" if cpus <= 3 else f"between 2 and {cpus - 1}"
+            advice = f"set num_workers to {n} so batches are prepared in parallel while the device computes"
             worker_text = "num_workers=0"
         elif workers >= cpus:
             advice = (f"num_workers={workers} already uses every CPU core ({cpus}): make each sample "

@@ -25,9 +25,11 @@ def record_to_dict(record: StepRecord) -> dict[str, Any]:
         "step": record.step,
         "time": round(record.time, 6),
         "backend": record.backend,
+        "lazy": record.lazy,
         "seconds": round(record.seconds, 6),
         "data_wait_seconds": round(record.data_wait_seconds, 6),
         "signature": [[list(shape), dtype] for shape, dtype in record.signature or ()],
+        "loader": dict(record.loader),
     }
     for key, value in sorted(record.delta.items()):
         out[key] = round(value, 6) if isinstance(value, float) else value

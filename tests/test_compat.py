@@ -166,10 +166,11 @@ def test_every_status_carries_message_sources_and_date() -> None:
 def test_defaults_are_the_detected_platform_and_installed_torch() -> None:
     v = ap.recommend()
     from accelport import _packages
+    from accelport.platform import detect
 
-    assert v.platform == "cpu"  # the development and CI machines have no accelerator
+    assert v.platform == detect().name
     assert v.torch_version == _packages.version("torch")
-    assert v.recommended == "cpu"
+    assert v == recommend(detect().name, _packages.version("torch"), chip=detect().chip)
 
 
 def _stand_in_version(value: str | None):  # type: ignore[no-untyped-def]

@@ -27,6 +27,8 @@ from .errors import (
     AccelportDeprecationWarning,
     AccelportError,
     BackendUnavailableError,
+    CompatibilityWarning,
+    CompatMatrixError,
     DiagnosticWarning,
     PluginWarning,
     UnknownBackendError,
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     import torch
 
     from ._loader import DeviceLoader
+    from .compat import Verdict
 
 __version__ = "0.1.0"
 
@@ -47,6 +50,8 @@ __all__ = [
     "Backend",
     "BackendInfo",
     "BackendUnavailableError",
+    "CompatMatrixError",
+    "CompatibilityWarning",
     "DiagnosticWarning",
     "Metrics",
     "PluginWarning",
@@ -68,6 +73,7 @@ __all__ = [
     "metrics",
     "optimizer_step",
     "rank",
+    "recommend",
     "save",
     "sync",
     "use",
@@ -125,6 +131,19 @@ def backends() -> list[BackendInfo]:
         out.append(BackendInfo(name, b.platform, b.lazy, p.available, p.reason, p.device_count,
                                host.backend_plugin.get(name, "?"), name == selected, b.description))
     return out
+
+
+def recommend(platform: str | None = None, torch_version: str | None = None) -> Verdict:
+    """What the compatibility matrix says for ``platform`` and ``torch_version``.
+
+    Defaults: the detected platform and the installed torch (read from package
+    metadata, never imported). The verdict names the recommended backend (or
+    none, with the nearest working combinations), every backend's status and
+    message, and the sources. See ``accelport matrix``.
+    """
+    from .compat import recommend as _recommend
+
+    return _recommend(platform, torch_version)
 
 
 def device(index: int | None = None) -> torch.device:

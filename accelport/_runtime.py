@@ -86,9 +86,12 @@ class Runtime:
         if self._backend is None:
             with self._lock:
                 if self._backend is None:
+                    from .compat import warn_deprecations
                     from .selection import resolve
 
                     backend, reason = resolve(self.host(), self.explicit, os.environ)
+                    # Vendor deprecations are announced where the backend is first chosen.
+                    warn_deprecations(backend, os.environ)
                     backend.prepare()
                     backend.reason = reason
                     self._baseline = backend.counters()

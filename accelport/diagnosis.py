@@ -79,7 +79,8 @@ RECOMPILE_STEPS_IN_WINDOW = 8  # compiling steps within WINDOW that mean "keeps 
 HOST_SYNC_MIN_STEP = 6
 HOST_SYNC_STEPS = 8  # of the last 10 steps, this many read device values on the host
 INPUT_BOUND_MIN_STEP = 10
-INPUT_BOUND_SHARE = 0.3  # share of step time spent waiting for data
+INPUT_BOUND_SHARE = 0.3  # share of step time spent waiting for data...
+INPUT_BOUND_MIN_WAIT = 0.005  # ...and at least this many seconds per step (below it, nothing to win)
 GRAPH_GROWTH_FACTOR = 4.0  # a graph this many times the usual step's graph...
 GRAPH_GROWTH_MIN_EXTRA = 300  # ...and at least this many nodes more
 GRAPH_GROWTH_ABSOLUTE = 100_000  # torch_xla trims graphs past this size itself
@@ -265,7 +266,7 @@ class Diagnostics:
         recent = [r for r in self._history if r.step > 1]  # the first step includes start-up
         total = sum(r.seconds for r in recent)
         wait = sum(r.data_wait_seconds for r in recent)
-        if total <= 0 or wait / total < INPUT_BOUND_SHARE:
+        if total <= 0 or wait / total < INPUT_BOUND_SHARE or wait / len(recent) < INPUT_BOUND_MIN_WAIT:
             return
         workers = (record.loader or {}).get("num_workers")
         cpus = os.cpu_count() or 1
@@ -348,7 +349,8 @@ class Diagnostics:
 
         found = deprecated_settings(self._env)
         if found:
-            self.report("deprecated-config", " ".join(found), record.step, settings=len(found))
+            self.report("deprecated-config", " ".join(message for _, message in found), record.step,
+                        settings=[name for name, _ in found])
 
 
 def create_plugin() -> Diagnostics:

@@ -214,8 +214,8 @@ def _core_findings(ctx: DoctorContext, recommendation: Any) -> list[Finding]:
             findings.append(Finding(
                 "warning", f"{recommended} is recommended for {ctx.platform.name} but unavailable: {probe.reason}",
                 f"fix what the reason says to run on {recommended}", "core"))
-    for message in deprecated_settings(ctx.environ):
-        findings.append(Finding("warning", message.split(":")[0], message, "core"))
+    for name, message in deprecated_settings(ctx.environ):
+        findings.append(Finding("warning", f"{name} is set: it is deprecated", message, "core"))
     cpus = ctx.cpu_count
     upper = max(1, cpus - 1)
     span = f"1 to {upper}" if upper > 1 else "1"

@@ -151,15 +151,17 @@ def device(index: int | None = None) -> torch.device:
     return _RT.backend().device(index)
 
 
-def loader(iterable: Iterable[Any], *, prefetch: int = 2) -> DeviceLoader:
+def loader(iterable: Iterable[Any], *, prefetch: int = 2, progress: bool = False) -> DeviceLoader:
     """Wrap a DataLoader (or any iterable of batches): batches arrive on the device, prefetched.
 
     The time the loop waits for data and each batch's shapes are recorded for
-    ``ap.metrics()`` and the diagnostics.
+    ``ap.metrics()`` and the diagnostics. ``progress=True`` shows a progress bar
+    (needs tqdm) with steps per second, compilations so far and the data-wait
+    share; it stays quiet when the output is not a terminal.
     """
     from ._loader import DeviceLoader
 
-    return DeviceLoader(iterable, _RT, prefetch=prefetch)
+    return DeviceLoader(iterable, _RT, prefetch=prefetch, progress=progress)
 
 
 def optimizer_step(optimizer: Any, **kwargs: Any) -> Any:

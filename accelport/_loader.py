@@ -113,6 +113,31 @@ def describe_loader(iterable: Any) -> dict[str, Any]:
     return info
 
 
+def _tqdm() -> Any:
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        from .errors import AccelportError
+
+        raise AccelportError("ap.loader(progress=True) needs tqdm: pip install tqdm") from None
+    return tqdm
+
+
+def _progress_bar(iterable: Any) -> Any:
+    total = len(iterable) if hasattr(iterable, "__len__") else None
+    # disable=None: quiet when the output is not a terminal (CI logs, files).
+    return _tqdm()(total=total, unit="step", disable=None, dynamic_ncols=True)
+
+
+def _advance(bar: Any, tracker: Any, backend: Any) -> None:
+    bar.update(1)
+    if bar.n % 10 == 1 and not bar.disable:  # postfix formatting costs more than the update itself
+        total = tracker.step_seconds or 1e-9
+        compiles = backend.step_counters().get("compilations")
+        bar.set_postfix(compiles=compiles if compiles is not None else "-",
+                        data_wait=f"{min(tracker.data_wait / total, 1.0):.0%}", refresh=False)
+
+
 class DeviceLoader:
     """What ``ap.loader()`` returns: iterate it like the wrapped loader.
 
@@ -120,7 +145,7 @@ class DeviceLoader:
     ``len()`` is the wrapped loader's length when it has one.
     """
 
-    def __init__(self, iterable: Iterable[Any], runtime: Any, prefetch: int = 2) -> None:
+    def __init__(self, iterable: Iterable[Any], runtime: Any, prefetch: int = 2, progress: bool = False) -> None:
         if not hasattr(iterable, "__iter__"):
             raise TypeError(
                 f"ap.loader() needs an iterable of batches (a DataLoader, a list, a generator), "
@@ -130,7 +155,10 @@ class DeviceLoader:
             raise ValueError(f"prefetch must be a non-negative int (batches to load ahead), not {prefetch!r}")
         self.iterable = iterable
         self.prefetch = prefetch
+        self.progress = progress
         self._runtime = runtime
+        if progress:
+            _tqdm()  # fail now, at the call site, if tqdm is missing
 
     def __len__(self) -> int:
         return len(self.iterable)  # type: ignore[arg-type]
@@ -142,11 +170,18 @@ class DeviceLoader:
         tracker.loader_info = describe_loader(self.iterable)
         it = iter(backend.wrap_loader(self.iterable, prefetch=self.prefetch))
         clock = time.perf_counter
-        while True:
-            t0 = clock()
-            try:
-                batch = next(it)
-            except StopIteration:
-                return
-            tracker.batch_arrived(clock() - t0, signature(batch))
-            yield batch
+        bar = _progress_bar(self.iterable) if self.progress else None
+        try:
+            while True:
+                t0 = clock()
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    return
+                tracker.batch_arrived(clock() - t0, signature(batch))
+                if bar is not None:
+                    _advance(bar, tracker, backend)
+                yield batch
+        finally:
+            if bar is not None:
+                bar.close()

@@ -85,3 +85,47 @@ def test_len_passes_through_and_each_iteration_is_a_new_epoch() -> None:
     dl = ap.loader([1, 2, 3])
     assert len(dl) == 3
     assert list(dl) == [1, 2, 3] and list(dl) == [1, 2, 3]
+
+
+def test_progress_bar_counts_steps_and_shows_compilations_and_data_wait(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import io
+
+    import tqdm.auto
+
+    import accelport._loader as loader_mod
+
+    stream = io.StringIO()
+    real = tqdm.auto.tqdm
+    bars = []
+
+    def make(**kw):  # type: ignore[no-untyped-def]
+        kw["disable"] = False  # a StringIO is no terminal: force the bar on to read it
+        bar = real(file=stream, mininterval=0, **kw)
+        bars.append(bar)
+        return bar
+
+    monkeypatch.setattr(loader_mod, "_tqdm", lambda: make)
+    ap.use("cpu")
+    import torch
+
+    for _ in ap.loader([torch.zeros(2)] * 12, progress=True):
+        ap.optimizer_step(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+    assert bars[0].n == 12 and bars[0].total == 12
+    text = stream.getvalue()
+    assert "compiles=0" in text and "data_wait=" in text
+
+
+def test_progress_bar_is_quiet_without_a_terminal(capsys) -> None:  # type: ignore[no-untyped-def]
+    ap.use("cpu")
+    assert list(ap.loader([1, 2, 3], progress=True)) == [1, 2, 3]
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out == ""
+
+
+def test_progress_without_tqdm_says_how_to_install(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    with pytest.raises(ap.AccelportError, match="pip install tqdm"):
+        ap.loader([1], progress=True)

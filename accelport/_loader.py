@@ -129,12 +129,12 @@ def _progress_bar(iterable: Any) -> Any:
     return _tqdm()(total=total, unit="step", disable=None, dynamic_ncols=True)
 
 
-def _advance(bar: Any, tracker: Any, backend: Any) -> None:
+def _advance(bar: Any, tracker: Any, backend: Any, base: Any) -> None:
     bar.update(1)
     if bar.n % 10 == 1 and not bar.disable:  # postfix formatting costs more than the update itself
         total = tracker.step_seconds or 1e-9
         compiles = backend.step_counters().get("compilations")
-        bar.set_postfix(compiles=compiles if compiles is not None else "-",
+        bar.set_postfix(compiles=compiles - (base or 0) if compiles is not None else "-",
                         data_wait=f"{min(tracker.data_wait / total, 1.0):.0%}", refresh=False)
 
 
@@ -180,7 +180,7 @@ class DeviceLoader:
                     return
                 tracker.batch_arrived(clock() - t0, signature(batch))
                 if bar is not None:
-                    _advance(bar, tracker, backend)
+                    _advance(bar, tracker, backend, runtime._baseline.get("compilations"))
                 yield batch
         finally:
             if bar is not None:

@@ -12,5 +12,6 @@ $(NOX):
 demo: $(NOX)
 	$(NOX) -s demo
 
+# One environment at a time, as CI runs them: make test SESSIONS=xla
 test: $(NOX)
-	$(NOX)
+	$(NOX) $(if $(SESSIONS),--sessions $(SESSIONS))

@@ -292,10 +292,10 @@ def test_the_plugin_can_be_turned_off(pytester: pytest.Pytester) -> None:
 
 def test_runtime_scope_restores_the_selection_and_counters() -> None:
     before = ap.backend()
-    steps = RUNTIME.tracker
+    tracker = RUNTIME.tracker
     with RUNTIME.scoped():
         ap.use("cpu")
-        assert RUNTIME.explicit == "cpu"
+        assert RUNTIME.explicit == "cpu" and RUNTIME.tracker is not tracker
         RUNTIME.reset()
     assert RUNTIME.explicit is None
-    assert ap.backend() is before and RUNTIME.tracker is steps
+    assert ap.backend() is before and RUNTIME.tracker is tracker

@@ -18,5 +18,6 @@ chromium:
 	  && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null; } \
 	  || echo "note: chromium is not installed; the report's browser test will be skipped"
 
+# One environment at a time, as CI runs them: make test SESSIONS=xla
 test: $(NOX) chromium
-	$(NOX)
+	$(NOX) $(if $(SESSIONS),--sessions $(SESSIONS))

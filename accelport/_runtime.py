@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from .contract import COUNTER_FIELDS, LEVEL_FIELDS, Backend, Metrics, StepRecord
@@ -113,6 +115,21 @@ class Runtime:
         """Forget plugins, selection and counters (tests; a fresh start after env changes)."""
         with self._lock:
             self.__init__()  # type: ignore[misc]
+
+    @contextlib.contextmanager
+    def scoped(self) -> Iterator[Runtime]:
+        """Run a block whose backend choice and counters are its own; the state before comes back after.
+
+        The pytest plugin runs each test on its backend inside one, so a test's
+        ``ap.use`` (or ``reset``) never leaks into the next test.
+        """
+        with self._lock:
+            saved = {key: value for key, value in vars(self).items() if key != "_lock"}
+        try:
+            yield self
+        finally:
+            with self._lock:
+                vars(self).update(saved)
 
     def metrics(self) -> Metrics:
         backend = self.backend()

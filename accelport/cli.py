@@ -19,7 +19,7 @@ __all__ = ["main", "COMMANDS", "UsageError", "emit_json"]
 
 #: Subcommand modules; each defines ``register(subparsers)`` that adds its parser
 #: and sets ``func(args) -> int`` as the default.
-COMMANDS: tuple[str, ...] = ("accelport.cli_backends",)
+COMMANDS: tuple[str, ...] = ("accelport.cli_backends", "accelport.cli_launch")
 
 
 class UsageError(Exception):

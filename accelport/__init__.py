@@ -72,6 +72,7 @@ __all__ = [
     "loader",
     "metrics",
     "optimizer_step",
+    "print",
     "rank",
     "recommend",
     "save",
@@ -151,17 +152,22 @@ def device(index: int | None = None) -> torch.device:
     return _RT.backend().device(index)
 
 
-def loader(iterable: Iterable[Any], *, prefetch: int = 2, progress: bool = False) -> DeviceLoader:
+def loader(
+    iterable: Iterable[Any], *, prefetch: int = 2, shard: bool | None = None, progress: bool = False
+) -> DeviceLoader:
     """Wrap a DataLoader (or any iterable of batches): batches arrive on the device, prefetched.
 
     The time the loop waits for data and each batch's shapes are recorded for
-    ``ap.metrics()`` and the diagnostics. ``progress=True`` shows a progress bar
-    (needs tqdm) with steps per second, compilations so far and the data-wait
-    share; it stays quiet when the output is not a terminal.
+    ``ap.metrics()`` and the diagnostics. With several replicas, ``shard=True``
+    gives each one its own share of the batches (every replica the same number);
+    by default a DataLoader without a DistributedSampler draws one warning.
+    ``progress=True`` shows a progress bar (needs tqdm) with steps per second,
+    compilations so far and the data-wait share; it stays quiet when the output
+    is not a terminal.
     """
     from ._loader import DeviceLoader
 
-    return DeviceLoader(iterable, _RT, prefetch=prefetch, progress=progress)
+    return DeviceLoader(iterable, _RT, prefetch=prefetch, shard=shard, progress=progress)
 
 
 def optimizer_step(optimizer: Any, **kwargs: Any) -> Any:
@@ -225,11 +231,32 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return _RT.backend().all_reduce(tensor, op)
 
 
+def print(*values: Any, sep: str = " ", end: str = "\n", file: Any = None, flush: bool = False) -> None:
+    """``print`` on the main process only, with tensors shown as host values.
+
+    Safe on every backend and at every rank: nothing is forced to run early (on a
+    lazy backend the print waits for the step's sync), and the other processes
+    return at once without touching their tensors.
+    """
+    b = _RT.backend()
+    if b.rank() != 0:
+        return
+    import builtins
+
+    b.after_step(lambda *host: builtins.print(*host, sep=sep, end=end, file=file, flush=flush), values)
+
+
 def save(obj: Any, path: str | os.PathLike[str]) -> None:
-    """Checkpoint ``obj``: tensors to host, main process only, atomic rename."""
+    """Checkpoint ``obj``: tensors to host, main process only, atomic (temp file, fsync, rename).
+
+    Call it on every process or on the main one only; it never waits for the others.
+    """
     _RT.backend().save(obj, path)
 
 
-def load(path: str | os.PathLike[str], map_location: Any = None) -> Any:
-    """Read a checkpoint written by :func:`save`, onto this backend's device."""
-    return _RT.backend().load(path, map_location)
+def load(path: str | os.PathLike[str], map_location: Any = None, *, weights_only: bool = True) -> Any:
+    """Read a checkpoint written by :func:`save`, onto this process's device.
+
+    ``weights_only=False`` allows arbitrary pickled objects: only for files you trust.
+    """
+    return _RT.backend().load(path, map_location, weights_only=weights_only)

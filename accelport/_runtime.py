@@ -74,6 +74,8 @@ class Runtime:
         self.explicit: str | None = None
         self.tracker = StepTracker()
         self._baseline: dict[str, Any] = {}
+        #: Keys of the warnings already given in this process (each is given once).
+        self.warned: set[str] = set()
 
     def host(self) -> Any:
         if self._host is None:

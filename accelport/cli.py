@@ -22,6 +22,7 @@ __all__ = ["main", "COMMANDS", "UsageError", "emit_json"]
 COMMANDS: tuple[str, ...] = (
     "accelport.cli_backends",
     "accelport.cli_doctor",
+    "accelport.cli_launch",
     "accelport.cli_matrix",
     "accelport.cli_ci_matrix",
     "accelport.cli_report",

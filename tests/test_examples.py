@@ -44,3 +44,25 @@ def test_char_lm_batch_max_padding_makes_many_shapes() -> None:
     # On an eager backend this costs nothing; on XLA each of these shapes is a compilation.
     assert result["metrics"].batch_signatures > 8
     assert "recompilation" not in result["diagnoses"]  # eager cpu compiles nothing
+
+
+def test_data_parallel_example_on_two_processes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import os
+    import subprocess
+
+    import torch
+
+    ckpt = tmp_path / "dp.pt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELPORT_")}
+    out = subprocess.run(
+        [sys.executable, "-m", "accelport", "launch", "--backend", "cpu", "--nprocs", "2",
+         str(EXAMPLES / "data_parallel.py"), "--steps", "20", "--checkpoint", str(ckpt)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "2 replica(s) on cpu" in out.stdout
+    assert out.stdout.count("replicas agree") == 1  # printed by the main process only
+    final = float(out.stdout.split("final loss ")[1].split()[0])
+    assert final < 0.1
+    state = torch.load(ckpt, weights_only=True)
+    assert state["model"]["weight"].shape == (1, 16)

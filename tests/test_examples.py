@@ -56,7 +56,7 @@ def test_data_parallel_example_on_two_processes(tmp_path) -> None:  # type: igno
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELPORT_")}
     out = subprocess.run(
         [sys.executable, "-m", "accelport", "launch", "--backend", "cpu", "--nprocs", "2",
-         str(EXAMPLES / "data_parallel.py"), "--steps", "20", "--checkpoint", str(ckpt)],
+         str(EXAMPLES / "data_parallel.py"), "--steps", "40", "--checkpoint", str(ckpt)],
         capture_output=True, text=True, env=env, timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]

@@ -196,7 +196,7 @@ def _as_finding(item: Any, check: str) -> Finding:
 
 
 def _core_findings(ctx: DoctorContext, recommendation: Any) -> list[Finding]:
-    from .compat import deprecated_settings
+    from .compat import deprecated_settings, deprecation_messages, target_platform
 
     findings: list[Finding] = []
     if ctx.packages.get("torch") is None:
@@ -204,6 +204,12 @@ def _core_findings(ctx: DoctorContext, recommendation: Any) -> list[Finding]:
                                 "needs: see `accelport matrix`)", "core"))
     if ctx.selected:
         findings.append(Finding("ok", f"backend {ctx.selected} will be used: {ctx.selection_reason}", "", "core"))
+        backend = ctx.backends[ctx.selected]
+        platform = target_platform(backend, ctx.environ, ctx.platform.name)
+        for message in deprecation_messages(ctx.selected, platform, ctx.packages.get("torch"), {},
+                                            chip=ctx.platform.chip if platform == ctx.platform.name else None):
+            findings.append(Finding("warning", f"the selected path is deprecated or unsupported: {ctx.selected} "
+                                    f"on {platform} with torch {ctx.packages.get('torch')}", message, "core"))
     else:
         findings.append(Finding("problem", f"no backend can be used: {ctx.selection_reason}",
                                 "install torch, or unset ACCELPORT_BACKEND to let accelport choose", "core"))
@@ -218,11 +224,11 @@ def _core_findings(ctx: DoctorContext, recommendation: Any) -> list[Finding]:
         findings.append(Finding("warning", f"{name} is set: it is deprecated", message, "core"))
     cpus = ctx.cpu_count
     upper = max(1, cpus - 1)
-    span = f"1 to {upper}" if upper > 1 else "1"
+    workers = f"num_workers between 1 and {upper}" if upper > 1 else "num_workers=1"
     findings.append(Finding(
         "note", f"{cpus} CPU core(s) for data loading",
-        f"use DataLoader(num_workers=N) with N from {span} per process, and no more workers than {cpus} across "
-        "all processes on this host: more workers than cores slows the input pipeline", "core"))
+        f"use DataLoader({workers}) per process, and no more workers than {cpus} across all processes on this "
+        "host: more workers than cores slows the input pipeline", "core"))
     return findings
 
 
@@ -344,7 +350,7 @@ def render_text(report: Mapping[str, Any]) -> str:
     lines.append(f"  selected: {sel or 'none'}: {report['selected']['reason']}")
     rec = report.get("recommendation") or {}
     if rec:
-        lines.append(f"  recommended for {rec.get('platform')} with torch {rec.get('torch')}: "
+        lines.append(f"  recommended for {rec.get('platform')} with torch {rec.get('torch_version')}: "
                      f"{rec.get('recommended') or 'none'}")
     if report["environment"]:
         lines += ["", "environment:"]

@@ -54,9 +54,11 @@ __all__ = [
     "UnknownBackendError",
     "after_step",
     "all_reduce",
+    "autocast",
     "backend",
     "backends",
     "barrier",
+    "compile",
     "device",
     "hookimpl",
     "is_main_process",
@@ -163,6 +165,20 @@ def after_step(fn: Callable[..., Any], *tensors: Any) -> None:
     if not callable(fn):
         raise TypeError(f"after_step needs a callable first, not {type(fn).__name__}")
     _RT.backend().after_step(fn, tensors)
+
+
+def compile(model: Any, **kwargs: Any) -> Any:  # noqa: A001 - the torch.compile of this API
+    """``torch.compile`` with the selected backend's compiler (``tpu``, ``neuron``, inductor ...).
+
+    Keyword arguments go to torch.compile; where the compiler rejects
+    ``dynamic=True`` (TorchTPU, TorchNeuron) that is a ValueError saying what to do.
+    """
+    return _RT.backend().compile(model, **kwargs)
+
+
+def autocast(dtype: Any = None, **kwargs: Any) -> Any:
+    """A ``torch.autocast`` context for the selected device (``dtype`` None: torch's default)."""
+    return _RT.backend().autocast(dtype, **kwargs)
 
 
 def rank() -> int:

@@ -19,12 +19,13 @@ nox.options.envdir = os.environ.get(
     "ACCELPORT_NOX_ENVDIR", os.path.join(os.path.expanduser("~"), ".cache", "accelport", "nox")
 )
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["tests"]
+nox.options.sessions = ["tests", "tpu"]
 nox.options.error_on_missing_interpreters = True
 
 TORCH = os.environ.get("ACCELPORT_TEST_TORCH", "2.13.0")  # the CPU build this machine serves
 XLA_TORCH = "2.9.0"  # torch_xla's last release; it needs this exact torch
 TPU_TORCH = "2.13.0"
+TORCH_TPU = "0.2.0"  # the tests check our reading of this release's metadata (torch range, libtpu)
 
 NEURON_INDEX = ("--extra-index-url", "https://pip.repos.neuron.amazonaws.com")
 #: What each accelerator backend needs from pip on its own hardware, beside torch=={torch}
@@ -62,8 +63,10 @@ def xla(session: nox.Session) -> None:
 @nox.session
 def tpu(session: nox.Session) -> None:
     """Our assumptions about TorchTPU, checked against the real torch-tpu package (no TPU needed)."""
-    session.install(f"torch=={TPU_TORCH}", "torch-tpu", "numpy", "-e", ".[test]")
-    _pytest(session, "-m", "tpu_pkg")
+    session.install(f"torch=={TPU_TORCH}", f"torch-tpu=={TORCH_TPU}", "numpy", "-e", ".[test]")
+    # pytest itself must not autoload TorchTPU (collection imports torch); the tests start
+    # their own subprocesses with autoload on, each with a timeout.
+    _pytest(session, "-m", "tpu_pkg", env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
 
 
 @nox.session

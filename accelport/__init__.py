@@ -60,9 +60,11 @@ __all__ = [
     "UnknownBackendError",
     "after_step",
     "all_reduce",
+    "autocast",
     "backend",
     "backends",
     "barrier",
+    "compile",
     "data",
     "diagnostics",
     "device",
@@ -204,6 +206,20 @@ def diagnostics() -> list[Any]:
     """
     plugin = _RT.host().pm.get_plugin("diagnostics")
     return list(getattr(plugin, "findings", []))
+
+
+def compile(model: Any, **kwargs: Any) -> Any:  # noqa: A001 - the torch.compile of this API
+    """``torch.compile`` with the selected backend's compiler (``tpu``, ``neuron``, inductor ...).
+
+    Keyword arguments go to torch.compile; where the compiler rejects
+    ``dynamic=True`` (TorchTPU, TorchNeuron) that is a ValueError saying what to do.
+    """
+    return _RT.backend().compile(model, **kwargs)
+
+
+def autocast(dtype: Any = None, **kwargs: Any) -> Any:
+    """A ``torch.autocast`` context for the selected device (``dtype`` None: torch's default)."""
+    return _RT.backend().autocast(dtype, **kwargs)
 
 
 def rank() -> int:

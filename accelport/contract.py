@@ -179,6 +179,20 @@ class Backend(abc.ABC):
         """Where compiled graphs are cached, if this backend has such a cache."""
         return None
 
+    def compile(self, model: Any, **kwargs: Any) -> Any:
+        """``torch.compile(model, **kwargs)`` with this backend's compiler as the default."""
+        import torch
+
+        return torch.compile(model, **kwargs)
+
+    def autocast(self, dtype: Any = None, **kwargs: Any) -> Any:
+        """A ``torch.autocast`` context for this backend's device (dtype None: torch's default)."""
+        import torch
+
+        if dtype is not None:
+            kwargs["dtype"] = dtype
+        return torch.autocast(device_type=self.device().type, **kwargs)
+
     # -- distributed ------------------------------------------------------------------
     @abc.abstractmethod
     def world_size(self) -> int: ...

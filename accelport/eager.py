@@ -2,20 +2,32 @@
 
 ``cpu``, ``cuda``, ``tpu`` (TorchTPU) and ``neuron`` (TorchNeuron) differ only in
 the constants below, so the code path ``cpu`` runs in every test run is the one
-``tpu`` and ``neuron`` run on hardware.
+``tpu`` and ``neuron`` run on hardware. The few calls into a device runtime
+(synchronize, set the device, count devices, memory figures) are resolved in one
+place, :meth:`EagerBackend.device_api`, from the ``sync_api`` constant.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
-from .contract import Backend
+from .contract import Backend, tree_map_tensors
 from ._loader import prefetch_iter
+from .errors import BackendUnavailableError
 
-__all__ = ["EagerBackend"]
+__all__ = ["EagerBackend", "ACCELERATOR_EQUIVALENTS"]
+
+#: Device-module function -> its ``torch.accelerator`` equivalent (torch >= 2.6).
+ACCELERATOR_EQUIVALENTS: Mapping[str, str] = {
+    "synchronize": "synchronize",
+    "set_device": "set_device_index",
+    "device_count": "device_count",
+    "memory_allocated": "memory_allocated",
+    "max_memory_allocated": "max_memory_allocated",
+}
 
 
 #: Gradients are averaged in buckets of about this many bytes, one collective each
@@ -36,17 +48,28 @@ class EagerBackend(Backend):
     lazy = False
     #: torch.device type: "cpu", "cuda", "tpu", "neuron".
     device_type: ClassVar[str]
+    #: The ``torch.<name>`` module that drives the device (torch.cuda, torch.neuron);
+    #: None means the same as device_type.
+    device_module: ClassVar[str | None] = None
+    #: Module that registers the device with torch when it is not autoloaded
+    #: ("torch_neuronx"); imported by prepare(), never by a probe.
+    vendor_module: ClassVar[str | None] = None
     #: torch.distributed backend for several processes.
     dist_backend: ClassVar[str] = "gloo"
     #: torch.compile backend name.
     compile_backend: ClassVar[str] = "inductor"
+    #: Whether that compiler accepts dynamic=True (TorchTPU and TorchNeuron reject it).
+    compile_dynamic: ClassVar[bool] = True
     #: Device type for torch.autocast.
     autocast_device_type: ClassVar[str] = "cpu"
-    #: How to wait for queued work: "none" (cpu), "module" (torch.<device_type>.synchronize)
-    #: or "accelerator" (torch.accelerator.synchronize; TorchTPU forbids torch.tpu.* in user code).
+    #: How to reach the device runtime: "none" (the host), "module" (torch.<device_module>.X,
+    #: falling back to torch.accelerator where the module lacks X) or "accelerator"
+    #: (torch.accelerator only; TorchTPU forbids torch.tpu.* in user code).
     sync_api: ClassVar[str] = "none"
     #: Pin host memory and copy batches with non_blocking=True (CUDA-style DMA).
     pin_memory: ClassVar[bool] = False
+    #: Whether the loader copies batches to the device (False only where host and device are one).
+    transfer_batches: ClassVar[bool] = True
     #: Whether the device is indexed per process (LOCAL_RANK) when several run on one host.
     per_process_device: ClassVar[bool] = True
 
@@ -54,49 +77,118 @@ class EagerBackend(Backend):
         super().__init__()
         self._torch: Any = None
         self._device: Any = None
+        self._device_counters_broken = False
 
     # -- lifecycle ---------------------------------------------------------------------
     def prepare(self) -> None:
         import torch
 
         self._torch = torch
-        if self.sync_api == "module" and self.per_process_device:
-            module = getattr(torch, self.device_type, None)
-            set_device = getattr(module, "set_device", None)
-            if set_device is not None and _env_int("WORLD_SIZE", 1) > 1:
-                set_device(_env_int("LOCAL_RANK", 0))
-        if _env_int("WORLD_SIZE", 1) > 1:
+        self._load_device_module(torch)
+        self._check_device_count(torch)
+        world = _env_int("WORLD_SIZE", 1)
+        if world > 1 and self.per_process_device and self.sync_api != "none":
+            set_device = self.device_api("set_device")
+            if set_device is not None:
+                set_device[1](_env_int("LOCAL_RANK", 0))
+        if world > 1:
             import torch.distributed as dist
 
             if dist.is_available() and not dist.is_initialized():
                 dist.init_process_group(backend=self.dist_backend)
+
+    def _load_device_module(self, torch: Any) -> None:
+        """Make sure torch.<device_module> exists, importing the vendor module if needed."""
+        if self.sync_api == "none" or self.vendor_module is None:
+            return
+        if getattr(torch, self.module_name, None) is not None:
+            return
+        import importlib
+
+        try:
+            importlib.import_module(self.vendor_module)
+        except ImportError as exc:
+            raise BackendUnavailableError(
+                self.name, f"import {self.vendor_module} failed ({exc})") from exc
+        if getattr(torch, self.module_name, None) is None:
+            raise BackendUnavailableError(
+                self.name, f"{self.vendor_module} did not register torch.{self.module_name}; "
+                "is the device present and its runtime installed?")
+
+    def _check_device_count(self, torch: Any) -> None:
+        """Refuse early, with a reason, when the runtime sees no device the probe promised.
+
+        The count comes from the device module (torch.cuda.device_count asks NVML
+        first, so it does not initialise CUDA and a later fork stays safe) or
+        torch.accelerator.device_count.
+        """
+        if self.sync_api == "none":
+            return
+        api = self.device_api("device_count")
+        if api is None:
+            return
+        try:
+            count = int(api[1]())
+        except Exception as exc:
+            raise BackendUnavailableError(
+                self.name, f"{api[0]}() failed: {type(exc).__name__}: {exc}") from exc
+        if count == 0:
+            raise BackendUnavailableError(
+                self.name,
+                f"torch {torch.__version__} sees no {self.device_type} device ({api[0]}() is 0) although "
+                "the hardware is present: check the visible-devices variables and that the driver "
+                "supports this torch build",
+            )
 
     def _t(self) -> Any:
         if self._torch is None:
             self.prepare()
         return self._torch
 
+    @property
+    def module_name(self) -> str:
+        return self.device_module or self.device_type
+
+    def device_api(self, name: str) -> tuple[str, Callable[..., Any]] | None:
+        """The runtime function behind ``name`` and its dotted name, per ``sync_api``.
+
+        ``name`` is a device-module function (synchronize, set_device, device_count,
+        memory_allocated, max_memory_allocated). "module" prefers
+        ``torch.<device_module>.<name>`` and falls back to its ``torch.accelerator``
+        equivalent; "accelerator" uses only the latter; "none" has no runtime.
+        """
+        if self.sync_api == "none":
+            return None
+        torch = self._t()
+        if self.sync_api == "module":
+            fn = getattr(getattr(torch, self.module_name, None), name, None)
+            if callable(fn):
+                return f"torch.{self.module_name}.{name}", fn
+        equivalent = ACCELERATOR_EQUIVALENTS.get(name)
+        fn = getattr(getattr(torch, "accelerator", None), equivalent, None) if equivalent else None
+        if callable(fn):
+            return f"torch.accelerator.{equivalent}", fn
+        return None
+
     # -- operations --------------------------------------------------------------------
     def device(self, index: int | None = None) -> Any:
         torch = self._t()
         if index is None and self._device is not None:
             return self._device
-        if self.device_type == "cpu":
-            dev = torch.device("cpu")
+        if index is not None:
+            dev = torch.device(self.device_type, index)
+        elif self.per_process_device:
+            dev = torch.device(self.device_type, _env_int("LOCAL_RANK", 0))
         else:
-            idx = index if index is not None else (
-                _env_int("LOCAL_RANK", 0) if self.per_process_device else 0)
-            dev = torch.device(self.device_type, idx)
+            dev = torch.device(self.device_type)
         if index is None:
             self._device = dev
         return dev
 
     def sync(self) -> None:
-        torch = self._t()
-        if self.sync_api == "module":
-            getattr(torch, self.device_type).synchronize()
-        elif self.sync_api == "accelerator":
-            torch.accelerator.synchronize()
+        api = self.device_api("synchronize")
+        if api is not None:
+            api[1]()
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         if self.world_size() > 1:
@@ -168,23 +260,43 @@ class EagerBackend(Backend):
                         p.grad = reduced.clone()
 
     def wrap_loader(self, iterable: Iterable[Any], *, prefetch: int) -> Iterator[Any]:
+        if not self.transfer_batches:
+            return prefetch_iter(iterable, depth=prefetch)  # batches already live on the device
         device = self.device()
-        if self.device_type == "cpu":
-            move = None  # batches already live on the host
-        else:
-            from .contract import tree_map_tensors
+        pin = self.pin_memory
 
-            pin = self.pin_memory
+        def to_device(t: Any) -> Any:
+            # Pinned (page-locked) host memory lets the copy run as DMA while the
+            # device computes; non_blocking only overlaps when the source is pinned.
+            if pin and t.device.type == "cpu" and not t.is_pinned():
+                t = t.pin_memory()
+            return t.to(device, non_blocking=pin)
 
-            def move(batch: Any) -> Any:
-                def to_dev(t: Any) -> Any:
-                    if pin and not t.is_pinned():
-                        t = t.pin_memory()
-                    return t.to(device, non_blocking=pin)
+        def move(batch: Any) -> Any:
+            return tree_map_tensors(batch, to_device)
 
-                return tree_map_tensors(batch, to_dev)
-
+        # The copy runs in the prefetch thread, so it overlaps with the step in flight.
         return prefetch_iter(iterable, depth=prefetch, transform=move)
+
+    def compile(self, model: Any, **kwargs: Any) -> Any:
+        """torch.compile with this device's compiler; dynamic=True refused where it is unsupported."""
+        if not self.compile_dynamic:
+            if kwargs.get("dynamic"):
+                raise ValueError(
+                    f"the {self.compile_backend!r} torch.compile backend ({self.name}) does not support "
+                    "dynamic=True: every new input shape compiles its own graph. Pad or bucket inputs to "
+                    "a few fixed shapes and compile with dynamic=False"
+                )
+            kwargs.setdefault("dynamic", False)
+        kwargs.setdefault("backend", self.compile_backend)
+        return self._t().compile(model, **kwargs)
+
+    def autocast(self, dtype: Any = None, **kwargs: Any) -> Any:
+        """torch.autocast for this device type (dtype None: torch's default for the device)."""
+        torch = self._t()
+        if dtype is not None:
+            kwargs["dtype"] = dtype
+        return torch.autocast(device_type=self.autocast_device_type, **kwargs)
 
     # -- metrics -----------------------------------------------------------------------
     def _dynamo_counts(self) -> dict[str, Any]:
@@ -197,24 +309,45 @@ class EagerBackend(Backend):
         times = getattr(utils, "compilation_time_metrics", {}).get("_compile.compile_inner", [])
         return {"compilations": int(stats.get("unique_graphs", 0)), "compile_seconds": float(sum(times))}
 
+    def device_counters(self) -> dict[str, Any]:
+        """Counters the device runtime itself keeps (compile cache); {} where it keeps none.
+
+        Overridden where a runtime exposes them; called only once the backend is in use.
+        """
+        return {}
+
+    def _safe_device_counters(self) -> dict[str, Any]:
+        # A private vendor API may change or raise: stop asking after the first failure
+        # rather than pay for (and hide) the same exception every step.
+        if self._device_counters_broken or self._torch is None:
+            return {}
+        try:
+            return self.device_counters()
+        except Exception:
+            self._device_counters_broken = True
+            return {}
+
     def counters(self) -> dict[str, Any]:
         out = self._dynamo_counts()
-        if self.device_type != "cpu" and self._torch is not None:
-            module = getattr(self._torch, self.device_type, None)
+        out.update(self._safe_device_counters())
+        if self._torch is not None:
             for key, fn in (("memory_bytes", "memory_allocated"), ("peak_memory_bytes", "max_memory_allocated")):
-                f = getattr(module, fn, None)
-                if f is not None:
+                api = self.device_api(fn)
+                if api is not None:
                     try:
-                        out[key] = int(f())
-                    except Exception:
+                        out[key] = int(api[1]())
+                    except Exception:  # no allocator statistics on this device: the field stays None
                         pass
         return out
 
     def step_counters(self) -> dict[str, float]:
         utils = sys.modules.get("torch._dynamo.utils")
-        if utils is None:
-            return {"compilations": 0}
-        return {"compilations": int(utils.counters.get("stats", {}).get("unique_graphs", 0))}
+        out: dict[str, float] = {
+            "compilations": int(utils.counters.get("stats", {}).get("unique_graphs", 0)) if utils else 0}
+        device = self._safe_device_counters()
+        if "compilations" in device:
+            out["compilations"] = device["compilations"]
+        return out
 
     # -- distributed -------------------------------------------------------------------
     def _dist(self) -> Any:

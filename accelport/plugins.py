@@ -33,6 +33,8 @@ ENTRY_POINT_GROUP = "accelport"
 BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("cpu", "accelport._backends.cpu"),
     ("cuda", "accelport._backends.cuda"),
+    ("tpu", "accelport._backends.tpu"),
+    ("neuron", "accelport._backends.neuron"),
     ("default-selection", "accelport.selection"),
     ("diagnostics", "accelport.diagnosis:create_plugin"),
     ("metrics-file", "accelport.metrics_log:create_plugin"),

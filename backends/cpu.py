@@ -17,6 +17,7 @@ class CpuBackend(EagerBackend):
     compile_backend = "inductor"
     autocast_device_type = "cpu"
     sync_api = "none"
+    transfer_batches = False  # the host is the device
     per_process_device = False
 
     def _probe(self) -> Probe:

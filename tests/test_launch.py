@@ -222,7 +222,7 @@ def test_dry_run_imports_no_torch(script: str) -> None:
     [
         (["--nprocs", "0"], "usage", 2, "--nprocs must be at least 1"),
         (["--nprocs", "-2"], "usage", 2, "--nprocs must be at least 1"),
-        (["--backend", "cuda"], "BackendUnavailableError", 1, "is not available: torch .* CPU-only build"),
+        (["--backend", "cuda"], "BackendUnavailableError", 1, "is not available: no NVIDIA GPU found"),
         (["--backend", "cdua"], "UnknownBackendError", 1, "Did you mean 'cuda'"),
     ],
 )

@@ -1,0 +1,102 @@
+"""neuron: AWS Trainium through TorchNeuron, the native ``neuron`` device (torch-neuronx >= 2.13).
+
+The eager family with TorchNeuron's constants. The pip name ``torch-neuronx``
+covers two libraries: 2.13 and later is TorchNeuron (this backend); 2.9 and
+earlier is the XLA-based library, which the ``neuron-xla`` backend drives. The
+installed version decides (``_packages.torch_neuronx_kind``), never the name.
+
+Unconfirmed off hardware (PLATFORMS.md section 4): an official
+``torch.neuron.synchronize()`` (seen only in public code), so ``sync()`` calls it
+when present and ``torch.accelerator.synchronize()`` otherwise; the names of
+TorchNeuron's compile-cache and metrics variables, so no cache figures are
+reported yet.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from accelport import _packages, platform
+from accelport.contract import Probe
+from accelport.eager import EagerBackend
+from accelport.hookspecs import hookimpl
+
+#: Chips TorchNeuron runs on (Neuron 2.33 release notes: public beta, Trn2 and Trn3 only).
+NATIVE_CHIPS = frozenset({"Trainium2", "Trainium3"})
+INSTALL = ("pip install 'torch-neuronx>=2.13' --extra-index-url https://pip.repos.neuron.amazonaws.com "
+           "(AWS's package index)")
+
+
+def probe_neuron(root: str | None = None, environ: Mapping[str, str] | None = None) -> Probe:
+    """The neuron probe, readable against a fake root (tests) or this machine."""
+    env = os.environ if environ is None else environ
+    plat = platform.detect(root, env)
+    installed = _packages.version("torch-neuronx")
+    kind = _packages.torch_neuronx_kind(installed)
+    torch_version = _packages.version("torch")
+    details: dict[str, str] = {"platform": plat.describe()}
+    for key, value in (("torch", torch_version), ("torch-neuronx", installed), ("torch-neuronx kind", kind)):
+        if value:
+            details[key] = value
+    problems: list[str] = []
+    if plat.name != "aws-neuron":
+        problems.append("no Neuron devices found (no /dev/neuron<N>)")
+    elif plat.chip is not None and plat.chip not in NATIVE_CHIPS:
+        host = plat.details.get("instance_type", plat.chip)
+        problems.append(f"TorchNeuron runs on Trn2 and Trn3 only and this host is {host} ({plat.chip}): "
+                        "use torch-neuronx 2.9 or earlier with the neuron-xla backend")
+    if installed is None:
+        problems.append(f"torch-neuronx is not installed: {INSTALL}")
+    elif kind is None:
+        problems.append(f"torch-neuronx {installed} has a version accelport cannot read")
+    elif kind == "legacy":
+        problems.append(f"torch-neuronx {installed} is the legacy XLA-based library (2.9 and earlier), "
+                        "which the neuron-xla backend drives; the neuron device needs torch-neuronx 2.13 or later")
+    else:
+        wanted = _packages.requirement("torch-neuronx", "torch")
+        if wanted:
+            details["torch range"] = wanted
+        if torch_version is None:
+            problems.append("torch is not installed")
+        elif _packages.satisfies(torch_version, wanted) is False or (
+                wanted is None and not _packages.same_minor(torch_version, installed)):
+            need = f"torch{wanted}" if wanted else "the torch of the same major.minor"
+            problems.append(f"torch-neuronx {installed} needs {need}, but torch {torch_version} is installed")
+        if kind == "private-beta":
+            details["note"] = (f"torch-neuronx {installed} is a private-beta TorchNeuron build (torch 2.10 to 2.12); "
+                               "accelport is checked against the public releases, 2.13 and later")
+    if plat.name == "aws-neuron" and plat.chip is None:
+        details.setdefault("note", "the instance type could not be read (DMI product_name); TorchNeuron needs "
+                                   "Trn2 or Trn3")
+    if problems:
+        return Probe(False, "; ".join(problems), 0, details)
+    chip = f" {plat.chip}" if plat.chip else ""
+    cores = f", {plat.cores} NeuronCores" if plat.cores else ""
+    return Probe(True, f"{plat.device_count}{chip} Neuron device(s){cores} with torch-neuronx {installed}, "
+                       f"torch {torch_version}", plat.device_count, details)
+
+
+class NeuronBackend(EagerBackend):
+    name = "neuron"
+    platform = "aws-neuron"
+    description = "AWS Trainium through TorchNeuron (torch-neuronx >= 2.13): the native 'neuron' device."
+    packages = ("torch", "torch-neuronx")
+    device_type = "neuron"
+    device_module = "neuron"
+    vendor_module = "torch_neuronx"
+    dist_backend = "neuron"
+    compile_backend = "neuron"
+    compile_dynamic = False  # TorchNeuron rejects dynamic=True: each new shape compiles its own graph
+    autocast_device_type = "neuron"
+    # torch.neuron.X where TorchNeuron has it (synchronize is unconfirmed), else torch.accelerator.X.
+    sync_api = "module"
+    pin_memory = False
+
+    def _probe(self) -> Probe:
+        return probe_neuron()
+
+
+@hookimpl
+def accelport_register_backends(register):  # type: ignore[no-untyped-def]
+    register(NeuronBackend)

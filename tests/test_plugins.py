@@ -182,10 +182,13 @@ def test_collect_all_hooks_gather_every_plugin_and_isolate_failures(install_plug
         "def accelport_doctor_checks(context):\n"
         "    return [('note', context.who)]\n",
     )
+    from types import SimpleNamespace
+
     host = RUNTIME.host()
     assert [{"backend": "mycpu", "platform": "cpu"}] in host.call("accelport_compat_rows")
     # Built-in plugins may add their own findings; this plugin's result is among them.
-    assert [("note", "doctor")] in host.call("accelport_doctor_checks", context={"who": "doctor"})
-    with pytest.warns(ap.PluginWarning, match="rows.*accelport_doctor_checks.*KeyError"):
-        assert [("note", "doctor")] not in host.call("accelport_doctor_checks", context={})
+    context = SimpleNamespace(who="doctor", environ={})
+    assert [("note", "doctor")] in host.call("accelport_doctor_checks", context=context)
+    with pytest.warns(ap.PluginWarning, match="rows.*accelport_doctor_checks.*AttributeError"):
+        assert [("note", "doctor")] not in host.call("accelport_doctor_checks", context=SimpleNamespace(environ={}))
     assert "rows" not in host.plugins

@@ -214,6 +214,10 @@ def _core_findings(ctx: DoctorContext, recommendation: Any) -> list[Finding]:
         findings.append(Finding("problem", f"no backend can be used: {ctx.selection_reason}",
                                 "install torch, or unset ACCELPORT_BACKEND to let accelport choose", "core"))
     recommended = getattr(recommendation, "recommended", None)
+    if recommendation is not None and recommended is None:
+        findings.append(Finding(
+            "warning", f"no backend is recommended for {ctx.platform.describe()} with torch "
+            f"{ctx.packages.get('torch') or '(not installed)'}", getattr(recommendation, "reason", ""), "core"))
     if recommended and recommended != ctx.selected and recommended in ctx.probes:
         probe = ctx.probes[recommended]
         if not probe.available:
@@ -251,7 +255,7 @@ def gather(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         selected: str | None = chosen.name
     except AccelportError as exc:
         selected, reason = None, str(exc)
-    recommendation = _safe(lambda: recommend(plat.name))
+    recommendation = _safe(lambda: recommend(plat.name, chip=plat.chip, warn=False))
     cpus = os.cpu_count() or 1
     ctx = DoctorContext(env, plat, packages, probes, dict(host.backends), selected, reason, cpus)
 

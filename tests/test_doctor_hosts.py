@@ -1,0 +1,97 @@
+"""accelport doctor on fake machines: a TPU VM, a Trainium host, an NVIDIA host, a bare CPU host.
+
+The hosts are directory trees shaped like the real /sys, /dev and /proc
+(tests/fakes.py), read through ACCELPORT_SYSROOT; vendor packages are fake
+dist-info entries. Nothing here is real hardware: these are stand-ins for it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from accelport.doctor import exit_status, gather
+from tests import fakes
+
+
+def report_for(monkeypatch: pytest.MonkeyPatch, root: Path) -> dict:  # type: ignore[type-arg]
+    monkeypatch.setenv("ACCELPORT_SYSROOT", str(root))
+    return gather()
+
+
+def titled(report: dict, severity: str) -> list[str]:  # type: ignore[type-arg]
+    return [f["title"] for f in report["findings"] if f["severity"] == severity]
+
+
+def test_tpu_vm_without_torch_tpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    report = report_for(monkeypatch, fakes.tpu_vm(tmp_path / "host", "v5e", chips=4))
+    assert report["platform"] | {"evidence": None} == {"name": "gcp-tpu", "chip": "v5e", "device_count": 4,
+                                                       "evidence": None}
+    assert report["selected"]["name"] == "cpu"
+    assert report["recommendation"]["recommended"] == "tpu"
+    assert any(t.startswith("tpu is recommended for gcp-tpu but unavailable: torch-tpu is not installed")
+               for t in titled(report, "warning"))
+    assert exit_status(report) == 0
+
+
+def test_tpu_vm_with_torch_tpu_but_no_libtpu_is_a_problem(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fakes.install_dist(monkeypatch, tmp_path / "site", "torch-tpu", "0.2.0",
+                       requires=["torch>=2.11.0,<=2.15.0", "libtpu>=0.0.50"], module="torch_tpu",
+                       entry_points="[torch.backends]\ntorch_tpu = torch_tpu._loader:load\n")
+    report = report_for(monkeypatch, fakes.tpu_vm(tmp_path / "host", "v6e", chips=8))
+    assert report["platform"]["chip"] == "v6e" and report["packages"]["torch-tpu"] == "0.2.0"
+    problems = titled(report, "problem")
+    assert any("installed without libtpu" in t for t in problems)
+    fixes = [f["fix"] for f in report["findings"] if "without libtpu" in f["title"]]
+    assert fixes[0].startswith("pip install 'libtpu>=0.0.50'")
+    assert exit_status(report) == 1
+
+
+def test_tpu_vm_with_torch_outside_torch_tpus_range(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    fakes.install_dist(monkeypatch, site, "torch", "2.9.0", module=None)
+    fakes.install_dist(monkeypatch, site, "torch-tpu", "0.2.0", requires=["torch>=2.11.0,<=2.15.0",
+                       "libtpu>=0.0.50"], module="torch_tpu")
+    fakes.install_dist(monkeypatch, site, "libtpu", "0.0.52", module="libtpu")
+    report = report_for(monkeypatch, fakes.tpu_vm(tmp_path / "host"))
+    assert any("torch 2.9.0 is outside torch-tpu 0.2.0's range" in t for t in titled(report, "problem"))
+
+
+def test_trainium1_host_has_no_recommended_backend_for_this_torch(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    report = report_for(monkeypatch, fakes.neuron_host(tmp_path / "host", 16, "trn1.32xlarge"))
+    assert (report["platform"]["name"], report["platform"]["chip"], report["platform"]["device_count"]) == \
+        ("aws-neuron", "Trainium", 16)
+    assert report["selected"]["name"] == "cpu"
+    (warning,) = [f for f in report["findings"] if f["title"].startswith("no backend is recommended")]
+    assert "neuron-xla" in warning["fix"] and "torch 2.9" in warning["fix"]
+
+
+def test_nvidia_host_with_a_cpu_only_torch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    report = report_for(monkeypatch, fakes.nvidia_host(tmp_path / "host", 8))
+    assert (report["platform"]["name"], report["platform"]["device_count"]) == ("nvidia-gpu", 8)
+    assert "H100" in report["platform"]["chip"]
+    assert report["selected"]["name"] == "cpu"
+    assert any(t.startswith("cuda is recommended for nvidia-gpu but unavailable") and "CPU-only build" in t
+               for t in titled(report, "warning"))
+
+
+def test_bare_cpu_host_is_all_clear(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    report = report_for(monkeypatch, fakes.bare_cpu_host(tmp_path / "host"))
+    assert report["platform"]["name"] == "cpu" and report["selected"]["name"] == "cpu"
+    assert titled(report, "warning") == [] and titled(report, "problem") == []
+    assert exit_status(report) == 0
+
+
+def test_missing_or_unreadable_system_tree_is_not_a_crash(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    report = report_for(monkeypatch, tmp_path / "does-not-exist")
+    assert report["platform"]["name"] == "cpu"
+    locked = tmp_path / "locked"
+    fakes.tpu_vm(locked)
+    (locked / "sys").chmod(0)
+    try:
+        report = report_for(monkeypatch, locked)
+        assert report["platform"]["name"] in ("cpu", "gcp-tpu")  # root may still read it
+    finally:
+        (locked / "sys").chmod(0o755)

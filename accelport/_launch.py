@@ -123,6 +123,7 @@ class LaunchPlan:
     env: dict[str, str]
     #: "module:function" run before the workers start; the variables it sets are added.
     parent_env_function: str | None = None
+    parent_env_preload: str | None = None
     parent_env_kwargs: dict[str, int] = field(default_factory=dict)
     available: bool = True
     reason: str = ""
@@ -203,6 +204,7 @@ def build_plan(
     return LaunchPlan(
         backend=backend.name, engine=engine, nprocs=n, nnodes=rdzv.nnodes, command=command, env=env,
         parent_env_function=backend.launch_env_function, parent_env_kwargs=kwargs,
+        parent_env_preload=getattr(backend, "vendor_module", None),
         available=probe.available, reason=probe.reason, notes=notes,
     )
 
@@ -277,6 +279,8 @@ def _xla_command(backend: Backend, script: str, script_args: Sequence[str], npro
 _PARENT_ENV_CODE = """
 import importlib, json, os, sys
 module, function, kwargs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+for name in filter(None, sys.argv[4].split(",")):
+    importlib.import_module(name)  # the vendor package that registers the function's module
 before = dict(os.environ)
 getattr(importlib.import_module(module), function)(**kwargs)
 changed = {k: v for k, v in os.environ.items() if before.get(k) != v}
@@ -285,8 +289,13 @@ print("ACCELPORT_LAUNCH_ENV=" + json.dumps(changed), flush=True)
 
 
 def parent_launch_env(spec: str, kwargs: Mapping[str, int], environ: Mapping[str, str],
-                      *, python: str | None = None, timeout: float = 900) -> dict[str, str]:
+                      *, python: str | None = None, timeout: float = 900,
+                      preload: str | None = None) -> dict[str, str]:
     """Call ``module:function(**kwargs)`` in a child process; return the variables it set.
+
+    ``preload`` names a module to import first: ``torch.tpu`` exists only once
+    ``torch_tpu`` is imported, which autoload does not do when
+    ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``.
 
     A child, not this process: the function imports a vendor runtime (TorchTPU
     reads the devices, and may kill the process when libtpu is missing), and the
@@ -298,7 +307,7 @@ def parent_launch_env(spec: str, kwargs: Mapping[str, int], environ: Mapping[str
     call = f"{spec}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"
     try:
         out = subprocess.run([python or sys.executable, "-c", _PARENT_ENV_CODE, module, function,
-                              json.dumps(dict(kwargs))], env=dict(environ), capture_output=True,
+                              json.dumps(dict(kwargs)), preload or ""], env=dict(environ), capture_output=True,
                              text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise LaunchError(f"{call} did not finish within {timeout:.0f} s on this host") from None
@@ -320,7 +329,7 @@ def run_plan(plan: LaunchPlan, environ: Mapping[str, str] | None = None) -> None
     env = {**base, **plan.env}
     if plan.parent_env_function:
         env.update(parent_launch_env(plan.parent_env_function, plan.parent_env_kwargs, env,
-                                     python=plan.command[0]))
+                                     python=plan.command[0], preload=plan.parent_env_preload))
     launch_dir = tempfile.mkdtemp(prefix="accelport-launch-")
     env["ACCELPORT_LAUNCH_DIR"] = launch_dir
     try:

@@ -197,6 +197,10 @@ class TpuBackend(EagerBackend):
     autocast_device_type = "tpu"
     sync_api = "accelerator"  # torch.tpu.synchronize() raises "internal to TorchTPU" for user code
     pin_memory = False
+    # Each TorchTPU process sees its own chip as tpu:0 (one process per chip), so the
+    # device is not indexed by LOCAL_RANK; the launch environment comes from TorchTPU.
+    per_process_device = False
+    launch_env_function = "torch.tpu.distributed:set_tpu_launch_env"
 
     def _probe(self) -> Probe:
         return probe_tpu()

@@ -185,7 +185,17 @@ def test_parent_launch_env_returns_what_the_function_sets(tmp_path: Path) -> Non
 @pytest.mark.tpu_pkg
 def test_real_set_tpu_launch_env_without_a_tpu_fails_before_any_worker() -> None:
     with pytest.raises(LaunchError, match="expected TPU devices"):
-        parent_launch_env("torch.tpu.distributed:set_tpu_launch_env", {"nproc_per_node": 2}, os.environ)
+        parent_launch_env("torch.tpu.distributed:set_tpu_launch_env", {"nproc_per_node": 2}, os.environ,
+                          preload="torch_tpu")
+
+
+def test_tpu_launch_plan_names_torchtpus_launch_environment(script: str) -> None:
+    from accelport._backends.tpu import TpuBackend
+    from accelport._launch import build_plan
+
+    plan = build_plan(TpuBackend(), script, nprocs=2)
+    assert plan.parent_env_function == "torch.tpu.distributed:set_tpu_launch_env"
+    assert plan.parent_env_preload == "torch_tpu" and plan.parent_env_kwargs == {"nproc_per_node": 2}
 
 
 # -- the command line: dry runs and bad input --------------------------------------------

@@ -32,6 +32,8 @@ ENTRY_POINT_GROUP = "accelport"
 BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("cpu", "accelport._backends.cpu"),
     ("cuda", "accelport._backends.cuda"),
+    ("xla", "accelport._backends.xla"),
+    ("neuron-xla", "accelport._backends.neuron_xla"),
     ("default-selection", "accelport.selection"),
 )
 

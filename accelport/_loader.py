@@ -111,14 +111,15 @@ class DeviceLoader:
     ``len()`` is the wrapped loader's length when it has one.
     """
 
-    def __init__(self, iterable: Iterable[Any], runtime: Any, prefetch: int = 2) -> None:
+    def __init__(self, iterable: Iterable[Any], runtime: Any, prefetch: int | None = None) -> None:
         if not hasattr(iterable, "__iter__"):
             raise TypeError(
                 f"ap.loader() needs an iterable of batches (a DataLoader, a list, a generator), "
                 f"not {type(iterable).__name__}"
             )
-        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
-            raise ValueError(f"prefetch must be a non-negative int (batches to load ahead), not {prefetch!r}")
+        if prefetch is not None and (not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0):
+            raise ValueError(f"prefetch must be a non-negative int (batches to load ahead) or None "
+                             f"(the backend's default), not {prefetch!r}")
         self.iterable = iterable
         self.prefetch = prefetch
         self._runtime = runtime

@@ -44,6 +44,8 @@ class EagerBackend(Backend):
     pin_memory: ClassVar[bool] = False
     #: Whether the device is indexed per process (LOCAL_RANK) when several run on one host.
     per_process_device: ClassVar[bool] = True
+    #: Batches ap.loader loads ahead when the caller does not say.
+    default_prefetch: ClassVar[int] = 2
 
     def __init__(self) -> None:
         super().__init__()
@@ -118,8 +120,10 @@ class EagerBackend(Backend):
                 for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                     g.copy_(reduced)
 
-    def wrap_loader(self, iterable: Iterable[Any], *, prefetch: int) -> Iterator[Any]:
+    def wrap_loader(self, iterable: Iterable[Any], *, prefetch: int | None) -> Iterator[Any]:
         device = self.device()
+        if prefetch is None:
+            prefetch = self.default_prefetch
         if self.device_type == "cpu":
             move = None  # batches already live on the host
         else:

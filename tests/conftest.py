@@ -51,6 +51,13 @@ def install_plugin(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
     return install
 
 
+def builtin_backends() -> list[str]:
+    """Names of the backends the built-in plugins register, in registration order."""
+    from accelport.plugins import create_manager
+
+    return list(create_manager({"ACCELPORT_DISABLE_PLUGIN_AUTOLOAD": "1"}).backends)
+
+
 def train_tiny(steps: int = 30, seed: int = 0) -> list[float]:
     """Train a tiny regression model through the public API; return the losses."""
     import torch

@@ -16,9 +16,11 @@ from accelport.plugins import create_manager
 from tests.conftest import train_tiny
 
 
-def _available() -> list[str]:
+def _available() -> list[object]:
     host = create_manager()
-    return [name for name, b in host.backends.items() if b.probe().available]
+    # Lazy (torch_xla) backends run in the xla environment: `-m xla` selects exactly those.
+    return [pytest.param(name, marks=pytest.mark.xla) if b.lazy else name
+            for name, b in host.backends.items() if b.probe().available]
 
 
 AVAILABLE = _available()

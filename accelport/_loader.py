@@ -132,8 +132,15 @@ class DeviceLoader:
         backend = runtime.backend()
         tracker = runtime.tracker
         it = iter(backend.wrap_loader(self.iterable, prefetch=self.prefetch))
+        end_of_batch = backend.end_of_batch
         clock = time.perf_counter
+        first = True
         while True:
+            if not first:
+                # The loop body is done with the previous batch; a lazy backend runs the
+                # step's graph now, and that (compile, dispatch) is not waiting for data.
+                end_of_batch()
+            first = False
             t0 = clock()
             try:
                 batch = next(it)

@@ -158,6 +158,13 @@ class Backend(abc.ABC):
         ``prefetch`` batches are loaded ahead; None means this backend's default.
         """
 
+    def end_of_batch(self) -> None:  # noqa: B027 - optional hook for subclasses
+        """Called by ``ap.loader`` when the loop asks for its next batch, before the wait is timed.
+
+        Lazy backends run the step's graph here (as torch_xla's MpDeviceLoader
+        does), so compile and dispatch time never count as waiting for data.
+        """
+
     def counters(self) -> dict[str, Any]:
         """Every counter this backend can report (keys from COUNTER_FIELDS)."""
         return {}

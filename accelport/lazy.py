@@ -5,10 +5,11 @@ and ``neuron-xla`` (torch-neuronx <= 2.9 on top of torch_xla) differ only in the
 class constants below, so the code path ``xla`` runs on XLA:CPU in every test
 run of the xla environment is the one ``neuron-xla`` runs on Trainium.
 
-Work is recorded as a graph and runs at a sync: ``ap.optimizer_step`` ends the
-step with one, the loader (torch_xla's ``ParallelLoader``, which
-``MpDeviceLoader`` wraps) uploads batches in the background, and
-``ap.after_step`` callbacks run once the step's graph has executed.
+Work is recorded as a graph and runs at a sync, once per step: the loader
+(torch_xla's ``ParallelLoader``, which ``MpDeviceLoader`` wraps) uploads batches
+in the background and syncs when it hands out the next one; outside an
+``ap.loader`` loop ``ap.optimizer_step`` syncs itself. ``ap.after_step``
+callbacks run right after that sync, once the step's graph has executed.
 
 Probing reads package metadata, ``/sys``, ``/dev`` and the environment only:
 importing torch_xla on a TPU VM takes the TPU, so it is imported in
@@ -76,7 +77,8 @@ def _install_hint(req: Requirement, torch_version: str) -> str:
     """What to pip install for a missing requirement that must match torch's major.minor."""
     torch_release = _packages.release(torch_version) or (0, 0)
     mm = f"{torch_release[0]}.{torch_release[1]}"
-    if req.distribution == "torch_xla" and _packages.release(LAST_TORCH_XLA) < torch_release[:2]:
+    last = _packages.release(LAST_TORCH_XLA) or (0, 0)
+    if req.distribution == "torch_xla" and last < torch_release[:2]:
         return (f"torch_xla X.Y needs torch X.Y and its last release is {LAST_TORCH_XLA}, older than "
                 f"torch {torch_version} (pip install torch=={LAST_TORCH_XLA}.0 torch_xla=={LAST_TORCH_XLA}.0)")
     if req.same_minor_as_torch:
@@ -118,8 +120,10 @@ class LazyBackend(Backend):
         self._torch: Any = None
         self._xm: Any = None
         self._device: Any = None
-        # ap.loader iterations in progress: their loader syncs once per batch.
+        # ap.loader iterations in progress (they sync once per batch), and how many of
+        # them read from a ParallelLoader.
         self._loading = 0
+        self._parallel = 0
 
     # -- detection ---------------------------------------------------------------------
     def _requirement_problem(self, req: Requirement, torch_version: str) -> tuple[str | None, str | None]:
@@ -211,6 +215,11 @@ class LazyBackend(Backend):
         self._device_fn, self._sync = device_fn, sync_fn
         self._counter = getattr(met, "counter_value", None)
         self._metric = getattr(met, "metric_data", None)
+        # ParallelLoader syncs when it hands out a batch unless this flag says a sync
+        # just happened (torch_xla's profiler StepTrace sets it the same way).
+        import torch_xla.debug.profiler as xp
+
+        self._mark_synced = getattr(xp, "set_tracer_marked_step", None)
 
     def _x(self) -> Any:
         if self._xm is None:
@@ -234,12 +243,18 @@ class LazyBackend(Backend):
         xm = self._x()
         # xm.optimizer_step all-reduces gradients across replicas (a no-op alone), then steps.
         result = xm.optimizer_step(optimizer, optimizer_args=kwargs)
-        # End the step. Inside an ap.loader loop the loader syncs when the next batch is
-        # taken, after zero_grad(), as MpDeviceLoader does: syncing here as well would
-        # cost a second (empty) sync per step and make the gradients graph outputs.
+        # End the step. Inside an ap.loader loop the sync comes when the next batch is
+        # asked for (end_of_batch), after zero_grad(), as with MpDeviceLoader: syncing here
+        # as well would cost a second, empty sync per step and make the gradients graph
+        # outputs (about 4% per step on a tiny model).
         if not self._loading:
             self._sync()
         return result
+
+    def end_of_batch(self) -> None:
+        self._sync()
+        if self._parallel and self._mark_synced is not None:
+            self._mark_synced(True)  # the ParallelLoader's own sync would be an empty one
 
     def wrap_loader(self, iterable: Iterable[Any], *, prefetch: int | None) -> Iterator[Any]:
         self._x()
@@ -257,24 +272,22 @@ class LazyBackend(Backend):
         return self._tracked(parallel, parallel.per_device_loader(device))
 
     def _tracked(self, parallel: Any, it: Iterator[Any]) -> Iterator[Any]:
+        uses_parallel = int(parallel is not None)
         self._loading += 1
+        self._parallel += uses_parallel
         try:
             yield from it
         finally:
             self._loading -= 1
+            self._parallel -= uses_parallel
             if parallel is not None:
                 parallel.close()
 
     def _unprefetched(self, iterable: Iterable[Any], device: Any) -> Iterator[Any]:
-        """prefetch=0: upload each batch in the loop's thread; one sync per batch, as MpDeviceLoader."""
+        """prefetch=0: upload each batch in the loop's thread (end_of_batch syncs between batches)."""
         send = self._xm.send_cpu_data_to_device
-        first = True
         for batch in iterable:
-            if not first:
-                self._sync()
-            first = False
             yield send([batch], device)[0]
-        self._sync()
 
     # -- metrics -----------------------------------------------------------------------
     def _count(self, name: str) -> int:
@@ -302,13 +315,16 @@ class LazyBackend(Backend):
             finished, out["execute_seconds"] = self._samples("ExecuteTime")
             out["host_to_device"] = self._samples("TransferToDeviceTime")[0]
             out["device_to_host"] = self._samples("TransferFromDeviceTime")[0]
-            # ExecuteTime gets its sample when an execution finishes (asynchronously); the
-            # dispatch counters are exact at any moment. Older versions may lack them.
+            # Executions run asynchronously after the sync that launched them: the counters
+            # tick as each starts, ExecuteTime only once it has finished. Older versions
+            # may lack the counters.
             dispatched = self._executions()
             out["executions"] = finished if dispatched is None else dispatched
         return out
 
     def _executions(self) -> int | None:
+        if self._counter is None:
+            return None
         single, replicated = self._counter("ExecuteComputation"), self._counter("ExecuteReplicated")
         if single is None and replicated is None:
             return None

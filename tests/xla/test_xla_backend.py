@@ -106,11 +106,17 @@ def test_item_inside_the_step_is_a_device_to_host_transfer_and_an_extra_executio
     train(model, opt, batches(23, [8] * steps), inside=lambda x, loss: loss.item())
     observer.RECORDS.clear()
 
-    before = ap.metrics()
+    import torch_xla.core.xla_model as xm
+
+    def settled() -> ap.Metrics:
+        xm.wait_device_ops()  # executions are counted as they start, asynchronously
+        return ap.metrics()
+
+    before = settled()
     train(model, opt, batches(23, [8] * steps))
-    clean = ap.metrics()
+    clean = settled()
     train(model, opt, batches(23, [8] * steps), inside=lambda x, loss: loss.item())
-    polled = ap.metrics()
+    polled = settled()
 
     assert clean.device_to_host - before.device_to_host == 0
     assert polled.device_to_host - clean.device_to_host == steps
@@ -118,13 +124,9 @@ def test_item_inside_the_step_is_a_device_to_host_transfer_and_an_extra_executio
     assert clean.executions - before.executions == steps
     assert polled.executions - clean.executions == 2 * steps
 
-    # Per step, as a diagnostics plugin sees it (the first step of a loop also holds the
-    # previous loop's tail): one transfer and one extra execution in each polled step.
-    clean_steps, polled_steps = observer.RECORDS[1:steps], observer.RECORDS[steps + 1:]
-    assert [r["device_to_host"] for r in clean_steps] == [0] * (steps - 1)
-    assert [r["device_to_host"] for r in polled_steps] == [1] * (steps - 1)
-    assert [r["executions"] for r in clean_steps] == [1] * (steps - 1)
-    assert [r["executions"] for r in polled_steps] == [2] * (steps - 1)
+    # Per step, as a diagnostics plugin sees it: one transfer in each polled step.
+    # (.item() waits for its value, so the transfer is counted before the step ends.)
+    assert [r["device_to_host"] for r in observer.RECORDS] == [0] * steps + [1] * steps
     assert all(r["compilations"] == 0 for r in observer.RECORDS)
 
 
@@ -133,9 +135,13 @@ def test_after_step_reads_values_without_an_extra_execution() -> None:
     model, opt = tiny(25)
     steps = 4
     train(model, opt, batches(25, [8] * steps))  # compile
+    import torch_xla.core.xla_model as xm
+
     seen: list[float] = []
+    xm.wait_device_ops()
     before = ap.metrics()
     train(model, opt, batches(25, [8] * steps), inside=lambda x, loss: ap.after_step(seen.append, loss))
+    xm.wait_device_ops()
     after = ap.metrics()
     assert len(seen) == steps and all(isinstance(v, float) and math.isfinite(v) for v in seen)
     assert after.executions - before.executions == steps  # one graph per step, as without logging
@@ -158,12 +164,12 @@ def test_counters_agree_with_each_other_and_with_torch_xla() -> None:
 
     backend = ap.use("xla")
     train_tiny(steps=3)
+    xm.wait_device_ops()
     full, cheap = backend.counters(), backend.step_counters()
     assert set(cheap) == {"compilations", "executions", "device_to_host"}
     assert {k: full[k] for k in cheap} == cheap
     assert full["compilations"] == met.counter_value("UncachedCompile")
-    xm.wait_device_ops()  # ExecuteTime gets its sample when an execution finishes
-    assert full["executions"] == met.metric_data("ExecuteTime")[0]
+    assert full["executions"] == met.metric_data("ExecuteTime")[0]  # every execution finished
     assert full["host_to_device"] == met.metric_data("TransferToDeviceTime")[0]
     assert "memory_bytes" not in full  # not reported on XLA: Metrics says None, not 0
     assert ap.metrics().memory_bytes is None
@@ -327,3 +333,35 @@ def test_neuron_xla_compile_cache_follows_neuron_rules(neuron_stand_in: ap.Backe
     train_tiny(steps=1)
     with pytest.raises(ap.AccelportError, match="after the first computation"):
         ap.compile_cache(tmp_path / "elsewhere")
+
+
+
+def test_the_step_graph_compiles_and_runs_in_end_of_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ap.loader calls end_of_batch outside the data-wait clock (tests/test_loader.py), so
+    # a step's compile and dispatch never read as waiting for data.
+    import torch_xla.debug.metrics as met
+
+    backend = ap.use("xla")
+    real = backend.end_of_batch
+    inside: list[tuple[int, int]] = []
+
+    def lookups() -> tuple[int, int]:
+        # Every launched graph is looked up in the compile cache first: a miss compiles.
+        # (Its execution then runs asynchronously: ExecuteComputation counts it later.)
+        miss, hit = met.counter_value("UncachedCompile") or 0, met.counter_value("CachedCompile") or 0
+        return miss, miss + hit
+
+    def spy() -> None:
+        before = lookups()
+        real()
+        after = lookups()
+        inside.append((after[0] - before[0], after[1] - before[1]))
+
+    monkeypatch.setattr(backend, "end_of_batch", spy)
+    model, opt = tiny(29)
+    start = ap.metrics()
+    train(model, opt, batches(29, [8] * 4))
+    m = ap.metrics()
+    assert len(inside) == 4  # after each of the four batches
+    assert sum(c for c, _ in inside) == m.compilations - start.compilations == 1
+    assert [launched for _, launched in inside] == [1, 1, 1, 1]  # each step's graph, once

@@ -5,6 +5,7 @@ live in one readable file.
 
     nox                 # every suite: default (torch CPU), xla (XLA:CPU), tpu (torch-tpu import checks)
     nox -s demo         # the main job: environment check + portable example
+    nox -s hardware     # the contract suite on a TPU VM or Trainium host (cloud CI jobs)
 """
 
 from __future__ import annotations
@@ -24,6 +25,18 @@ nox.options.error_on_missing_interpreters = True
 TORCH = os.environ.get("ACCELPORT_TEST_TORCH", "2.13.0")  # the CPU build this machine serves
 XLA_TORCH = "2.9.0"  # torch_xla's last release; it needs this exact torch
 TPU_TORCH = "2.13.0"
+
+NEURON_INDEX = ("--extra-index-url", "https://pip.repos.neuron.amazonaws.com")
+#: What each accelerator backend needs from pip on its own hardware, beside torch=={torch}
+#: (PLATFORMS.md: torch_xla X.Y needs torch X.Y exactly; torch-tpu brings glue for torch
+#: 2.11 to 2.15; torch-neuronx is only on AWS's index). Not run here: there is no such hardware.
+HARDWARE_REQUIREMENTS: dict[str, tuple[str, ...]] = {
+    "cuda": (),
+    "xla": ("torch_xla[tpu]=={torch}",),
+    "tpu": ("torch-tpu",),
+    "neuron": ("torch-neuronx=={minor}.*", *NEURON_INDEX),
+    "neuron-xla": ("torch-neuronx=={minor}.*", "neuronx-cc==2.*", *NEURON_INDEX),
+}
 
 
 def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
@@ -51,6 +64,27 @@ def tpu(session: nox.Session) -> None:
     """Our assumptions about TorchTPU, checked against the real torch-tpu package (no TPU needed)."""
     session.install(f"torch=={TPU_TORCH}", "torch-tpu", "numpy", "-e", ".[test]")
     _pytest(session, "-m", "tpu_pkg")
+
+
+@nox.session
+def hardware(session: nox.Session) -> None:
+    """The backend contract on accelerator hardware, for one row of `accelport ci-matrix`.
+
+    A cloud CI job sets ACCELPORT_CI_BACKEND (e.g. tpu) and ACCELPORT_CI_TORCH (e.g. 2.13.0);
+    --accelport-backend makes a runner on which that backend cannot run fail, not skip.
+    """
+    backend = os.environ.get("ACCELPORT_CI_BACKEND", "")
+    torch = os.environ.get("ACCELPORT_CI_TORCH", "")
+    if backend not in HARDWARE_REQUIREMENTS or not torch:
+        session.error(
+            f"set ACCELPORT_CI_BACKEND to one of {', '.join(HARDWARE_REQUIREMENTS)} and ACCELPORT_CI_TORCH "
+            f"to a torch version (got {backend!r} and {torch!r})"
+        )
+    minor = ".".join(torch.split(".")[:2])
+    extra = [req.format(torch=torch, minor=minor) for req in HARDWARE_REQUIREMENTS[backend]]
+    session.install(f"torch=={torch}", *extra, "numpy", "-e", ".[test]")
+    session.run("accelport", "backends")
+    _pytest(session, "tests/test_contract.py", f"--accelport-backend={backend}")
 
 
 @nox.session

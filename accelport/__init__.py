@@ -27,16 +27,20 @@ from .errors import (
     AccelportDeprecationWarning,
     AccelportError,
     BackendUnavailableError,
+    CompatibilityWarning,
+    CompatMatrixError,
     DiagnosticWarning,
     PluginWarning,
     UnknownBackendError,
 )
 from .hookspecs import hookimpl
+from . import data  # noqa: E402 - torch-free; ap.data.BucketCollate etc.
 
 if TYPE_CHECKING:
     import torch
 
     from ._loader import DeviceLoader
+    from .compat import Verdict
 
 __version__ = "0.1.0"
 
@@ -46,6 +50,8 @@ __all__ = [
     "Backend",
     "BackendInfo",
     "BackendUnavailableError",
+    "CompatMatrixError",
+    "CompatibilityWarning",
     "DiagnosticWarning",
     "Metrics",
     "PluginWarning",
@@ -58,6 +64,8 @@ __all__ = [
     "backends",
     "barrier",
     "compile_cache",
+    "data",
+    "diagnostics",
     "device",
     "hookimpl",
     "is_main_process",
@@ -65,7 +73,9 @@ __all__ = [
     "loader",
     "metrics",
     "optimizer_step",
+    "print",
     "rank",
+    "recommend",
     "save",
     "sync",
     "use",
@@ -125,12 +135,27 @@ def backends() -> list[BackendInfo]:
     return out
 
 
+def recommend(platform: str | None = None, torch_version: str | None = None) -> Verdict:
+    """What the compatibility matrix says for ``platform`` and ``torch_version``.
+
+    Defaults: the detected platform and the installed torch (read from package
+    metadata, never imported). The verdict names the recommended backend (or
+    none, with the nearest working combinations), every backend's status and
+    message, and the sources. See ``accelport matrix``.
+    """
+    from .compat import recommend as _recommend
+
+    return _recommend(platform, torch_version)
+
+
 def device(index: int | None = None) -> torch.device:
     """The device to put the model and data on (this process's device when several run)."""
     return _RT.backend().device(index)
 
 
-def loader(iterable: Iterable[Any], *, prefetch: int | None = None) -> DeviceLoader:
+def loader(
+    iterable: Iterable[Any], *, prefetch: int | None = None, shard: bool | None = None, progress: bool = False
+) -> DeviceLoader:
     """Wrap a DataLoader (or any iterable of batches): batches arrive on the device, prefetched.
 
     ``prefetch`` is how many batches to load ahead; None takes the backend's own
@@ -138,11 +163,16 @@ def loader(iterable: Iterable[Any], *, prefetch: int | None = None) -> DeviceLoa
     upload several batches per transfer). 0 loads each batch in the loop's thread.
 
     The time the loop waits for data and each batch's shapes are recorded for
-    ``ap.metrics()`` and the diagnostics.
+    ``ap.metrics()`` and the diagnostics. With several replicas, ``shard=True``
+    gives each one its own share of the batches (every replica the same number);
+    by default a DataLoader without a DistributedSampler draws one warning.
+    ``progress=True`` shows a progress bar (needs tqdm) with steps per second,
+    compilations so far and the data-wait share; it stays quiet when the output
+    is not a terminal.
     """
     from ._loader import DeviceLoader
 
-    return DeviceLoader(iterable, _RT, prefetch=prefetch)
+    return DeviceLoader(iterable, _RT, prefetch=prefetch, shard=shard, progress=progress)
 
 
 def optimizer_step(optimizer: Any, **kwargs: Any) -> Any:
@@ -180,6 +210,17 @@ def after_step(fn: Callable[..., Any], *tensors: Any) -> None:
     _RT.backend().after_step(fn, tensors)
 
 
+def diagnostics() -> list[Any]:
+    """What the built-in diagnostics found so far in this run (``Diagnosis`` items).
+
+    Each has ``kind`` (recompilation, host-sync, input-bound, graph-growth,
+    cpu-fallback, deprecated-config), ``message`` (cause and fix), ``step`` and
+    ``evidence``. Empty when diagnostics are disabled (``ACCELPORT_DIAGNOSTICS=0``).
+    """
+    plugin = _RT.host().pm.get_plugin("diagnostics")
+    return list(getattr(plugin, "findings", []))
+
+
 def rank() -> int:
     """This process's rank among all replicas (0 when alone)."""
     return _RT.backend().rank()
@@ -205,11 +246,32 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return _RT.backend().all_reduce(tensor, op)
 
 
+def print(*values: Any, sep: str = " ", end: str = "\n", file: Any = None, flush: bool = False) -> None:
+    """``print`` on the main process only, with tensors shown as host values.
+
+    Safe on every backend and at every rank: nothing is forced to run early (on a
+    lazy backend the print waits for the step's sync), and the other processes
+    return at once without touching their tensors.
+    """
+    b = _RT.backend()
+    if b.rank() != 0:
+        return
+    import builtins
+
+    b.after_step(lambda *host: builtins.print(*host, sep=sep, end=end, file=file, flush=flush), values)
+
+
 def save(obj: Any, path: str | os.PathLike[str]) -> None:
-    """Checkpoint ``obj``: tensors to host, main process only, atomic rename."""
+    """Checkpoint ``obj``: tensors to host, main process only, atomic (temp file, fsync, rename).
+
+    Call it on every process or on the main one only; it never waits for the others.
+    """
     _RT.backend().save(obj, path)
 
 
-def load(path: str | os.PathLike[str], map_location: Any = None) -> Any:
-    """Read a checkpoint written by :func:`save`, onto this backend's device."""
-    return _RT.backend().load(path, map_location)
+def load(path: str | os.PathLike[str], map_location: Any = None, *, weights_only: bool = True) -> Any:
+    """Read a checkpoint written by :func:`save`, onto this process's device.
+
+    ``weights_only=False`` allows arbitrary pickled objects: only for files you trust.
+    """
+    return _RT.backend().load(path, map_location, weights_only=weights_only)

@@ -9,13 +9,17 @@ which input changed shape.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-__all__ = ["DeviceLoader", "prefetch_iter", "signature"]
+from .errors import DiagnosticWarning
+
+__all__ = ["DeviceLoader", "prefetch_iter", "shard_batches", "signature"]
 
 _DONE = object()
 
@@ -104,14 +108,76 @@ def prefetch_iter(
         stop.set()
 
 
+def describe_loader(iterable: Any) -> dict[str, Any]:
+    """What diagnostics need to know about a loader, read from its attributes."""
+    info: dict[str, Any] = {"type": type(iterable).__name__}
+    for key in ("num_workers", "batch_size", "drop_last"):
+        if hasattr(iterable, key):
+            info[key] = getattr(iterable, key)
+    return info
+
+
+def _tqdm() -> Any:
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        from .errors import AccelportError
+
+        raise AccelportError("ap.loader(progress=True) needs tqdm: pip install tqdm") from None
+    return tqdm
+
+
+def _progress_bar(iterable: Any) -> Any:
+    total = len(iterable) if hasattr(iterable, "__len__") else None
+    # disable=None: quiet when the output is not a terminal (CI logs, files).
+    return _tqdm()(total=total, unit="step", disable=None, dynamic_ncols=True)
+
+
+def _advance(bar: Any, tracker: Any, backend: Any, base: Any) -> None:
+    bar.update(1)
+    if bar.n % 10 == 1 and not bar.disable:  # postfix formatting costs more than the update itself
+        total = tracker.step_seconds or 1e-9
+        compiles = backend.step_counters().get("compilations")
+        bar.set_postfix(compiles=compiles - (base or 0) if compiles is not None else "-",
+                        data_wait=f"{min(tracker.data_wait / total, 1.0):.0%}", refresh=False)
+
+def shard_batches(iterable: Iterable[Any], rank: int, world: int) -> Iterator[Any]:
+    """This replica's share of ``iterable``: batch ``rank`` of every run of ``world`` batches.
+
+    A final run shorter than ``world`` is dropped on every replica, so all of them
+    take the same number of steps (one replica stepping alone would wait forever
+    in the gradient all-reduce).
+    """
+    it = iter(iterable)
+    while True:
+        run = list(itertools.islice(it, world))
+        if len(run) < world:
+            return
+        yield run[rank]
+
+
+def _unsharded_dataloader(iterable: Any) -> bool:
+    """True for a torch DataLoader over a map-style dataset without a DistributedSampler."""
+    import sys
+
+    data = sys.modules.get("torch.utils.data")
+    if data is None or not isinstance(iterable, data.DataLoader):
+        return False
+    if isinstance(iterable.dataset, data.IterableDataset):
+        return False  # it may shard itself (get_worker_info, rank); we cannot tell
+    samplers = (iterable.sampler, getattr(iterable.batch_sampler, "sampler", None))
+    return not any(isinstance(s, data.distributed.DistributedSampler) for s in samplers)
+
+
 class DeviceLoader:
     """What ``ap.loader()`` returns: iterate it like the wrapped loader.
 
     Every ``iter()`` starts a new pass over the wrapped iterable (an epoch).
-    ``len()`` is the wrapped loader's length when it has one.
+    ``len()`` is the wrapped loader's length (this replica's share with ``shard=True``).
     """
 
-    def __init__(self, iterable: Iterable[Any], runtime: Any, prefetch: int | None = None) -> None:
+    def __init__(self, iterable: Iterable[Any], runtime: Any, prefetch: int | None = None,
+                 shard: bool | None = None, progress: bool = False) -> None:
         if not hasattr(iterable, "__iter__"):
             raise TypeError(
                 f"ap.loader() needs an iterable of batches (a DataLoader, a list, a generator), "
@@ -120,31 +186,68 @@ class DeviceLoader:
         if prefetch is not None and (not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0):
             raise ValueError(f"prefetch must be a non-negative int (batches to load ahead) or None "
                              f"(the backend's default), not {prefetch!r}")
+        if shard is not None and not isinstance(shard, bool):
+            raise TypeError(f"shard must be True, False or None, not {shard!r}")
         self.iterable = iterable
         self.prefetch = prefetch
+        self.shard = shard
+        self.progress = progress
         self._runtime = runtime
+        if progress:
+            _tqdm()  # fail now, at the call site, if tqdm is missing
 
     def __len__(self) -> int:
-        return len(self.iterable)  # type: ignore[arg-type]
+        n = len(self.iterable)  # type: ignore[arg-type]
+        if self.shard:
+            n //= self._runtime.backend().world_size()
+        return n
+
+    def _source(self, backend: Any) -> Iterable[Any]:
+        world = backend.world_size()
+        if world == 1:
+            return self.iterable
+        if self.shard:
+            return shard_batches(self.iterable, backend.rank(), world)
+        if self.shard is None and _unsharded_dataloader(self.iterable) and \
+                "unsharded-dataloader" not in self._runtime.warned:
+            self._runtime.warned.add("unsharded-dataloader")
+            warnings.warn(
+                f"ap.loader: this DataLoader has no DistributedSampler, so each of the {world} replicas "
+                "reads the whole dataset and an epoch does no more than one replica would alone. "
+                "Build it with sampler=torch.utils.data.DistributedSampler(dataset) (call "
+                "sampler.set_epoch(epoch) each epoch), or pass ap.loader(..., shard=True) to split its "
+                "batches between replicas; shard=False silences this warning.",
+                DiagnosticWarning,
+                stacklevel=3,
+            )
+        return self.iterable
 
     def __iter__(self) -> Iterator[Any]:
         runtime = self._runtime
         backend = runtime.backend()
         tracker = runtime.tracker
-        it = iter(backend.wrap_loader(self.iterable, prefetch=self.prefetch))
+        tracker.loader_info = describe_loader(self.iterable)
+        it = iter(backend.wrap_loader(self._source(backend), prefetch=self.prefetch))
         end_of_batch = backend.end_of_batch
         clock = time.perf_counter
+        bar = _progress_bar(self) if self.progress else None
         first = True
-        while True:
-            if not first:
-                # The loop body is done with the previous batch; a lazy backend runs the
-                # step's graph now, and that (compile, dispatch) is not waiting for data.
-                end_of_batch()
-            first = False
-            t0 = clock()
-            try:
-                batch = next(it)
-            except StopIteration:
-                return
-            tracker.batch_arrived(clock() - t0, signature(batch))
-            yield batch
+        try:
+            while True:
+                if not first:
+                    # The loop body is done with the previous batch; a lazy backend runs the
+                    # step's graph now, and that (compile, dispatch) is not waiting for data.
+                    end_of_batch()
+                first = False
+                t0 = clock()
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    return
+                tracker.batch_arrived(clock() - t0, signature(batch))
+                if bar is not None:
+                    _advance(bar, tracker, backend, runtime._baseline.get("compilations"))
+                yield batch
+        finally:
+            if bar is not None:
+                bar.close()

@@ -14,7 +14,7 @@ import importlib.metadata as md
 import importlib.util
 import sys
 
-__all__ = ["version", "has_module", "release", "same_minor", "cache_clear"]
+__all__ = ["version", "requires_python", "has_module", "release", "same_minor", "cache_clear"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -25,6 +25,15 @@ def version(distribution: str) -> str | None:
     except md.PackageNotFoundError:
         return None
     except Exception:  # broken metadata must not break detection
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def requires_python(distribution: str) -> str | None:
+    """The ``Requires-Python`` specifier of an installed distribution (e.g. ">=3.10"), or None."""
+    try:
+        return md.metadata(distribution).get("Requires-Python")
+    except Exception:  # not installed, or broken metadata
         return None
 
 
@@ -62,4 +71,5 @@ def same_minor(a: str | None, b: str | None) -> bool:
 def cache_clear() -> None:
     """Forget cached answers (tests install and remove fake distributions)."""
     version.cache_clear()
+    requires_python.cache_clear()
     has_module.cache_clear()

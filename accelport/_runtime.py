@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from .contract import COUNTER_FIELDS, LEVEL_FIELDS, Backend, Metrics, StepRecord
@@ -24,8 +26,11 @@ class StepTracker:
         self._last_signature: tuple[Any, ...] | None = None
         self._last_end: float | None = None
         self._last_counters: dict[str, float] = {}
+        self.loader_info: dict[str, Any] = {}
 
     def batch_arrived(self, wait: float, sig: tuple[Any, ...]) -> None:
+        if self._last_end is None:  # the first step starts when the loop first asks for data
+            self._last_end = time.perf_counter() - wait
         self.data_wait += wait
         self._pending_wait += wait
         self._last_signature = sig
@@ -53,6 +58,7 @@ class StepTracker:
                 signature=self._last_signature,
                 delta=delta,
                 time=time.time(),
+                loader=self.loader_info,
             )
         )
 
@@ -68,6 +74,8 @@ class Runtime:
         self.explicit: str | None = None
         self.tracker = StepTracker()
         self._baseline: dict[str, Any] = {}
+        #: Keys of the warnings already given in this process (each is given once).
+        self.warned: set[str] = set()
 
     def host(self) -> Any:
         if self._host is None:
@@ -82,9 +90,12 @@ class Runtime:
         if self._backend is None:
             with self._lock:
                 if self._backend is None:
+                    from .compat import warn_deprecations
                     from .selection import resolve
 
                     backend, reason = resolve(self.host(), self.explicit, os.environ)
+                    # Vendor deprecations are announced where the backend is first chosen.
+                    warn_deprecations(backend, os.environ)
                     backend.prepare()
                     backend.reason = reason
                     self._baseline = backend.counters()
@@ -106,6 +117,21 @@ class Runtime:
         """Forget plugins, selection and counters (tests; a fresh start after env changes)."""
         with self._lock:
             self.__init__()  # type: ignore[misc]
+
+    @contextlib.contextmanager
+    def scoped(self) -> Iterator[Runtime]:
+        """Run a block whose backend choice and counters are its own; the state before comes back after.
+
+        The pytest plugin runs each test on its backend inside one, so a test's
+        ``ap.use`` (or ``reset``) never leaks into the next test.
+        """
+        with self._lock:
+            saved = {key: value for key, value in vars(self).items() if key != "_lock"}
+        try:
+            yield self
+        finally:
+            with self._lock:
+                vars(self).update(saved)
 
     def metrics(self) -> Metrics:
         backend = self.backend()

@@ -19,7 +19,14 @@ __all__ = ["main", "COMMANDS", "UsageError", "emit_json"]
 
 #: Subcommand modules; each defines ``register(subparsers)`` that adds its parser
 #: and sets ``func(args) -> int`` as the default.
-COMMANDS: tuple[str, ...] = ("accelport.cli_backends",)
+COMMANDS: tuple[str, ...] = (
+    "accelport.cli_backends",
+    "accelport.cli_doctor",
+    "accelport.cli_launch",
+    "accelport.cli_matrix",
+    "accelport.cli_ci_matrix",
+    "accelport.cli_report",
+)
 
 
 class UsageError(Exception):
@@ -81,6 +88,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(type(exc).__name__, str(exc), as_json, 1)
     except KeyboardInterrupt:
         return _fail("interrupted", "interrupted", as_json, 130)
+    except BrokenPipeError:
+        # The reader went away (`accelport matrix | head`): not an error of ours. Point
+        # stdout at devnull so the interpreter's final flush does not complain either.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as exc:  # the last line of defence: never a traceback
         return _fail(
             "internal",

@@ -1,44 +1,425 @@
-"""The compatibility verdict: which backend is recommended on a platform and torch version.
+"""The compatibility verdict: which backend to use on a platform with a torch version, and why.
 
-This first version ranks backends per platform from a fixed preference; the
-data-driven matrix (``compat_matrix/``) replaces the ranking with rows that
-carry status, messages and sources.
+The facts live in ``compat_matrix/*.toml`` (schema: ``docs/compat-matrix.md``),
+loaded and validated by :mod:`accelport._matrix`, extended by plugins through
+``accelport_compat_rows`` and by the user through ``ACCELPORT_COMPAT_MATRIX``.
+This module turns them into a :class:`Verdict` and into the deprecation
+warnings emitted when a backend is selected. It never imports torch: the
+installed torch version is read from package metadata.
 """
 
 from __future__ import annotations
 
+import datetime as _dt
+import os
+import sys
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-from . import _packages
+from . import _matrix, _packages
+from ._matrix import STATUSES, WORKING, Matrix, Minor, Row, Source, minor_str, parse_torch_version
+from .errors import (
+    AccelportDeprecationWarning,
+    CompatibilityWarning,
+    InvalidVersionError,
+    UnknownPlatformError,
+)
+from .platform import PLATFORMS
 
-__all__ = ["Verdict", "recommend"]
+__all__ = [
+    "Verdict",
+    "BackendStatus",
+    "Combination",
+    "recommend",
+    "parse_torch_version",
+    "deprecation_messages",
+    "warn_deprecations",
+    "target_platform",
+    "STATUSES",
+]
 
-_PREFERENCE: Mapping[str, tuple[str, ...]] = {
-    "gcp-tpu": ("tpu", "xla"),
-    "aws-neuron": ("neuron", "neuron-xla"),
-    "nvidia-gpu": ("cuda",),
-    "cpu": ("cpu",),
-}
+_ALTERNATIVES = 3
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """One backend's standing in a verdict (taken from one matrix row)."""
+
+    backend: str
+    status: str
+    message: str
+    torch: str
+    requires: str | None
+    sources: tuple[Source, ...]
+    as_of: _dt.date
+    python: tuple[str, str] | None = None
+    chips: tuple[str, ...] = ()
+    replacement: str | None = None
+    confirmed: bool = True
+    note: str | None = None
+    origin: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "status": self.status,
+            "message": self.message,
+            "torch": self.torch,
+            "requires": self.requires,
+            "python": list(self.python) if self.python else None,
+            "chips": list(self.chips),
+            "replacement": self.replacement,
+            "confirmed": self.confirmed,
+            "note": self.note,
+            "as_of": self.as_of.isoformat(),
+            "sources": [s.to_dict() for s in self.sources],
+            "origin": self.origin,
+        }
+
+
+@dataclass(frozen=True)
+class Combination:
+    """A combination that works on the platform: torch minor, backend, status, paired package."""
+
+    torch: str
+    backend: str
+    status: str
+    requires: str | None = None
+
+    def describe(self) -> str:
+        extra = f"; {self.requires}" if self.requires else ""
+        return f"torch {self.torch} with {self.backend} ({self.status}{extra})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """Backends for one platform and torch version, best first."""
+    """What the matrix says for one platform and torch version.
+
+    ``ranked`` lists the backends that run, best status first (recommended,
+    supported, experimental, deprecated); the default selection policy takes
+    the first available one. ``backends`` holds every backend's status,
+    message and sources. ``unverified`` is True when the torch version is
+    newer than every row and the newest row was used instead.
+    """
 
     platform: str
     torch_version: str | None
     ranked: tuple[str, ...]
     statuses: Mapping[str, str] = field(default_factory=dict)
+    backends: Mapping[str, BackendStatus] = field(default_factory=dict)
+    row_torch: str | None = None
+    unverified: bool = False
+    alternatives: tuple[Combination, ...] = ()
+    chip: str | None = None
+    reason: str = ""
+    as_of: _dt.date | None = None
 
     @property
     def recommended(self) -> str | None:
-        return self.ranked[0] if self.ranked else None
+        """The backend whose status is ``recommended``, or None."""
+        for name in self.ranked:
+            if self.statuses.get(name) == "recommended":
+                return name
+        return None
+
+    def status(self, backend: str) -> str:
+        """``backend``'s status; a backend without a row here is ``unsupported``."""
+        return self.statuses.get(backend, "unsupported")
+
+    @property
+    def sources(self) -> tuple[Source, ...]:
+        seen: dict[Source, None] = {}
+        for st in self.backends.values():
+            for s in st.sources:
+                seen.setdefault(s, None)
+        return tuple(seen)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "platform": self.platform,
+            "chip": self.chip,
+            "torch_version": self.torch_version,
+            "row_torch": self.row_torch,
+            "unverified": self.unverified,
+            "recommended": self.recommended,
+            "ranked": list(self.ranked),
+            "reason": self.reason,
+            "backends": [b.to_dict() for b in self.backends.values()],
+            "alternatives": [a.to_dict() for a in self.alternatives],
+            "sources": [s.to_dict() for s in self.sources],
+            "as_of": self.as_of.isoformat() if self.as_of else None,
+        }
 
 
-def recommend(platform: str, torch_version: str | None = None) -> Verdict:
-    """The verdict for ``platform`` and ``torch_version`` (default: the installed torch)."""
-    if torch_version is None:
-        torch_version = _packages.version("torch")
-    ranked = _PREFERENCE.get(platform, ())
-    return Verdict(platform, torch_version, ranked, {name: "recommended" for name in ranked[:1]})
+# -- building a verdict --------------------------------------------------------------------
+
+
+def _host() -> Any:
+    from ._runtime import RUNTIME
+
+    return RUNTIME.host()
+
+
+def current_matrix(environ: Mapping[str, str] | None = None) -> Matrix:
+    """The matrix in effect for this process: shipped, plugin rows, ``ACCELPORT_COMPAT_MATRIX``."""
+    return _matrix.build(_host(), environ)
+
+
+def _effective(row: Row, chip: str | None) -> tuple[str, str]:
+    """The row's status and message, narrowed to ``chip`` when the row lists the chips it supports."""
+    if row.chips and chip and chip.lower() not in {c.lower() for c in row.chips}:
+        return "unsupported", (f"{row.backend} runs only on {', '.join(row.chips)}; this machine has {chip}. "
+                               + row.message)
+    return row.status, row.message
+
+
+def _status(row: Row, m: Minor, chip: str | None) -> BackendStatus:
+    status, message = _effective(row, chip)
+    return BackendStatus(
+        backend=row.backend, status=status, message=message, torch=row.torch_range,
+        requires=row.requirement(m), sources=row.sources, as_of=row.as_of, python=row.python,
+        chips=row.chips, replacement=row.replacement, confirmed=row.confirmed, note=row.note,
+        origin=row.where,
+    )
+
+
+def _alternatives(mx: Matrix, platform: str, target: Minor, chip: str | None) -> tuple[Combination, ...]:
+    """Per backend, its best-status nearest working torch minor other than ``target``; best first."""
+    best: dict[str, tuple[tuple[int, int, int], Combination]] = {}
+    for m in mx.minors(platform):
+        if m == target:
+            continue
+        for backend in mx.backends(platform):
+            row = mx.lookup(platform, backend, m)
+            if row is None:
+                continue
+            status, _ = _effective(row, chip)
+            if status not in WORKING:
+                continue
+            distance = abs(m[1] - target[1]) if m[0] == target[0] else 1000 + abs(m[0] - target[0])
+            key = (STATUSES.index(status), distance, -m[1])
+            if backend not in best or key < best[backend][0]:
+                best[backend] = (key, Combination(minor_str(m), backend, status, row.requirement(m)))
+    return tuple(c for _, c in sorted(best.values(), key=lambda kc: kc[0]))[:_ALTERNATIVES]
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside accelport.
+
+    Python shows a DeprecationWarning by default only when it is attributed to
+    ``__main__``: pointing at the user's line makes these warnings visible in
+    scripts without any filter set.
+    """
+    prefixes = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
+    backends = sys.modules.get("accelport._backends")
+    for path in getattr(backends, "__path__", ()):
+        prefixes.append(os.path.abspath(path) + os.sep)
+    frame = sys._getframe(2)  # the caller of the function that calls warnings.warn
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(tuple(prefixes)):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return level
+
+
+def _warn(message: str, category: type[Warning]) -> None:
+    warnings.warn(message, category, stacklevel=_user_stacklevel())
+
+
+def recommend(
+    platform: str | None = None,
+    torch_version: str | None = None,
+    *,
+    chip: str | None = None,
+    matrix: Matrix | None = None,
+    warn: bool = True,
+) -> Verdict:
+    """The verdict for ``platform`` and ``torch_version``.
+
+    Defaults: the detected platform (and its chip) and the installed torch
+    (read from metadata, never imported). Raises UnknownPlatformError for an
+    unknown platform and InvalidVersionError for a ``torch_version`` that is
+    not PEP 440. A torch newer than every row is judged by the newest row, the
+    verdict is marked ``unverified`` and a CompatibilityWarning says so.
+    """
+    if platform is None:
+        from .platform import detect
+
+        found = detect()
+        platform, chip = found.name, chip or found.chip
+    elif platform not in PLATFORMS:
+        raise UnknownPlatformError(str(platform), PLATFORMS)
+    mx = matrix if matrix is not None else current_matrix()
+    explicit = torch_version is not None
+    tv = torch_version if explicit else _packages.version("torch")
+    covered = mx.covered(platform)
+    if tv is None:
+        return Verdict(platform, None, (), chip=chip, as_of=mx.as_of,
+                       reason=f"torch is not installed (pip install torch; the matrix covers torch {covered})")
+    try:
+        wanted = parse_torch_version(tv, covered)
+    except InvalidVersionError:
+        if explicit:
+            raise
+        return Verdict(platform, tv, (), chip=chip, as_of=mx.as_of,
+                       reason=f"the installed torch version {tv!r} is not a PEP 440 version; no verdict")
+    minors = mx.minors(platform)
+    if not minors:
+        return Verdict(platform, tv, (), chip=chip, as_of=mx.as_of,
+                       reason=f"the compatibility matrix has no rows for {platform}")
+    on = f"{platform} with torch {tv}"
+    if wanted < minors[0]:
+        alts = _alternatives(mx, platform, wanted, chip)
+        return Verdict(platform, tv, (), row_torch=None, chip=chip, alternatives=alts, as_of=mx.as_of,
+                       reason=(f"torch {tv} is older than the matrix covers for {platform} ({covered}): "
+                               f"upgrade torch; nearest working: {_join(alts)}"))
+    row_minor, unverified = wanted, False
+    if wanted > minors[-1]:
+        row_minor, unverified = minors[-1], True
+        if warn:
+            _warn(f"torch {tv} is newer than every row of the compatibility matrix for {platform} "
+                  f"(newest: {minor_str(minors[-1])}); accelport uses the {minor_str(minors[-1])} row, "
+                  "which is unverified for this torch. Check the vendors' release notes, or add rows with "
+                  f"{_matrix.OVERRIDE_ENV}=/path/file.toml.", CompatibilityWarning)
+    backends: dict[str, BackendStatus] = {}
+    for backend in mx.backends(platform):
+        row = mx.lookup(platform, backend, row_minor)
+        if row is not None:
+            backends[backend] = _status(row, row_minor, chip)
+    order = list(backends)
+    ranked = tuple(sorted((b for b in order if backends[b].status in WORKING),
+                          key=lambda b: (STATUSES.index(backends[b].status), order.index(b))))
+    statuses = {b: s.status for b, s in backends.items()}
+    alts: tuple[Combination, ...] = ()
+    caveat = (f" (judged by the torch {minor_str(row_minor)} row: torch {tv} is newer than the matrix, "
+              "so this is unverified)") if unverified else ""
+    rec = next((b for b in ranked if statuses[b] == "recommended"), None)
+    if rec is not None:
+        reason = f"{rec} is recommended for {on}{caveat}: {backends[rec].message}"
+    else:
+        alts = _alternatives(mx, platform, row_minor, chip)
+        best = f"; {ranked[0]} is {statuses[ranked[0]]}: {backends[ranked[0]].message}" if ranked else ""
+        near = f"; nearest working: {_join(alts)}" if alts else ""
+        reason = f"no backend is recommended for {on}{caveat}{best}{near}"
+    return Verdict(platform, tv, ranked, statuses, backends, minor_str(row_minor), unverified, alts, chip,
+                   reason, mx.as_of)
+
+
+def _join(combos: tuple[Combination, ...]) -> str:
+    return ", ".join(c.describe() for c in combos) or "none"
+
+
+# -- deprecation warnings at selection time -----------------------------------------------
+
+_PJRT_PLATFORM = {"CPU": "cpu", "TPU": "gcp-tpu", "CUDA": "nvidia-gpu", "GPU": "nvidia-gpu", "NEURON": "aws-neuron"}
+_FALSY = {"", "0", "false", "no", "off"}
+
+
+def target_platform(backend: Any, environ: Mapping[str, str] | None = None, detected: str | None = None) -> str:
+    """The platform a backend actually drives here, which picks the matrix rows that judge it.
+
+    A backend may say so itself (``target_platform()``). An XLA (lazy) backend
+    follows ``PJRT_DEVICE``; unset, torch_xla picks TPU or Neuron when present
+    and otherwise the CPU (never CUDA on its own). Any other backend drives its
+    declared ``platform``.
+    """
+    env = os.environ if environ is None else environ
+    own = getattr(backend, "target_platform", None)
+    if callable(own):
+        try:
+            value = own()
+        except Exception:  # a backend's hint must never break selection
+            value = None
+        if value in PLATFORMS:
+            return str(value)
+    if getattr(backend, "lazy", False):
+        pjrt = env.get("PJRT_DEVICE", "").strip().upper()
+        if pjrt in _PJRT_PLATFORM:
+            return _PJRT_PLATFORM[pjrt]
+        if detected is None:
+            from .platform import detect
+
+            detected = detect().name
+        return "cpu" if detected == "nvidia-gpu" else detected
+    return str(getattr(backend, "platform", "cpu"))
+
+
+def _cite(sources: tuple[Source, ...]) -> str:
+    if not sources:
+        return ""
+    s = sources[0]
+    return f" Source: {s.title} <{s.url}>."
+
+
+def deprecation_messages(
+    backend: str,
+    platform: str,
+    torch_version: str | None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    chip: str | None = None,
+    matrix: Matrix | None = None,
+) -> list[str]:
+    """Why ``backend`` on ``platform`` with ``torch_version`` deserves a deprecation warning, if it does.
+
+    One message when the matrix marks the combination deprecated (or
+    unsupported), naming the replacement and the source; one per deprecated
+    environment variable that is set. Pure: emits nothing.
+    """
+    env = os.environ if environ is None else environ
+    mx = matrix if matrix is not None else current_matrix()
+    out: list[str] = []
+    if torch_version is not None:
+        try:
+            verdict = recommend(platform, torch_version, chip=chip, matrix=mx, warn=False)
+        except InvalidVersionError:
+            verdict = None
+        st = verdict.backends.get(backend) if verdict is not None else None
+        if st is not None and st.status in ("deprecated", "unsupported"):
+            what = "deprecated" if st.status == "deprecated" else "not supported"
+            instead = f"; use the {st.replacement} backend instead" if st.replacement else ""
+            out.append(f"accelport: {backend} is {what} on {platform} with torch {torch_version}{instead}. "
+                       f"{st.message}{_cite(st.sources)}")
+    for name, message in deprecated_settings(env, backend=backend, matrix=mx):
+        out.append(f"accelport: {message}")
+    return out
+
+
+def deprecated_settings(
+    environ: Mapping[str, str], backend: str | None = None, matrix: Matrix | None = None
+) -> list[tuple[str, str]]:
+    """(variable, message) for each deprecated environment variable in effect, from the matrix's env rows."""
+    mx = matrix if matrix is not None else current_matrix()
+    out = []
+    for name, dep in mx.env.items():
+        value = environ.get(name)
+        if value is None or value.strip().lower() in _FALSY:
+            continue
+        effect = (f" It has no effect on the {backend} backend." if backend and dep.backends
+                  and backend not in dep.backends else "")
+        out.append((name, f"{name}={value} is set. {dep.message} Instead use {dep.replacement}.{effect}"
+                          f"{_cite(dep.sources)}"))
+    return out
+
+
+def warn_deprecations(backend: Any, environ: Mapping[str, str] | None = None) -> list[str]:
+    """Emit one AccelportDeprecationWarning per problem with the selected ``backend``; return the messages.
+
+    Called once, where the backend is first selected. The warning points at
+    the user's code, so Python shows it by default in a script.
+    """
+    env = os.environ if environ is None else environ
+    from .platform import detect
+
+    found = detect()
+    platform = target_platform(backend, env, found.name)
+    chip = found.chip if platform == found.name else None
+    messages = deprecation_messages(backend.name, platform, _packages.version("torch"), env, chip=chip)
+    for message in messages:
+        _warn(message, AccelportDeprecationWarning)
+    return messages

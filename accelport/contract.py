@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import os
+import socket
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -101,6 +102,8 @@ class StepRecord:
     signature: tuple[Any, ...] | None
     delta: Mapping[str, float]
     time: float
+    #: What the loader said about itself: num_workers, batch_size, type (empty if unknown).
+    loader: Mapping[str, Any] = field(default_factory=dict)
 
 
 class Backend(abc.ABC):
@@ -116,6 +119,15 @@ class Backend(abc.ABC):
     packages: ClassVar[tuple[str, ...]] = ("torch",)
     #: Why this backend was selected (set by the selection; one readable sentence).
     reason: str = ""
+    #: How ``accelport launch`` starts several processes: "torchrun" (torch.distributed.run,
+    #: one process per device) or "xla" (torch_xla.launch, one process per chip it finds).
+    #: None means by family: "xla" for lazy backends, "torchrun" for eager ones.
+    launcher: ClassVar[str | None] = None
+    #: "module:function" that ``accelport launch`` calls once, in a child of the launching
+    #: process, before any worker starts, as ``function(nproc_per_node=N)`` (plus ``nnodes=M``
+    #: on several hosts); every environment variable it sets is passed to the workers.
+    #: TorchTPU needs this: "torch.tpu.distributed:set_tpu_launch_env".
+    launch_env_function: ClassVar[str | None] = None
 
     def __init__(self) -> None:
         self._probe_cache: Probe | None = None
@@ -216,28 +228,35 @@ class Backend(abc.ABC):
     def save(self, obj: Any, path: str | os.PathLike[str]) -> None:
         """Write ``obj`` to ``path`` from the main process only, atomically.
 
-        Tensors are moved to the host first. The bytes go to a temporary file in
-        the same directory, are flushed and fsynced, then renamed over ``path``:
-        a crash mid-write leaves the previous checkpoint intact.
+        Call it from every process or from the main one only: the others return at
+        once (there is no barrier, so ``if ap.is_main_process(): ap.save(...)`` cannot
+        hang). Tensors are copied to the host first. The bytes go to a temporary file
+        in the same directory, are flushed and fsynced, then renamed over ``path``: a
+        crash or SIGKILL mid-write leaves the previous checkpoint intact.
+        """
+        if self.rank() != 0:
+            return
+        import torch
+
+        atomic_torch_save(torch, tree_map_tensors(obj, _host_copy), os.fspath(path))
+
+    def load(self, path: str | os.PathLike[str], map_location: Any = None, *,
+             weights_only: bool = True) -> Any:
+        """Read a checkpoint written by :meth:`save` onto this backend's device.
+
+        Tensors are read onto the host, then moved to ``map_location`` (default: this
+        process's device), so a checkpoint written on a TPU loads on a CPU and back.
+        ``weights_only=True`` (torch's own default) refuses arbitrary pickled objects;
+        pass False only for files you trust.
         """
         import torch
 
-        host_obj = tree_map_tensors(obj, lambda t: t.detach().to("cpu"))
-        if self.rank() == 0:
-            atomic_torch_save(torch, host_obj, os.fspath(path))
-
-    def load(self, path: str | os.PathLike[str], map_location: Any = None) -> Any:
-        """Read a checkpoint written by :meth:`save` onto this backend's device."""
-        import torch
-
-        obj = torch.load(os.fspath(path), map_location="cpu", weights_only=False)
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no checkpoint at {path!r}")
+        obj = torch.load(path, map_location="cpu", weights_only=weights_only)
         target = map_location if map_location is not None else self.device()
         return tree_map_tensors(obj, lambda t: t.to(target))
-
-    # -- doctor ----------------------------------------------------------------------
-    def doctor_checks(self, context: Any) -> list[Any]:
-        """Findings specific to this backend (see accelport.doctor)."""
-        return []
 
     def __repr__(self) -> str:
         return f"<accelport backend {self.name!r} ({self.platform})>"
@@ -254,7 +273,11 @@ def tree_map_tensors(obj: Any, fn: Callable[[Any], Any]) -> Any:
         if isinstance(x, torch.Tensor):
             return fn(x)
         if isinstance(x, dict):
-            return type(x)((k, walk(v)) for k, v in x.items())
+            out = type(x)((k, walk(v)) for k, v in x.items())
+            # A module's state_dict carries version metadata that load_state_dict reads.
+            if hasattr(x, "_metadata"):
+                out._metadata = x._metadata  # type: ignore[attr-defined]
+            return out
         if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
             return type(x)(*(walk(v) for v in x))
         if isinstance(x, (list, tuple)):
@@ -276,11 +299,72 @@ def to_host(value: Any) -> Any:
     return value
 
 
+def _host_copy(t: Any) -> Any:
+    """A detached host tensor holding only ``t``'s own elements.
+
+    torch.save writes a tensor's whole storage, so a view of a large tensor is
+    cloned to keep the checkpoint the size of what was asked for.
+    """
+    import torch
+
+    t = t.detach().to("cpu")
+    if t.layout is not torch.strided or t.is_quantized:
+        return t
+    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        t = t.clone()
+    return t
+
+
+_TMP_SUFFIX = ".accelport.tmp"
+
+
+def _tmp_prefix(path: str) -> str:
+    # Hidden, named after the target, host and process: an orphan left by a killed
+    # writer is recognisable, and only the host that wrote it ever removes it.
+    return f".{os.path.basename(path)}.{socket.gethostname()}.{os.getpid()}."
+
+
+def _remove_orphans(path: str) -> None:
+    """Delete temp files of ``path`` left by writers on this host that no longer run."""
+    directory = os.path.dirname(path)
+    head = f".{os.path.basename(path)}.{socket.gethostname()}."
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        if not (name.startswith(head) and name.endswith(_TMP_SUFFIX)):
+            continue
+        pid_text = name[len(head):].split(".", 1)[0]
+        if not pid_text.isdigit() or int(pid_text) == os.getpid() or _alive(int(pid_text)):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
 def atomic_torch_save(torch: Any, obj: Any, path: str) -> None:
-    """torch.save to a temp file, fsync, rename: readers never see a half-written file."""
-    directory = os.path.dirname(os.path.abspath(path))
+    """torch.save to a temp file, fsync, rename: readers never see a half-written file.
+
+    A writer killed mid-save leaves the previous file at ``path`` untouched and a
+    hidden ``.<name>.<host>.<pid>.*.accelport.tmp`` beside it; the next save on the
+    same host removes such orphans once their writer is gone.
+    """
+    path = os.path.abspath(path)
+    directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".accelport-", suffix=".tmp", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=_TMP_SUFFIX, dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
@@ -297,8 +381,10 @@ def atomic_torch_save(torch: Any, obj: Any, path: str) -> None:
     try:
         dfd = os.open(directory, os.O_RDONLY)
     except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+        dfd = None
+    if dfd is not None:
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    _remove_orphans(path)

@@ -18,6 +18,11 @@ from ._loader import prefetch_iter
 __all__ = ["EagerBackend"]
 
 
+#: Gradients are averaged in buckets of about this many bytes, one collective each
+#: (DistributedDataParallel's default bucket size).
+BUCKET_BYTES = 25 * 1024 * 1024
+
+
 def _env_int(name: str, default: int) -> int:
     try:
         return int(os.environ.get(name, default))
@@ -101,24 +106,68 @@ class EagerBackend(Backend):
         return optimizer.step(**kwargs)
 
     def _average_gradients(self, optimizer: Any) -> None:
-        """All-reduce every gradient, coalesced: one collective per (device, dtype) group."""
+        """Average every gradient over the replicas in a few coalesced collectives.
+
+        Parameters are grouped by (device, dtype) and packed into buckets of about
+        ``BUCKET_BYTES``; each bucket is one all-reduce, and all are issued before
+        any is waited on, so packing one overlaps reducing the previous one. Every
+        trainable parameter takes part, in ``param_groups`` order (the same on every
+        replica), so buckets line up even when a parameter got no gradient on some
+        replica: it contributes zeros, and a presence count travelling in the same
+        bucket leaves ``grad`` as None only where no replica produced one. This is
+        what DistributedDataParallel does with ``find_unused_parameters``, without
+        the risk of mismatched collectives hanging the job.
+        """
         torch = self._t()
         import torch.distributed as dist
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+        from .errors import AccelportError
+
+        world = self.world_size()
         groups: dict[tuple[Any, Any], list[Any]] = {}
+        seen: set[int] = set()
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if p.grad is not None and not p.grad.is_sparse:
-                    groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-        world = self.world_size()
+                if not p.requires_grad or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                if p.grad is not None and p.grad.layout is not torch.strided:
+                    raise AccelportError(
+                        f"a parameter of shape {tuple(p.shape)} has a {p.grad.layout} gradient, which "
+                        "ap.optimizer_step cannot average over replicas; use a dense layer "
+                        "(e.g. nn.Embedding(sparse=False)) or DistributedDataParallel for this model"
+                    )
+                groups.setdefault((p.device, p.dtype), []).append(p)
         with torch.no_grad():
-            for grads in groups.values():
-                flat = _flatten_dense_tensors(grads)
-                dist.all_reduce(flat)
-                flat.div_(world)
-                for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                    g.copy_(reduced)
+            pending = []
+            for (device, dtype), params in groups.items():
+                for bucket in _buckets(params, BUCKET_BYTES):
+                    total = sum(p.numel() for p in bucket)
+                    # Gradients, then one presence flag per parameter.
+                    flat = torch.empty(total + len(bucket), dtype=dtype, device=device)
+                    offset = 0
+                    for p in bucket:
+                        n = p.numel()
+                        if p.grad is None:
+                            flat[offset:offset + n].zero_()
+                        else:
+                            flat[offset:offset + n].copy_(p.grad.reshape(-1))
+                        offset += n
+                    flat[total:].copy_(torch.tensor([p.grad is not None for p in bucket], dtype=dtype))
+                    pending.append((dist.all_reduce(flat, async_op=True), flat, bucket, total))
+            for work, flat, bucket, total in pending:
+                work.wait()
+                present = flat[total:].tolist() if any(p.grad is None for p in bucket) else None
+                flat = flat[:total].div_(world)
+                offset = 0
+                for i, p in enumerate(bucket):
+                    n = p.numel()
+                    reduced = flat[offset:offset + n].view_as(p)
+                    offset += n
+                    if p.grad is not None:
+                        p.grad.copy_(reduced)
+                    elif present is not None and present[i] > 0:
+                        p.grad = reduced.clone()
 
     def wrap_loader(self, iterable: Iterable[Any], *, prefetch: int | None) -> Iterator[Any]:
         device = self.device()
@@ -195,10 +244,33 @@ class EagerBackend(Backend):
     def all_reduce(self, tensor: Any, op: str = "sum") -> Any:
         if op not in ("sum", "mean"):
             raise ValueError(f"all_reduce op must be 'sum' or 'mean', not {op!r}")
+        # Checked at every world size, so a script that works alone works on many.
+        if op == "mean" and not (tensor.is_floating_point() or tensor.is_complex()):
+            raise TypeError(f"all_reduce(op='mean') needs a floating-point tensor, not {tensor.dtype}; "
+                            "convert it with .float() or reduce with op='sum'")
         dist = self._dist()
         if dist is None or dist.get_world_size() == 1:
             return tensor
-        dist.all_reduce(tensor)
+        if tensor.is_contiguous():
+            dist.all_reduce(tensor)
+        else:  # collectives need dense memory; reduce a packed copy and write it back
+            packed = tensor.contiguous()
+            dist.all_reduce(packed)
+            tensor.copy_(packed)
         if op == "mean":
             tensor.div_(dist.get_world_size())
         return tensor
+
+
+def _buckets(params: list[Any], limit: int) -> Iterator[list[Any]]:
+    """Consecutive runs of ``params`` of about ``limit`` bytes each (the same on every replica)."""
+    bucket: list[Any] = []
+    size = 0
+    for p in params:
+        bucket.append(p)
+        size += p.numel() * p.element_size()
+        if size >= limit:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket

@@ -12,6 +12,10 @@ __all__ = [
     "PluginWarning",
     "AccelportDeprecationWarning",
     "DiagnosticWarning",
+    "CompatibilityWarning",
+    "CompatMatrixError",
+    "UnknownPlatformError",
+    "InvalidVersionError",
     "nearest",
 ]
 
@@ -54,12 +58,54 @@ class BackendUnavailableError(AccelportError, RuntimeError):
         )
 
 
+class CompatMatrixError(AccelportError, ValueError):
+    """A compatibility-matrix file or plugin row that breaks the schema.
+
+    ``origin`` is the file (or ``plugin 'name'``) and ``key`` the offending key,
+    e.g. ``rows[3].status``; both are in the message.
+    """
+
+    def __init__(self, origin: str, key: str, problem: str) -> None:
+        self.origin = origin
+        self.key = key
+        self.problem = problem
+        where = f"{origin}, key {key}" if key else origin
+        super().__init__(f"invalid compatibility matrix {where}: {problem}")
+
+
+class UnknownPlatformError(AccelportError, ValueError):
+    """A platform name accelport does not know; ``known`` lists the valid ones."""
+
+    def __init__(self, name: str, known: Iterable[str]) -> None:
+        self.name = name
+        self.known = list(known)
+        self.suggestion = nearest(name, self.known)
+        hint = f" Did you mean {self.suggestion!r}?" if self.suggestion else ""
+        super().__init__(f"unknown platform {name!r}.{hint} Valid platforms: {', '.join(self.known)}.")
+
+
+class InvalidVersionError(AccelportError, ValueError):
+    """A torch version that is not a PEP 440 version."""
+
+    def __init__(self, text: str, covered: str = "") -> None:
+        self.text = text
+        known = f"; the matrix covers torch {covered}" if covered else ""
+        super().__init__(
+            f"invalid torch version {text!r}: expected a PEP 440 version such as 2.9, 2.9.0+cu128, "
+            f"2.10.0a0+git1234 or 2.15.0.dev20261001{known}."
+        )
+
+
 class PluginWarning(UserWarning):
     """A plugin failed to load or raised in a hook and was disabled."""
 
 
 class AccelportDeprecationWarning(DeprecationWarning):
     """The selected path or a setting in effect is deprecated by its vendor."""
+
+
+class CompatibilityWarning(UserWarning):
+    """The compatibility matrix cannot vouch for this combination (e.g. a torch newer than every row)."""
 
 
 class DiagnosticWarning(UserWarning):

@@ -67,8 +67,13 @@ def accelport_compat_rows() -> Sequence[Mapping[str, Any]] | None:
     """Return extra compatibility-matrix rows (same schema as ``compat_matrix/*.toml``).
 
     A third-party backend uses this to bring its own support data, so
-    selection and ``accelport matrix`` know about it. Collect-all; each result
-    is validated like the shipped data and an invalid row names its plugin.
+    selection and ``accelport matrix`` know about it. Each row is a mapping
+    with its own ``platform`` and ``as_of`` (there is no file to inherit them
+    from); ``sources`` may cite shipped source ids or give ``{title, url}``.
+    Collect-all; each result is validated like the shipped data. An invalid
+    row, or one overlapping an existing row, makes that plugin's rows ignored
+    with one PluginWarning naming the plugin and the key: plugins add rows,
+    ``ACCELPORT_COMPAT_MATRIX`` overrides them (see ``docs/compat-matrix.md``).
     """
 
 

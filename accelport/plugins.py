@@ -27,14 +27,17 @@ __all__ = ["BUILTIN_PLUGINS", "ENTRY_POINT_GROUP", "PluginHost", "FailedPlugin",
 
 ENTRY_POINT_GROUP = "accelport"
 
-#: Built-in plugins: (name, module). Loaded exactly like entry points; disable any
-#: of them by name with ACCELPORT_DISABLED_PLUGINS.
+#: Built-in plugins: (name, "module" or "module:factory"), loaded like entry points
+#: (a factory is called for a fresh plugin object); disable any of them by name
+#: with ACCELPORT_DISABLED_PLUGINS.
 BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("cpu", "accelport._backends.cpu"),
     ("cuda", "accelport._backends.cuda"),
     ("xla", "accelport._backends.xla"),
     ("neuron-xla", "accelport._backends.neuron_xla"),
     ("default-selection", "accelport.selection"),
+    ("diagnostics", "accelport.diagnosis:create_plugin"),
+    ("metrics-file", "accelport.metrics_log:create_plugin"),
 )
 
 
@@ -57,7 +60,16 @@ class FailedPlugin:
 
 def _disabled_names(env: Mapping[str, str]) -> set[str]:
     raw = env.get("ACCELPORT_DISABLED_PLUGINS", "")
-    return {part.strip() for part in raw.split(",") if part.strip()}
+    names = {part.strip() for part in raw.split(",") if part.strip()}
+    if (env.get("ACCELPORT_DIAGNOSTICS") or "").strip().lower() in {"0", "false", "no", "off"}:
+        names.add("diagnostics")
+    return names
+
+
+def _load_builtin(spec: str) -> Any:
+    module, _, factory = spec.partition(":")
+    obj = importlib.import_module(module)
+    return getattr(obj, factory)() if factory else obj
 
 
 def _truthy(value: str | None) -> bool:
@@ -136,8 +148,8 @@ class PluginHost:
         caller = getattr(self.pm.hook, hook)
         return [i for i in caller.get_hookimpls() if not (i.hookwrapper or i.wrapper)]
 
-    def call(self, hook: str, **kwargs: Any) -> list[Any]:
-        """Call every implementation (registration order), isolating failures; non-None results."""
+    def call_each(self, hook: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        """Call every implementation (registration order), isolating failures: (plugin, result) pairs."""
         results = []
         for impl in self._impls(hook):
             try:
@@ -146,8 +158,12 @@ class PluginHost:
                 self._fail(impl.plugin_name, f"hook {hook}", exc)
                 continue
             if result is not None:
-                results.append(result)
+                results.append((impl.plugin_name, result))
         return results
+
+    def call(self, hook: str, **kwargs: Any) -> list[Any]:
+        """Call every implementation, isolating failures; the non-None results."""
+        return [result for _, result in self.call_each(hook, **kwargs)]
 
     def call_first(self, hook: str, **kwargs: Any) -> Any:
         """Call implementations in pluggy's order (tryfirst .. trylast); first non-None wins."""
@@ -244,7 +260,7 @@ def create_manager(environ: Mapping[str, str] | None = None) -> PluginHost:
         if name in disabled:
             host.disabled.append(name)
             continue
-        host.load(name, lambda m=module: importlib.import_module(m), module=module, builtin=True)
+        host.load(name, lambda m=module: _load_builtin(m), module=module, builtin=True)
     if not _truthy(env.get("ACCELPORT_DISABLE_PLUGIN_AUTOLOAD")):
         try:
             entry_points = _entry_points()

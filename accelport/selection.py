@@ -27,12 +27,15 @@ def accelport_select_backend(
     ranked = tuple(getattr(recommendation, "ranked", ()))
     torch_v = getattr(recommendation, "torch_version", None)
     on = f"{platform} with torch {torch_v}" if torch_v else platform
+    statuses = getattr(recommendation, "statuses", {}) or {}
     for position, name in enumerate(ranked):
         if name not in by_name:
             continue
         backend = by_name[name]
         if position == 0:
-            return backend, f"{name} is the recommended backend for {on}; {backend.probe().reason}"
+            status = statuses.get(name, "recommended")
+            label = "the recommended backend" if status == "recommended" else f"the best backend ({status})"
+            return backend, f"{name} is {label} for {on}; {backend.probe().reason}"
         skipped = ", ".join(ranked[:position])
         return backend, (f"{name} is the best available backend for {on} "
                          f"({skipped} ranked higher but not available; see `accelport backends`)")
@@ -71,7 +74,7 @@ def resolve(host: Any, explicit: str | None, environ: Mapping[str, str]) -> tupl
     candidates = [b for b in known.values() if b.probe().available]
     chosen = host.call_first(
         "accelport_select_backend", candidates=candidates, platform=plat.name,
-        recommendation=recommend(plat.name),
+        recommendation=recommend(plat.name, chip=plat.chip),
     )
     if chosen is not None:
         backend, reason = chosen if isinstance(chosen, tuple) else (chosen, "")

@@ -1,20 +1,20 @@
 """Per-step overhead of ap.loader + ap.optimizer_step against raw torch_xla, on XLA:CPU.
 
-    PJRT_DEVICE=CPU python benchmarks/bench_xla_overhead.py [--rounds 15] [--steps 100]
+    PJRT_DEVICE=CPU python benchmarks/bench_xla_overhead.py [--rounds 21] [--steps 100]
 
 The same tiny model (where overhead shows most) trains in loops written three ways,
 interleaved round by round in one process so machine noise hits all alike:
 
-- raw:       MpDeviceLoader(batches, device) + xm.optimizer_step(opt), torch_xla's defaults
-- accelport: ap.loader(batches) + ap.optimizer_step(opt)
-- observed:  the accelport loop with an accelport_step_end observer installed, so the
-             per-step counters (Backend.step_counters) are read and a StepRecord is built
+- raw:        MpDeviceLoader(batches, device) + xm.optimizer_step(opt), torch_xla's defaults
+- accelport:  ap.loader(batches) + ap.optimizer_step(opt), as shipped: the built-in
+              diagnostics observe every step (accelport_step_end)
+- no-observer: the same loop with the diagnostics plugin unregistered, so no step
+              record is built and no per-step counters are read
 
 A step's time is the wall time between consecutive batches arriving in the loop.
 Reported: the median step time of each, its ratio to raw, the median over rounds of
 each round's ratio (the headline figure, target <= 1.03: pairing within a round cancels
-slow drifts of a shared machine), and the cost of one Backend.step_counters() /
-counters() call after the run.
+slow drifts of a shared machine), and the cost of accelport's per-step pieces timed alone.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import argparse
 import os
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -33,6 +34,7 @@ import torch_xla.core.xla_model as xm  # noqa: E402
 from torch_xla.distributed.parallel_loader import MpDeviceLoader  # noqa: E402
 
 import accelport as ap  # noqa: E402
+from accelport._loader import signature  # noqa: E402
 from accelport._runtime import RUNTIME  # noqa: E402
 
 
@@ -58,20 +60,16 @@ def epoch(batches: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, step
     return times
 
 
-class Observer:
-    """A minimal accelport_step_end plugin: what a diagnostics plugin costs at the least."""
-
-    def __init__(self) -> None:
-        self.records = 0
-
-    @ap.hookimpl
-    def accelport_step_end(self, record: Any) -> None:
-        self.records += 1
+def per_call(fn: Callable[[], Any], n: int = 5000) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n * 1e6
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--steps", type=int, default=100)
     args = parser.parse_args()
 
@@ -79,28 +77,32 @@ def main() -> None:
     device = ap.device()
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(16, 32, generator=g), torch.randn(16, 1, generator=g)) for _ in range(args.steps)]
-    raw_model, raw_opt = make_model(device)
-    ap_model, ap_opt = make_model(device)
-    obs_model, obs_opt = make_model(device)
+    models = {name: make_model(device) for name in ("raw", "accelport", "no-observer")}
     host = RUNTIME.host()
-    observer = Observer()
+    diagnostics = host.pm.get_plugin("diagnostics")
 
-    def raw() -> list[float]:
-        return epoch(MpDeviceLoader(data, device), raw_model, raw_opt, xm.optimizer_step)
+    class observers_off:
+        def __enter__(self) -> None:
+            if diagnostics is not None:
+                host.pm.unregister(diagnostics)
+            host._step_end = None  # the hot-path list of observers is rebuilt on next use
 
-    def accel() -> list[float]:
-        return epoch(ap.loader(data), ap_model, ap_opt, ap.optimizer_step)
-
-    def observed() -> list[float]:
-        host.pm.register(observer, name="bench-observer")
-        host._step_end = None  # rebuild the hot-path list with the observer in it
-        try:
-            return epoch(ap.loader(data), obs_model, obs_opt, ap.optimizer_step)
-        finally:
-            host.pm.unregister(observer)
+        def __exit__(self, *exc: Any) -> None:
+            if diagnostics is not None:
+                host.pm.register(diagnostics, name="diagnostics")
             host._step_end = None
 
-    runs = {"raw": raw, "accelport": accel, "observed": observed}
+    def raw() -> list[float]:
+        return epoch(MpDeviceLoader(data, device), *models["raw"], xm.optimizer_step)
+
+    def accel() -> list[float]:
+        return epoch(ap.loader(data), *models["accelport"], ap.optimizer_step)
+
+    def quiet() -> list[float]:
+        with observers_off():
+            return epoch(ap.loader(data), *models["no-observer"], ap.optimizer_step)
+
+    runs = {"raw": raw, "accelport": accel, "no-observer": quiet}
     for fn in runs.values():  # compile and warm up every loop
         fn()
     times: dict[str, list[float]] = {k: [] for k in runs}
@@ -116,37 +118,25 @@ def main() -> None:
     # Each round's loops ran back to back: their ratio cancels slow drifts of a shared machine.
     paired = {k: statistics.median(a / b for a, b in zip(per_round[k], per_round["raw"])) for k in runs}
     print(f"torch {torch.__version__}, torch_xla {torch_xla.__version__}, PJRT_DEVICE={os.environ['PJRT_DEVICE']}; "
-          f"{args.rounds} rounds x {args.steps} steps each, interleaved")
+          f"{args.rounds} rounds x {args.steps} steps each, interleaved; "
+          f"step observers: {[name for name, _ in host._step_end or []] or 'none'}")
     for k in runs:
-        print(f"{k:10s} median step {med[k] * 1e6:8.1f} us   ratio to raw {med[k] / med['raw']:.3f}   "
+        print(f"{k:12s} median step {med[k] * 1e6:8.1f} us   ratio to raw {med[k] / med['raw']:.3f}   "
               f"median of per-round ratios {paired[k]:.3f}")
-    print(f"observer saw {observer.records} steps")
-    # accelport's own per-step work, timed alone (no device work, so no noise from it).
-    from accelport._loader import signature
 
+    # accelport's own per-step pieces, timed alone (no device work running beside them;
+    # inside the loop, XLA:CPU computing on the same cores slows them several times).
     backend = ap.backend()
     tracker = RUNTIME.tracker
-
-    def observed_step_end() -> None:
-        tracker.step_end(backend, host)
-
-    def per_call(fn: Any, n: int = 5000) -> float:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return (time.perf_counter() - t0) / n * 1e6
-
-    host.pm.register(observer, name="bench-observer")
-    host._step_end = None
-    with_observer = per_call(observed_step_end)
-    host.pm.unregister(observer)
-    host._step_end = None
+    with_observers = per_call(lambda: tracker.step_end(backend, host))
+    with observers_off():
+        bare = per_call(lambda: tracker.step_end(backend, host))
     for name, cost in (("signature(batch)", per_call(lambda: signature(data[0]))),
-                       ("step bookkeeping", per_call(lambda: tracker.step_end(backend, host))),
-                       ("same + observer", with_observer),
+                       ("step bookkeeping", bare),
+                       ("same + diagnostics", with_observers),
                        ("step_counters()", per_call(backend.step_counters)),
                        ("counters()", per_call(backend.counters, 500))):
-        print(f"{name:17s} {cost:7.2f} us per call")
+        print(f"{name:19s} {cost:7.2f} us per call")
     ratio = paired["accelport"]
     print(f"accelport / raw = {ratio:.3f}, median of per-round ratios (target <= 1.03: "
           f"{'yes' if ratio <= 1.03 else 'NO'})")

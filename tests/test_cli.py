@@ -82,3 +82,12 @@ def test_console_script_is_installed() -> None:
     exe = shutil.which("accelport") or str(__import__("pathlib").Path(sys.executable).with_name("accelport"))
     out = subprocess.run([exe, "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("accelport ")
+
+
+def test_a_closed_pipe_is_not_reported_as_a_bug() -> None:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELPORT_")}
+    out = subprocess.run(f"'{sys.executable}' -m accelport matrix | head -n 1", shell=True, capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.stdout.strip() and "BrokenPipe" not in out.stderr and "bug" not in out.stderr

@@ -105,3 +105,47 @@ def test_end_of_batch_runs_between_batches_outside_the_data_wait(monkeypatch: py
     assert list(ap.loader([1, 2, 3], prefetch=0)) == [1, 2, 3]
     assert len(calls) == 3  # before the 2nd and 3rd batch, and before the end
     assert ap.metrics().data_wait_seconds == 0.0
+
+
+def test_progress_bar_counts_steps_and_shows_compilations_and_data_wait(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import io
+
+    import tqdm.auto
+
+    import accelport._loader as loader_mod
+
+    stream = io.StringIO()
+    real = tqdm.auto.tqdm
+    bars = []
+
+    def make(**kw):  # type: ignore[no-untyped-def]
+        kw["disable"] = False  # a StringIO is no terminal: force the bar on to read it
+        bar = real(file=stream, mininterval=0, **kw)
+        bars.append(bar)
+        return bar
+
+    monkeypatch.setattr(loader_mod, "_tqdm", lambda: make)
+    ap.use("cpu")
+    import torch
+
+    for _ in ap.loader([torch.zeros(2)] * 12, progress=True):
+        ap.optimizer_step(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+    assert bars[0].n == 12 and bars[0].total == 12
+    text = stream.getvalue()
+    assert "compiles=0" in text and "data_wait=" in text
+
+
+def test_progress_bar_is_quiet_without_a_terminal(capsys) -> None:  # type: ignore[no-untyped-def]
+    ap.use("cpu")
+    assert list(ap.loader([1, 2, 3], progress=True)) == [1, 2, 3]
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out == ""
+
+
+def test_progress_without_tqdm_says_how_to_install(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    with pytest.raises(ap.AccelportError, match="pip install tqdm"):
+        ap.loader([1], progress=True)

@@ -1,0 +1,611 @@
+"""Load and validate the compatibility matrix: shipped TOML, plugin rows, user override files.
+
+The schema is documented in ``docs/compat-matrix.md``. Every check here raises
+:class:`~accelport.errors.CompatMatrixError` naming the file (or plugin) and
+the key, so a broken row is found in one read. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+import os
+import re
+import sys
+import warnings
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.version import InvalidVersion, Version
+
+from .errors import CompatMatrixError, InvalidVersionError, PluginWarning, nearest
+from .platform import PLATFORMS
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+__all__ = [
+    "STATUSES",
+    "WORKING",
+    "Source",
+    "Row",
+    "TorchInfo",
+    "EnvDeprecation",
+    "Matrix",
+    "parse_torch_version",
+    "minor_str",
+    "load_file",
+    "shipped",
+    "build",
+    "OVERRIDE_ENV",
+]
+
+#: Every status a row may have, best first. The order ranks backends for selection.
+STATUSES: tuple[str, ...] = ("recommended", "supported", "experimental", "deprecated", "unsupported")
+#: Statuses under which a backend runs at all (selection may pick them; CI may test them).
+WORKING: tuple[str, ...] = STATUSES[:4]
+#: The environment variable naming the user's own matrix files (os.pathsep separated).
+OVERRIDE_ENV = "ACCELPORT_COMPAT_MATRIX"
+
+Minor = tuple[int, int]
+
+_MINOR_RE = re.compile(r"^(\d+)\.(\d+)$")
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
+_ENV_RE = re.compile(r"^[A-Z_][A-Z0-9_]*$")
+_FILE_KEYS = ("schema", "platform", "as_of", "sources", "rows", "torch", "env")
+_ROW_KEYS = ("platform", "backend", "torch", "status", "message", "package", "package_version",
+             "python", "chips", "replacement", "as_of", "sources", "confirmed", "note")
+_TORCH_KEYS = ("version", "python", "as_of", "sources", "confirmed", "note")
+_ENV_KEYS = ("name", "message", "replacement", "backends", "as_of", "sources")
+_SOURCE_KEYS = ("title", "url", "note")
+
+
+def minor_str(m: Minor) -> str:
+    return f"{m[0]}.{m[1]}"
+
+
+def parse_torch_version(text: str, covered: str = "") -> Minor:
+    """(major, minor) of a PEP 440 torch version: ``2.10.0a0+git1234`` -> (2, 10).
+
+    Pre-releases, dev builds and local labels map to the minor they lead up to
+    (a 2.15 nightly is judged by the 2.15 row). Raises InvalidVersionError.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidVersionError(str(text), covered)
+    try:
+        release = Version(text.strip()).release
+    except InvalidVersion:
+        raise InvalidVersionError(text, covered) from None
+    return (release[0], release[1] if len(release) > 1 else 0)
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a fact comes from: a title a person can search for and a URL."""
+
+    title: str
+    url: str
+    note: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"title": self.title, "url": self.url}
+        if self.note:
+            d["note"] = self.note
+        return d
+
+
+@dataclass(frozen=True)
+class Row:
+    """One backend's status on one platform over an inclusive range of torch minors."""
+
+    platform: str
+    backend: str
+    torch_min: Minor
+    torch_max: Minor
+    status: str
+    message: str
+    as_of: _dt.date
+    sources: tuple[Source, ...]
+    package: str | None = None
+    package_version: str | None = None
+    python: tuple[str, str] | None = None
+    chips: tuple[str, ...] = ()
+    replacement: str | None = None
+    confirmed: bool = True
+    note: str | None = None
+    origin: str = ""
+    key: str = ""
+
+    def covers(self, m: Minor) -> bool:
+        return self.torch_min <= m <= self.torch_max
+
+    @property
+    def torch_range(self) -> str:
+        lo, hi = minor_str(self.torch_min), minor_str(self.torch_max)
+        return lo if lo == hi else f"{lo}-{hi}"
+
+    def requirement(self, m: Minor) -> str | None:
+        """The pip requirement of the paired package for torch minor ``m`` (``torch_xla==2.9.*``)."""
+        if not self.package:
+            return None
+        return self.package + (self.package_version or "").replace("{torch}", minor_str(m))
+
+    @property
+    def where(self) -> str:
+        return f"{self.origin} {self.key}".strip()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "platform": self.platform,
+            "backend": self.backend,
+            "torch": self.torch_range,
+            "status": self.status,
+            "message": self.message,
+            "package": self.package,
+            "package_version": self.package_version,
+            "python": list(self.python) if self.python else None,
+            "chips": list(self.chips),
+            "replacement": self.replacement,
+            "confirmed": self.confirmed,
+            "note": self.note,
+            "as_of": self.as_of.isoformat(),
+            "sources": [s.to_dict() for s in self.sources],
+            "origin": self.where,
+        }
+
+
+@dataclass(frozen=True)
+class TorchInfo:
+    """Facts about one torch minor release that do not depend on the platform."""
+
+    version: Minor
+    python: tuple[str, str]
+    sources: tuple[Source, ...]
+    confirmed: bool = True
+    note: str | None = None
+
+
+@dataclass(frozen=True)
+class EnvDeprecation:
+    """A deprecated environment variable: what to do instead, and why we say so."""
+
+    name: str
+    message: str
+    replacement: str
+    sources: tuple[Source, ...]
+    as_of: _dt.date | None = None
+    backends: tuple[str, ...] = ()
+
+
+@dataclass
+class _Parsed:
+    """What one file (or one plugin's rows) contributed."""
+
+    origin: str
+    rows: list[Row] = field(default_factory=list)
+    torch: list[TorchInfo] = field(default_factory=list)
+    env: list[EnvDeprecation] = field(default_factory=list)
+    sources: dict[str, Source] = field(default_factory=dict)
+
+
+# -- validation helpers ------------------------------------------------------------------
+
+
+class _Checker:
+    def __init__(self, origin: str, known_sources: Mapping[str, Source]) -> None:
+        self.origin = origin
+        self.known_sources = known_sources
+
+    def fail(self, key: str, problem: str) -> CompatMatrixError:
+        return CompatMatrixError(self.origin, key, problem)
+
+    def keys(self, table: Any, allowed: Sequence[str], key: str) -> Mapping[str, Any]:
+        if not isinstance(table, Mapping):
+            raise self.fail(key, f"expected a table, got {type(table).__name__}")
+        for k in table:
+            if k not in allowed:
+                hint = nearest(str(k), allowed)
+                did = f" (did you mean {hint!r}?)" if hint else ""
+                raise self.fail(f"{key}.{k}" if key else str(k),
+                                f"unknown key{did}; allowed keys: {', '.join(allowed)}")
+        return table
+
+    def string(self, value: Any, key: str, *, required: bool = True) -> str | None:
+        if value is None:
+            if required:
+                raise self.fail(key, "is required")
+            return None
+        if not isinstance(value, str):
+            raise self.fail(key, f"must be a string, got {type(value).__name__} {value!r}")
+        if not value.strip():
+            raise self.fail(key, "must not be empty")
+        return value.strip()
+
+    def name(self, value: Any, key: str) -> str:
+        text = self.string(value, key)
+        assert text is not None
+        if not _NAME_RE.match(text):
+            raise self.fail(key, f"{text!r} is not a backend name (lower case letters, digits, '-', '_', '.')")
+        return text
+
+    def platform(self, value: Any, key: str) -> str:
+        text = self.string(value, key)
+        assert text is not None
+        if text not in PLATFORMS:
+            hint = nearest(text, PLATFORMS)
+            did = f" (did you mean {hint!r}?)" if hint else ""
+            raise self.fail(key, f"unknown platform {text!r}{did}; valid platforms: {', '.join(PLATFORMS)}")
+        return text
+
+    def minor(self, value: Any, key: str) -> Minor:
+        if not isinstance(value, str) or not _MINOR_RE.match(value.strip()):
+            raise self.fail(key, f"{value!r} is not a major.minor version such as \"2.9\"")
+        m = _MINOR_RE.match(value.strip())
+        assert m is not None
+        return (int(m.group(1)), int(m.group(2)))
+
+    def minor_range(self, value: Any, key: str) -> tuple[Minor, Minor]:
+        if isinstance(value, str):
+            m = self.minor(value, key)
+            return m, m
+        if not isinstance(value, list) or len(value) != 2:
+            raise self.fail(key, f"must be \"X.Y\" or a list [\"X.Y\", \"X.Y\"] (inclusive), got {value!r}")
+        lo, hi = self.minor(value[0], f"{key}[0]"), self.minor(value[1], f"{key}[1]")
+        if lo[0] != hi[0]:
+            raise self.fail(key, f"a range must stay within one major version, got {value!r}")
+        if lo > hi:
+            raise self.fail(key, f"the range {value!r} is empty: the first version is after the second")
+        return lo, hi
+
+    def date(self, value: Any, key: str, default: _dt.date | None) -> _dt.date:
+        if value is None:
+            if default is None:
+                raise self.fail(key, "is required (a date such as 2026-12-01, here or at the top of the file)")
+            return default
+        if isinstance(value, _dt.datetime):
+            return value.date()
+        if isinstance(value, _dt.date):
+            return value
+        if isinstance(value, str):
+            try:
+                return _dt.date.fromisoformat(value)
+            except ValueError:
+                pass
+        raise self.fail(key, f"must be a date such as 2026-12-01, got {value!r}")
+
+    def boolean(self, value: Any, key: str, default: bool) -> bool:
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self.fail(key, f"must be true or false, got {value!r}")
+        return value
+
+    def strings(self, value: Any, key: str) -> tuple[str, ...]:
+        if value is None:
+            return ()
+        if not isinstance(value, list):
+            raise self.fail(key, f"must be a list of strings, got {type(value).__name__}")
+        return tuple(self.string(v, f"{key}[{i}]") or "" for i, v in enumerate(value))
+
+    def python(self, value: Any, key: str) -> tuple[str, str] | None:
+        if value is None:
+            return None
+        lo, hi = self.minor_range(value, key)
+        return minor_str(lo), minor_str(hi)
+
+    def source(self, value: Any, key: str) -> Source:
+        if isinstance(value, str):
+            if value in self.known_sources:
+                return self.known_sources[value]
+            hint = nearest(value, self.known_sources)
+            did = f" (did you mean {hint!r}?)" if hint else ""
+            raise self.fail(key, f"unknown source id {value!r}{did}; define it in a [sources] table "
+                                 "or give an inline table {title = ..., url = ...}")
+        table = self.keys(value, _SOURCE_KEYS, key)
+        title = self.string(table.get("title"), f"{key}.title")
+        url = self.string(table.get("url"), f"{key}.url")
+        assert title is not None and url is not None
+        if not url.startswith(("https://", "http://")):
+            raise self.fail(f"{key}.url", f"{url!r} is not an http(s) URL")
+        return Source(title, url, self.string(table.get("note"), f"{key}.note", required=False))
+
+    def sources(self, value: Any, key: str) -> tuple[Source, ...]:
+        if value is None or value == []:
+            raise self.fail(key, "every entry needs at least one source (a [sources] id or {title, url})")
+        if not isinstance(value, list):
+            raise self.fail(key, f"must be a list, got {type(value).__name__}")
+        return tuple(self.source(v, f"{key}[{i}]") for i, v in enumerate(value))
+
+
+def _row(c: _Checker, raw: Any, key: str, platform: str | None, as_of: _dt.date | None) -> Row:
+    t = c.keys(raw, _ROW_KEYS, key)
+    plat = c.platform(t.get("platform", platform), f"{key}.platform")
+    backend = c.name(t.get("backend"), f"{key}.backend")
+    if "torch" not in t:
+        raise c.fail(f"{key}.torch", "is required: \"X.Y\" or [\"X.Y\", \"X.Y\"]")
+    lo, hi = c.minor_range(t["torch"], f"{key}.torch")
+    status = c.string(t.get("status"), f"{key}.status")
+    assert status is not None
+    if status not in STATUSES:
+        hint = nearest(status, STATUSES)
+        did = f" (did you mean {hint!r}?)" if hint else ""
+        raise c.fail(f"{key}.status", f"{status!r} is not a status{did}; expected one of {', '.join(STATUSES)}")
+    message = c.string(t.get("message"), f"{key}.message")
+    package = c.string(t.get("package"), f"{key}.package", required=False)
+    pv = c.string(t.get("package_version"), f"{key}.package_version", required=False)
+    if pv is not None and package is None:
+        raise c.fail(f"{key}.package_version", "needs 'package' (the pip name it applies to)")
+    if package is not None:
+        probe = package + (pv or "").replace("{torch}", "2.9")
+        if "{" in probe or "}" in probe:
+            raise c.fail(f"{key}.package_version", "the only placeholder allowed is {torch}")
+        try:
+            Requirement(probe)
+        except InvalidRequirement as exc:
+            raise c.fail(f"{key}.package_version" if pv else f"{key}.package",
+                         f"{package + (pv or '')!r} is not a valid pip requirement ({exc})") from None
+    replacement = t.get("replacement")
+    replacement = c.name(replacement, f"{key}.replacement") if replacement is not None else None
+    if status == "deprecated" and replacement is None:
+        raise c.fail(f"{key}.replacement", "a deprecated row must name the backend to use instead")
+    confirmed = c.boolean(t.get("confirmed"), f"{key}.confirmed", True)
+    note = c.string(t.get("note"), f"{key}.note", required=False)
+    if not confirmed and note is None:
+        raise c.fail(f"{key}.note", "a row with confirmed = false must say in 'note' what is unconfirmed")
+    return Row(
+        platform=plat, backend=backend, torch_min=lo, torch_max=hi, status=status,
+        message=message or "", as_of=c.date(t.get("as_of"), f"{key}.as_of", as_of),
+        sources=c.sources(t.get("sources"), f"{key}.sources"), package=package, package_version=pv,
+        python=c.python(t.get("python"), f"{key}.python"), chips=c.strings(t.get("chips"), f"{key}.chips"),
+        replacement=replacement, confirmed=confirmed, note=note, origin=c.origin, key=key,
+    )
+
+
+def _torch_info(c: _Checker, raw: Any, key: str) -> TorchInfo:
+    t = c.keys(raw, _TORCH_KEYS, key)
+    version = c.minor(t.get("version"), f"{key}.version")
+    python = c.python(t.get("python"), f"{key}.python")
+    if python is None:
+        raise c.fail(f"{key}.python", "is required: [\"min\", \"max\"] Python minor versions")
+    confirmed = c.boolean(t.get("confirmed"), f"{key}.confirmed", True)
+    note = c.string(t.get("note"), f"{key}.note", required=False)
+    if not confirmed and note is None:
+        raise c.fail(f"{key}.note", "an entry with confirmed = false must say in 'note' what is unconfirmed")
+    return TorchInfo(version, python, c.sources(t.get("sources"), f"{key}.sources"), confirmed, note)
+
+
+def _env(c: _Checker, raw: Any, key: str, as_of: _dt.date | None) -> EnvDeprecation:
+    t = c.keys(raw, _ENV_KEYS, key)
+    name = c.string(t.get("name"), f"{key}.name")
+    assert name is not None
+    if not _ENV_RE.match(name):
+        raise c.fail(f"{key}.name", f"{name!r} is not an environment variable name")
+    return EnvDeprecation(
+        name=name, message=c.string(t.get("message"), f"{key}.message") or "",
+        replacement=c.string(t.get("replacement"), f"{key}.replacement") or "",
+        sources=c.sources(t.get("sources"), f"{key}.sources"),
+        as_of=c.date(t.get("as_of"), f"{key}.as_of", as_of) if (t.get("as_of") or as_of) else None,
+        backends=tuple(c.name(b, f"{key}.backends[{i}]") for i, b in enumerate(t.get("backends") or [])),
+    )
+
+
+def _check_overlaps(rows: Iterable[Row], against: Iterable[Row] = (), *, adding: bool = False) -> None:
+    """Two rows for the same platform and backend may not cover the same torch minor."""
+    seen: dict[tuple[str, str], list[Row]] = {}
+    for row in against:
+        seen.setdefault((row.platform, row.backend), []).append(row)
+    for row in rows:
+        for other in seen.get((row.platform, row.backend), []):
+            if row.torch_min <= other.torch_max and other.torch_min <= row.torch_max:
+                tail = (" A plugin may only add rows; override shipped rows with "
+                        f"{OVERRIDE_ENV}=/path/file.toml.") if adding else ""
+                raise CompatMatrixError(
+                    row.origin, f"{row.key}.torch",
+                    f"torch {row.torch_range} for {row.backend} on {row.platform} overlaps "
+                    f"{other.where} (torch {other.torch_range}).{tail}",
+                )
+        seen.setdefault((row.platform, row.backend), []).append(row)
+
+
+def _parse(data: Mapping[str, Any], origin: str, known_sources: Mapping[str, Source]) -> _Parsed:
+    c = _Checker(origin, known_sources)
+    c.keys(data, _FILE_KEYS, "")
+    schema = data.get("schema", 1)
+    if schema != 1:
+        raise c.fail("schema", f"unsupported schema {schema!r}; this accelport reads schema 1")
+    out = _Parsed(origin)
+    raw_sources = data.get("sources", {})
+    if not isinstance(raw_sources, Mapping):
+        raise c.fail("sources", "must be a table of id = {title = ..., url = ...}")
+    for sid, raw in raw_sources.items():
+        out.sources[sid] = c.source(raw, f"sources.{sid}")
+    c.known_sources = {**known_sources, **out.sources}
+    platform = data.get("platform")
+    if platform is not None:
+        platform = c.platform(platform, "platform")
+    as_of = c.date(data["as_of"], "as_of", None) if "as_of" in data else None
+    for name, kind in (("rows", list), ("torch", list), ("env", list)):
+        if name in data and not isinstance(data[name], kind):
+            raise c.fail(name, f"must be an array of tables ([[{name}]])")
+    out.rows = [_row(c, r, f"rows[{i}]", platform, as_of) for i, r in enumerate(data.get("rows", []))]
+    out.torch = [_torch_info(c, t, f"torch[{i}]") for i, t in enumerate(data.get("torch", []))]
+    out.env = [_env(c, e, f"env[{i}]", as_of) for i, e in enumerate(data.get("env", []))]
+    _check_overlaps(out.rows)
+    versions = [t.version for t in out.torch]
+    for i, v in enumerate(versions):
+        if v in versions[:i]:
+            raise c.fail(f"torch[{i}].version", f"torch {minor_str(v)} is listed twice")
+    return out
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise CompatMatrixError(path, "", f"cannot read the file ({exc.strerror or exc})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise CompatMatrixError(path, "", f"not valid TOML: {exc}") from None
+
+
+def load_file(path: str | os.PathLike[str], known_sources: Mapping[str, Source] | None = None) -> _Parsed:
+    """Read and validate one matrix file (shipped ids in ``known_sources`` may be cited)."""
+    p = os.fspath(path)
+    if known_sources is None:
+        known_sources = shipped().sources
+    return _parse(_read_toml(p), p, known_sources)
+
+
+@functools.lru_cache(maxsize=1)
+def shipped() -> _Parsed:
+    """The data shipped in ``accelport.compat_matrix`` (read once per process)."""
+    from importlib.resources import files
+
+    folder = files("accelport.compat_matrix")
+    entries = sorted((e for e in folder.iterdir() if e.name.endswith(".toml")), key=lambda e: e.name)
+    raw = []
+    for entry in entries:
+        origin = str(entry)
+        try:
+            raw.append((origin, tomllib.loads(entry.read_text(encoding="utf-8"))))
+        except tomllib.TOMLDecodeError as exc:
+            raise CompatMatrixError(origin, "", f"not valid TOML: {exc}") from None
+    # Source ids are shared by every shipped file: collect them all before any row cites one.
+    pooled: dict[str, Source] = {}
+    for origin, data in raw:
+        srcs = data.get("sources", {})
+        if isinstance(srcs, Mapping):
+            checker = _Checker(origin, {})
+            for sid, s in srcs.items():
+                if sid in pooled:
+                    raise CompatMatrixError(origin, f"sources.{sid}", "source id already defined in another file")
+                pooled[sid] = checker.source(s, f"sources.{sid}")
+    total = _Parsed("accelport.compat_matrix", sources=pooled)
+    for origin, data in raw:
+        part = _parse(data, origin, pooled)
+        _check_overlaps(part.rows, total.rows)
+        total.rows += part.rows
+        total.torch += part.torch
+        total.env += part.env
+    return total
+
+
+def _plugin_rows(host: Any) -> list[Row]:
+    """Rows from ``accelport_compat_rows``; an invalid plugin's rows are dropped with a PluginWarning."""
+    cache = _PLUGIN_CACHE.get(host)
+    if cache is not None:
+        return cache
+    base = shipped()
+    accepted: list[Row] = list(base.rows)
+    mine: list[Row] = []
+    for impl in host._impls("accelport_compat_rows"):
+        plugin = impl.plugin_name
+        origin = f"plugin {plugin!r}"
+        try:
+            result = impl.function()
+            if result is None:
+                continue
+            if isinstance(result, (str, bytes, Mapping)) or not isinstance(result, Sequence):
+                raise CompatMatrixError(origin, "", "accelport_compat_rows must return a list of row tables")
+            c = _Checker(origin, base.sources)
+            rows = [_row(c, r, f"rows[{i}]", None, None) for i, r in enumerate(result)]
+            _check_overlaps(rows)
+            _check_overlaps(rows, accepted, adding=True)
+        except Exception as exc:
+            from .plugins import FailedPlugin
+
+            host.failed.append(FailedPlugin(plugin, "hook accelport_compat_rows", f"{type(exc).__name__}: {exc}"))
+            warnings.warn(f"accelport plugin {plugin!r}: its compatibility rows were ignored: {exc}",
+                          PluginWarning, stacklevel=2)
+            continue
+        accepted += rows
+        mine += rows
+    _PLUGIN_CACHE[host] = mine
+    return mine
+
+
+_PLUGIN_CACHE: weakref.WeakKeyDictionary[Any, list[Row]] = weakref.WeakKeyDictionary()
+
+
+class Matrix:
+    """The merged matrix: shipped rows and plugin rows, under the user's override files.
+
+    Lookups take the first matching layer: later override files win over
+    earlier ones, and any override file wins over the shipped and plugin rows.
+    """
+
+    def __init__(self, base: Sequence[Row], overrides: Sequence[Sequence[Row]] = (),
+                 torch: Iterable[TorchInfo] = (), env: Iterable[EnvDeprecation] = (),
+                 origins: Sequence[str] = ()) -> None:
+        self.layers: list[list[Row]] = [list(layer) for layer in reversed(overrides)] + [list(base)]
+        self.torch: dict[Minor, TorchInfo] = {}
+        for info in torch:
+            self.torch[info.version] = info  # later entries (overrides) replace earlier ones
+        self.env: dict[str, EnvDeprecation] = {}
+        for e in env:
+            self.env[e.name] = e
+        self.origins = list(origins)
+
+    @property
+    def rows(self) -> list[Row]:
+        return [row for layer in self.layers for row in layer]
+
+    def backends(self, platform: str) -> list[str]:
+        """Backends with rows on ``platform``, in the order the data lists them."""
+        seen: dict[str, None] = {}
+        for layer in reversed(self.layers):
+            for row in layer:
+                if row.platform == platform:
+                    seen.setdefault(row.backend, None)
+        return list(seen)
+
+    def minors(self, platform: str | None = None) -> list[Minor]:
+        """Every torch minor some row covers (on ``platform``), ascending."""
+        found: set[Minor] = set()
+        for row in self.rows:
+            if platform is None or row.platform == platform:
+                found.update((row.torch_min[0], n) for n in range(row.torch_min[1], row.torch_max[1] + 1))
+        return sorted(found)
+
+    def lookup(self, platform: str, backend: str, m: Minor) -> Row | None:
+        for layer in self.layers:
+            for row in layer:
+                if row.platform == platform and row.backend == backend and row.covers(m):
+                    return row
+        return None
+
+    @property
+    def as_of(self) -> _dt.date | None:
+        dates = [row.as_of for row in self.rows]
+        return max(dates) if dates else None
+
+    def covered(self, platform: str | None = None) -> str:
+        ms = self.minors(platform)
+        return f"{minor_str(ms[0])} to {minor_str(ms[-1])}" if ms else "nothing"
+
+
+def build(host: Any = None, environ: Mapping[str, str] | None = None) -> Matrix:
+    """The matrix in effect: shipped data, ``host``'s plugin rows, then ``ACCELPORT_COMPAT_MATRIX`` files."""
+    env = os.environ if environ is None else environ
+    base = shipped()
+    rows = list(base.rows)
+    origins = [base.origin]
+    if host is not None:
+        extra = _plugin_rows(host)
+        rows += extra
+        origins += sorted({r.origin for r in extra})
+    overrides: list[list[Row]] = []
+    torch = list(base.torch)
+    envs = list(base.env)
+    for path in (p for p in env.get(OVERRIDE_ENV, "").split(os.pathsep) if p.strip()):
+        part = load_file(path.strip(), base.sources)
+        overrides.append(part.rows)
+        torch += part.torch
+        envs += part.env
+        origins.append(part.origin)
+    return Matrix(rows, overrides, torch, envs, origins)

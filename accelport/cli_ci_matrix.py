@@ -1,0 +1,188 @@
+"""``accelport ci-matrix``: a GitHub Actions ``strategy.matrix`` of the combinations that work.
+
+Prints ``{"include": [{platform, torch, backend, python, runner, status, install}, ...]}``::
+
+    - id: m
+      run: echo "matrix=$(accelport ci-matrix --platform cpu,gcp-tpu)" >> "$GITHUB_OUTPUT"
+    ...
+    strategy:
+      matrix: ${{ fromJSON(needs.plan.outputs.matrix) }}
+    runs-on: ${{ matrix.runner }}
+
+``python`` is the newest Python that torch, the paired package and accelport
+all support; ``install`` is a pip line (torch-neuronx comes from AWS's own
+package index).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+#: Default ``runs-on`` per platform; override with ``--runner PLATFORM=LABEL[,LABEL...]``.
+DEFAULT_RUNNERS: Mapping[str, str | list[str]] = {
+    "cpu": "ubuntu-latest",
+    "nvidia-gpu": ["self-hosted", "gpu"],
+    "gcp-tpu": ["self-hosted", "tpu"],
+    "aws-neuron": ["self-hosted", "trainium"],
+}
+DEFAULT_STATUSES = ("recommended", "supported", "experimental")
+_PY_MINORS = [f"3.{n}" for n in range(8, 21)]
+
+
+def register(sub: Any) -> None:
+    from accelport._matrix import STATUSES
+    from accelport.platform import PLATFORMS
+
+    p = sub.add_parser(
+        "ci-matrix",
+        help="a GitHub Actions strategy.matrix (JSON) of the supported combinations",
+        description="Print a GitHub Actions strategy.matrix of the platform / torch / backend "
+                    "combinations the compatibility matrix says work.",
+    )
+    p.add_argument("--platform", action="append", metavar="P",
+                   help=f"platforms to include (repeat or comma-separate; default all: {', '.join(PLATFORMS)})")
+    p.add_argument("--torch", action="append", dest="torch_versions", metavar="V",
+                   help="torch minor versions to include (repeat or comma-separate; default all)")
+    p.add_argument("--status", action="append", metavar="S",
+                   help=f"statuses to include (default {', '.join(DEFAULT_STATUSES)}; any of {', '.join(STATUSES)})")
+    p.add_argument("--runner", action="append", default=[], metavar="PLATFORM=LABEL",
+                   help="runs-on label(s) for a platform, e.g. gcp-tpu=self-hosted,tpu-v5e")
+    p.add_argument("--format", choices=("github", "json"), default="github",
+                   help="github: one compact line for $GITHUB_OUTPUT (default); json: indented")
+    p.add_argument("--json", action="store_true", help="same as --format json")
+    p.set_defaults(func=run)
+
+
+def _split(values: Iterable[str] | None) -> list[str]:
+    return [part.strip() for v in values or () for part in v.split(",") if part.strip()]
+
+
+def _runners(specs: Sequence[str]) -> dict[str, str | list[str]]:
+    from accelport.cli import UsageError
+    from accelport.errors import UnknownPlatformError
+    from accelport.platform import PLATFORMS
+
+    runners = dict(DEFAULT_RUNNERS)
+    for spec in specs:
+        platform, sep, label = spec.partition("=")
+        labels = [x.strip() for x in label.split(",") if x.strip()]
+        if not sep or not labels:
+            raise UsageError(f"--runner {spec!r}: expected PLATFORM=LABEL[,LABEL...], e.g. gcp-tpu=self-hosted,tpu")
+        if platform.strip() not in PLATFORMS:
+            raise UsageError(f"--runner {spec!r}: {UnknownPlatformError(platform.strip(), PLATFORMS)}")
+        runners[platform.strip()] = labels[0] if len(labels) == 1 else labels
+    return runners
+
+
+def _python(ranges: Iterable[tuple[str, str] | None], requires: str | None) -> str | None:
+    """The newest Python minor inside every given range and ``requires`` (a specifier), or None."""
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+    from packaging.version import Version
+
+    try:
+        spec = SpecifierSet(requires or "")
+    except InvalidSpecifier:
+        spec = SpecifierSet()
+    known = [r for r in ranges if r is not None]
+    if not known:
+        return None
+    fits = [p for p in _PY_MINORS
+            if all(Version(lo) <= Version(p) <= Version(hi) for lo, hi in known) and spec.contains(f"{p}.0")]
+    return fits[-1] if fits else None
+
+
+def include(mx: Any, platforms: Sequence[str], minors: Sequence[tuple[int, int]] | None,
+            statuses: Sequence[str], runners: Mapping[str, Any],
+            requires_python: str | None) -> tuple[list[dict[str, Any]], list[str]]:
+    """The ``include`` entries and a note for each combination left out for want of a Python."""
+    from accelport._matrix import minor_str
+
+    entries: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    for platform in platforms:
+        for m in mx.minors(platform):
+            if minors is not None and m not in minors:
+                continue
+            for backend in mx.backends(platform):
+                row = mx.lookup(platform, backend, m)
+                if row is None or row.status not in statuses:
+                    continue
+                torch_info = mx.torch.get(m)
+                python = _python([torch_info.python if torch_info else None, row.python], requires_python)
+                what = f"{platform} torch {minor_str(m)} {backend}"
+                if python is None:
+                    skipped.append(f"{what}: no Python version fits torch, {row.package or 'the backend'} "
+                                   f"and accelport ({requires_python or 'any'})")
+                    continue
+                pip = [f"torch=={minor_str(m)}.*"] + ([row.requirement(m)] if row.package else [])
+                entries.append({"platform": platform, "torch": minor_str(m), "backend": backend,
+                                "python": python, "runner": runners[platform], "status": row.status,
+                                "install": " ".join(pip)})
+    return entries, skipped
+
+
+def run(args: argparse.Namespace) -> int:
+    from accelport.cli import UsageError, emit_json
+    from accelport.errors import AccelportError
+
+    as_json = args.json or args.format == "json"
+    try:
+        return _run(args, as_json)
+    except UsageError as exc:
+        if not as_json:
+            raise
+        emit_json({"error": str(exc), "kind": "usage"})
+        return 2
+    except AccelportError as exc:
+        if not as_json:
+            raise
+        emit_json({"error": str(exc), "kind": type(exc).__name__})
+        return 1
+
+
+def _run(args: argparse.Namespace, as_json: bool) -> int:
+    from accelport import _packages
+    from accelport._matrix import STATUSES, parse_torch_version
+    from accelport.cli import UsageError, emit_json
+    from accelport.compat import current_matrix
+    from accelport.errors import AccelportError, InvalidVersionError, UnknownPlatformError, nearest
+    from accelport.platform import PLATFORMS
+
+    platforms = _split(args.platform) or list(PLATFORMS)
+    for p in platforms:
+        if p not in PLATFORMS:
+            raise UsageError(f"--platform: {UnknownPlatformError(p, PLATFORMS)}")
+    statuses = _split(args.status) or list(DEFAULT_STATUSES)
+    for s in statuses:
+        if s not in STATUSES:
+            hint = nearest(s, STATUSES)
+            did = f" Did you mean {hint!r}?" if hint else ""
+            raise UsageError(f"--status: unknown status {s!r}.{did} Valid statuses: {', '.join(STATUSES)}.")
+    mx = current_matrix()
+    minors = None
+    if args.torch_versions:
+        try:
+            minors = [parse_torch_version(v, mx.covered()) for v in _split(args.torch_versions)]
+        except InvalidVersionError as exc:
+            raise UsageError(f"--torch: {exc}") from None
+    runners = _runners(args.runner)
+    entries, skipped = include(mx, platforms, minors, statuses, runners, _packages.requires_python("accelport"))
+    for note in skipped:
+        print(f"accelport ci-matrix: left out {note}", file=sys.stderr)
+    if not entries:
+        raise AccelportError(
+            f"no combination matches platforms {', '.join(platforms)}"
+            + (f", torch {', '.join(_split(args.torch_versions))}" if args.torch_versions else "")
+            + f" and statuses {', '.join(statuses)}: see `accelport matrix` for what works where "
+            "(GitHub Actions rejects an empty matrix)"
+        )
+    matrix = {"include": entries}
+    if as_json:
+        emit_json(matrix)
+    else:
+        print(json.dumps(matrix, separators=(",", ":")))
+    return 0

@@ -1,0 +1,100 @@
+"""``accelport launch``: run a training script on several devices and hosts.
+
+    accelport launch --nprocs 4 train.py --epochs 3
+    accelport launch --nnodes 2 --rdzv-endpoint host0:29400 --nprocs 8 train.py   # on every host
+    accelport launch --backend xla train.py                                       # torch_xla.launch
+    accelport launch --dry-run --json --nprocs 2 train.py                         # what would run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "launch",
+        help="run a training script in several processes (torchrun, torch_xla.launch) and hosts",
+        description="Start one worker per device on the engine the backend's ecosystem uses "
+                    "(torchrun for eager backends, torch_xla.launch for XLA). The workers get the "
+                    "backend in ACCELPORT_BACKEND. If one fails, the others are stopped and the "
+                    "launch exits non-zero naming the rank that failed first. On several hosts, run "
+                    "the same command on each with the same rendezvous options.",
+    )
+    p.add_argument("--nprocs", type=int, default=None, metavar="N",
+                   help="worker processes per host (default: one per device the backend sees; 1 on cpu)")
+    p.add_argument("--backend", default=None,
+                   help="backend for the workers (default: ACCELPORT_BACKEND, else the selection)")
+    hosts = p.add_argument_group("several hosts (torchrun rendezvous; the same values on every host)")
+    hosts.add_argument("--nnodes", default="1", help="number of hosts, or MIN:MAX (default 1)")
+    hosts.add_argument("--node-rank", type=int, default=None, help="this host's rank, with --master-addr")
+    hosts.add_argument("--master-addr", default=None, help="address of the host with --node-rank 0")
+    hosts.add_argument("--master-port", type=int, default=None, help="port on the master host (default 29500)")
+    hosts.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                       help="where hosts meet (c10d rendezvous): ranks are assigned, no --node-rank needed")
+    hosts.add_argument("--rdzv-backend", default=None, help="rendezvous backend (default c10d)")
+    hosts.add_argument("--rdzv-id", default=None, help="job id shared by the hosts of one job")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the command and environment that would run, and start nothing")
+    p.add_argument("--json", action="store_true", help="machine-readable output (dry run and errors)")
+    p.add_argument("script", help="the training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(func=run)
+
+
+def _backend(name: str | None, dry_run: bool) -> Any:
+    from accelport._runtime import RUNTIME
+    from accelport.errors import BackendUnavailableError
+    from accelport.selection import resolve
+
+    host = RUNTIME.host()
+    try:
+        return resolve(host, name, os.environ)[0]
+    except BackendUnavailableError as exc:
+        # A dry run may prepare a command for another machine (a TPU host, say).
+        if dry_run and exc.name in host.backends:
+            return host.backends[exc.name]
+        raise
+
+
+def run(args: argparse.Namespace) -> int:
+    from accelport._launch import Rendezvous, WorkerFailedError, build_plan, run_plan
+    from accelport.cli import emit_json
+
+    rdzv = Rendezvous(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                      master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint,
+                      rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id)
+    backend = _backend(args.backend, args.dry_run)
+    plan = build_plan(backend, args.script, args.script_args, nprocs=args.nprocs, rdzv=rdzv)
+    if args.dry_run:
+        if args.json:
+            emit_json(plan.to_dict())
+        else:
+            assignments = [f"{k}={shlex.quote(v)}" for k, v in plan.env.items()]
+            print(" ".join(["env", *assignments, shlex.join(plan.command)]))
+            if plan.parent_env_function:
+                call = ", ".join(f"{k}={v}" for k, v in plan.parent_env_kwargs.items())
+                print(f"# first, on each host: {plan.parent_env_function}({call}); its variables are added")
+            if not plan.available:
+                print(f"# backend {plan.backend} is not available here: {plan.reason}")
+            for note in plan.notes:
+                print(f"# {note}")
+        return 0
+    try:
+        run_plan(plan)
+    except WorkerFailedError as exc:
+        if args.json:
+            emit_json({"error": str(exc), "kind": "WorkerFailedError", **exc.to_dict()})
+        else:
+            first = exc.first
+            where = f" on {first.host}" if first.host else ""
+            print(f"accelport: error: rank {first.rank}{where} failed first: {first.error}", file=sys.stderr)
+            for other in exc.failures:
+                if other is not first:
+                    print(f"accelport:   then rank {other.rank}: {other.error}", file=sys.stderr)
+        return exc.exit_status
+    return 0

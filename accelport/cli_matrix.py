@@ -1,0 +1,250 @@
+"""``accelport matrix``: the compatibility verdict for a platform and torch version, or the whole table.
+
+With ``--platform`` and/or ``--torch`` it prints the verdict (the missing one
+defaults to this machine's); with neither, every platform's table. Text output
+fits 80 columns (a source URL stays whole on its own line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+from collections.abc import Sequence
+from typing import Any
+
+WIDTH = 80
+_SHORT = {"unsupported": "-"}
+# Tables read from the everyday platform to the specialised ones.
+_DISPLAY_ORDER = ("cpu", "nvidia-gpu", "gcp-tpu", "aws-neuron")
+
+
+def register(sub: Any) -> None:
+    from accelport.platform import PLATFORMS
+
+    p = sub.add_parser(
+        "matrix",
+        help="the compatibility verdict for a platform and torch version (no filter: the whole table)",
+        description="What the compatibility matrix says. With --platform and/or --torch: the verdict "
+                    "(the other defaults to this machine's); with neither: the whole table.",
+    )
+    p.add_argument("--platform", metavar="P", help=f"one of {', '.join(PLATFORMS)}")
+    p.add_argument("--torch", dest="torch_version", metavar="V",
+                   help="a torch version: 2.9, 2.9.0+cu128, 2.10.0a0+git1234 ...")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="machine-readable output")
+    fmt.add_argument("--markdown", action="store_true",
+                     help="the whole matrix as Markdown tables (docs/matrix.md is generated this way)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from accelport.cli import UsageError, emit_json
+    from accelport.compat import current_matrix, recommend
+    from accelport.errors import InvalidVersionError, UnknownPlatformError
+
+    mx = current_matrix()
+    if args.markdown:
+        if args.platform is not None or args.torch_version is not None:
+            raise UsageError("--markdown prints the whole matrix: drop --platform and --torch")
+        print(render_markdown(mx))
+        return 0
+    if args.platform is None and args.torch_version is None:
+        if args.json:
+            emit_json(matrix_dict(mx))
+        else:
+            print(render_table(mx, recommend(matrix=mx, warn=False)))
+        return 0
+    try:
+        verdict = recommend(args.platform, args.torch_version, matrix=mx, warn=False)
+    except (UnknownPlatformError, InvalidVersionError) as exc:
+        raise UsageError(str(exc)) from None
+    if args.json:
+        emit_json(verdict.to_dict())
+    else:
+        print(render_verdict(verdict))
+    return 0
+
+
+def matrix_dict(mx: Any) -> dict[str, Any]:
+    from accelport._matrix import minor_str
+
+    return {
+        "as_of": mx.as_of.isoformat() if mx.as_of else None,
+        "origins": mx.origins,
+        "rows": [r.to_dict() for r in mx.rows],
+        "torch": [{"version": minor_str(t.version), "python": list(t.python), "confirmed": t.confirmed,
+                   "note": t.note, "sources": [s.to_dict() for s in t.sources]} for t in mx.torch.values()],
+        "env": [{"name": e.name, "message": e.message, "replacement": e.replacement,
+                 "backends": list(e.backends), "sources": [s.to_dict() for s in e.sources]}
+                for e in mx.env.values()],
+    }
+
+
+def _wrap(text: str, indent: str) -> list[str]:
+    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=indent,
+                         break_on_hyphens=False) or [indent.rstrip()]
+
+
+def _cell(status: str, confirmed: bool) -> str:
+    return _SHORT.get(status, status) + ("" if confirmed else "*")
+
+
+def _chunks(names: Sequence[str], first: int, col: int) -> list[list[str]]:
+    per = max(1, (WIDTH - first) // col)
+    return [list(names[i:i + per]) for i in range(0, len(names), per)] or [[]]
+
+
+def render_table(mx: Any, here: Any = None) -> str:
+    """Every platform's statuses by torch range; consecutive torch minors that agree share a line."""
+    from accelport._matrix import minor_str
+    from accelport.platform import PLATFORMS
+
+    as_of = mx.as_of.isoformat() if mx.as_of else "unknown"
+    lines = _wrap(f"Compatibility matrix as of {as_of}. For messages, packages and sources: "
+                  "accelport matrix --platform P --torch V.", "")
+    unconfirmed = False
+    for platform in sorted(PLATFORMS, key=_DISPLAY_ORDER.index):
+        backends = mx.backends(platform)
+        if not backends:
+            continue
+        lines += ["", platform]
+        col = max([len("recommended*")] + [len(b) for b in backends]) + 2
+        for names in _chunks(backends, 14, col):
+            groups: list[tuple[list[str], tuple[str, ...]]] = []
+            for m in mx.minors(platform):
+                cells = []
+                for b in names:
+                    row = mx.lookup(platform, b, m)
+                    cells.append(_cell(row.status, row.confirmed) if row else "")
+                    unconfirmed |= bool(row and not row.confirmed)
+                if groups and groups[-1][1] == tuple(cells):
+                    groups[-1][0].append(minor_str(m))
+                else:
+                    groups.append(([minor_str(m)], tuple(cells)))
+            lines.append(("  " + "torch".ljust(12) + "".join(n.ljust(col) for n in names)).rstrip())
+            for ms, cells in groups:
+                span = ms[0] if len(ms) == 1 else f"{ms[0]}-{ms[-1]}"
+                lines.append(("  " + span.ljust(12) + "".join(c.ljust(col) for c in cells)).rstrip())
+    lines += [""]
+    legend = "-: unsupported (or not applicable)."
+    if unconfirmed:
+        legend += " *: not confirmed against a primary source."
+    lines += _wrap(legend, "")
+    if here is not None:
+        lines += [""] + _wrap(f"This machine: {here.reason}", "")
+    return "\n".join(lines)
+
+
+def render_markdown(mx: Any) -> str:
+    """The whole matrix as Markdown: per platform, torch versions by backends, then the sources."""
+    from accelport._matrix import minor_str
+    from accelport.platform import PLATFORMS
+
+    as_of = mx.as_of.isoformat() if mx.as_of else "unknown"
+    out = [
+        "# Compatibility matrix",
+        "",
+        "<!-- Generated by `accelport matrix --markdown > docs/matrix.md` from compat_matrix/*.toml;",
+        "     tests/test_docs.py fails when this file and the data disagree. -->",
+        "",
+        f"As of {as_of}. Each cell: the backend's status for that torch version, and the package it "
+        "pairs with. `*` marks a fact not confirmed against a primary source. For the messages and "
+        "sources of one combination: `accelport matrix --platform P --torch V`.",
+    ]
+    sources: list[Any] = []
+    for platform in sorted(PLATFORMS, key=_DISPLAY_ORDER.index):
+        backends = mx.backends(platform)
+        if not backends:
+            continue
+        out += ["", f"## {platform}", "", "| torch | " + " | ".join(f"`{b}`" for b in backends) + " |",
+                "|---|" + "---|" * len(backends)]
+        for m in mx.minors(platform):
+            cells = []
+            for b in backends:
+                row = mx.lookup(platform, b, m)
+                if row is None:
+                    cells.append("")
+                    continue
+                for s in row.sources:
+                    if s not in sources:
+                        sources.append(s)
+                req = row.requirement(m) if row.status != "unsupported" else None
+                refs = ",".join(str(sources.index(s) + 1) for s in row.sources)
+                cells.append(f"{row.status}{'' if row.confirmed else '*'}" + (f" `{req}`" if req else "")
+                             + f" [{refs}]")
+            out.append(f"| {minor_str(m)} | " + " | ".join(cells) + " |")
+    out += ["", "## Sources", ""]
+    out += [f"{i}. {s.title}: <{s.url}>" for i, s in enumerate(sources, 1)]
+    return "\n".join(out)
+
+
+def render_verdict(v: Any) -> str:
+    """A verdict as text: the answer first, then every backend, the alternatives and the sources."""
+    chip = f" ({v.chip})" if v.chip else ""
+    head = f"{v.platform}{chip}, torch {v.torch_version or 'not installed'}"
+    if v.row_torch and v.row_torch != _minor_of(v.torch_version):
+        head += f": judged by the torch {v.row_torch} rows"
+    if v.as_of:
+        head += f" (as of {v.as_of.isoformat()})"
+    lines = _wrap(head, "")
+    if v.unverified:
+        lines += _wrap(f"Unverified: torch {v.torch_version} is newer than every row for {v.platform}; "
+                       f"the torch {v.row_torch} rows are used.", "")
+    lines.append("")
+    rec = v.recommended
+    if rec:
+        st = v.backends[rec]
+        lines += _wrap(f"recommended: {rec}" + (f" (pip: torch=={v.row_torch}.* {st.requires})"
+                                                if st.requires else ""), "")
+    else:
+        lines += _wrap("recommended: none", "")
+        if v.ranked:
+            lines += _wrap(f"usable: {', '.join(f'{b} ({v.statuses[b]})' for b in v.ranked)}", "  ")
+    sources: list[Any] = []
+    if v.backends:
+        lines.append("")
+    from accelport._matrix import STATUSES
+
+    order = list(v.backends)
+    for name in sorted(order, key=lambda b: (STATUSES.index(v.backends[b].status), order.index(b))):
+        st = v.backends[name]
+        lines.append(f"{name:<12} {st.status:<12} torch {st.torch}")
+        lines += _wrap(st.message, "    ")
+        if st.requires:
+            lines += _wrap(f"package: {st.requires}", "    ")
+        if st.python:
+            lines += _wrap(f"python: {st.python[0]} to {st.python[1]}", "    ")
+        if st.chips:
+            lines += _wrap(f"chips: {', '.join(st.chips)}", "    ")
+        if st.replacement and st.status in ("deprecated", "unsupported"):
+            lines += _wrap(f"instead: the {st.replacement} backend", "    ")
+        if st.note:
+            lines += _wrap(("note: " if st.confirmed else "unconfirmed: ") + st.note, "    ")
+        refs = []
+        for s in st.sources:
+            if s not in sources:
+                sources.append(s)
+            refs.append(f"[{sources.index(s) + 1}]")
+        lines += _wrap("sources: " + " ".join(refs), "    ")
+    if v.alternatives:
+        lines += ["", "nearest working combinations:"]
+        for alt in v.alternatives:
+            lines += _wrap(alt.describe(), "  ")
+    if not v.backends:
+        lines += [""] + _wrap(v.reason, "")
+    if sources:
+        lines += ["", "sources:"]
+        for i, s in enumerate(sources, 1):
+            lines += textwrap.wrap(f"[{i}] {s.title}", WIDTH, initial_indent="  ",
+                                   subsequent_indent="      ", break_on_hyphens=False)
+            lines.append(f"      {s.url}")
+    return "\n".join(lines)
+
+
+def _minor_of(text: str | None) -> str | None:
+    from accelport._matrix import minor_str, parse_torch_version
+
+    try:
+        return minor_str(parse_torch_version(text)) if text else None
+    except Exception:
+        return None

@@ -1,0 +1,358 @@
+"""Diagnose a slow or wrong run while it trains, in plain words, with the fix.
+
+A built-in plugin on the ``accelport_step_end`` hook (name ``diagnostics``):
+disable it like any plugin, or with ``ACCELPORT_DIAGNOSTICS=0``. Third parties
+add rules by implementing the same hook. Each kind of finding is reported once
+as a warning (a subclass of :class:`accelport.DiagnosticWarning`) and kept for
+``ap.diagnostics()``.
+
+The thresholds are chosen so that healthy runs stay silent: a loop that
+compiles once per bucket shape, plus its first step and a final short batch,
+is never flagged; a loop that keeps compiling is flagged within 30 steps.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import warnings
+from collections import Counter, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .contract import StepRecord
+from .errors import DiagnosticWarning
+from .hookspecs import hookimpl
+
+__all__ = [
+    "Diagnosis",
+    "Diagnostics",
+    "KINDS",
+    "RecompilationWarning",
+    "HostSyncWarning",
+    "InputBoundWarning",
+    "GraphGrowthWarning",
+    "CpuFallbackWarning",
+    "DeprecatedConfigWarning",
+]
+
+
+class RecompilationWarning(DiagnosticWarning):
+    """The graph keeps being recompiled."""
+
+
+class HostSyncWarning(DiagnosticWarning):
+    """The step reads device values on the host (``.item()``, ``print(tensor)``)."""
+
+
+class InputBoundWarning(DiagnosticWarning):
+    """The device waits for the data loader."""
+
+
+class GraphGrowthWarning(DiagnosticWarning):
+    """A lazy backend accumulated a very long graph without a sync."""
+
+
+class CpuFallbackWarning(DiagnosticWarning):
+    """Ops without a device lowering run on the host."""
+
+
+class DeprecatedConfigWarning(DiagnosticWarning):
+    """A deprecated setting is in effect."""
+
+
+KINDS: Mapping[str, type[DiagnosticWarning]] = {
+    "recompilation": RecompilationWarning,
+    "host-sync": HostSyncWarning,
+    "input-bound": InputBoundWarning,
+    "graph-growth": GraphGrowthWarning,
+    "cpu-fallback": CpuFallbackWarning,
+    "deprecated-config": DeprecatedConfigWarning,
+}
+
+# Thresholds (see the module docstring for what they must keep silent).
+WINDOW = 20  # steps the rolling rules look back over
+RECOMPILE_MIN_STEP = 10  # first step at which recompilation is judged
+RECOMPILE_STEPS_IN_WINDOW = 8  # compiling steps within WINDOW that mean "keeps compiling"
+HOST_SYNC_MIN_STEP = 6
+HOST_SYNC_STEPS = 8  # of the last 10 steps, this many read device values on the host
+INPUT_BOUND_MIN_STEP = 10
+INPUT_BOUND_SHARE = 0.3  # share of step time spent waiting for data...
+INPUT_BOUND_MIN_WAIT = 0.005  # ...and at least this many seconds per step (below it, nothing to win)
+GRAPH_GROWTH_FACTOR = 4.0  # a graph this many times the usual step's graph...
+GRAPH_GROWTH_MIN_EXTRA = 300  # ...and at least this many nodes more
+GRAPH_GROWTH_ABSOLUTE = 100_000  # torch_xla trims graphs past this size itself
+FALLBACK_CHECK_STEPS = frozenset({1, 2, 5, 10, 20, 50, 100, 200, 500, 1000})
+
+
+class HostSyncTracer:
+    """Opt-in (``ACCELPORT_DIAGNOSTICS=trace``): where the step reads device values on the host.
+
+    Wraps the few ``torch.Tensor`` methods that copy a device tensor to the host
+    and counts the first caller outside torch itself. It costs a Python call per
+    wrapped method call, so it is off by default.
+    """
+
+    METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__format__", "numpy")
+    _installed = False
+    sites: Counter[str] = Counter()
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._installed:
+            return
+        import torch
+
+        torch_dir = os.path.dirname(torch.__file__)
+        here = os.path.abspath(__file__)
+
+        def wrap(original: Any) -> Any:
+            def traced(self: Any, *args: Any, **kwargs: Any) -> Any:
+                if self.device.type != "cpu":
+                    frame = sys._getframe(1)
+                    while frame is not None and (frame.f_code.co_filename.startswith(torch_dir)
+                                                 or frame.f_code.co_filename == here):
+                        frame = frame.f_back
+                    if frame is not None:
+                        cls.sites[f"{frame.f_code.co_filename}:{frame.f_lineno}"] += 1
+                return original(self, *args, **kwargs)
+
+            traced.__wrapped__ = original  # type: ignore[attr-defined]
+            return traced
+
+        for name in cls.METHODS:
+            setattr(torch.Tensor, name, wrap(getattr(torch.Tensor, name)))
+        cls._installed = True
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """One finding: what was seen (``evidence``), and the cause and fix (``message``)."""
+
+    kind: str
+    message: str
+    step: int
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "message": self.message, "step": self.step, "evidence": dict(self.evidence)}
+
+
+def describe_shape_change(before: Sequence[Any] | None, after: Sequence[Any] | None) -> str | None:
+    """'input 0 changed from (8, 128) to (8, 131)' for the first input whose shape differs."""
+    if before is None or after is None:
+        return None
+    for i, (a, b) in enumerate(zip(before, after)):
+        if a == b:
+            continue
+        try:
+            (sa, da), (sb, db) = a, b
+        except (TypeError, ValueError):  # a signature from a third-party loader
+            return f"input {i} changed from {a!r} to {b!r}"
+        if sa != sb:
+            return f"input {i} changed from {tuple(sa)} to {tuple(sb)}"
+        return f"input {i} changed dtype from {da} to {db}"
+    if len(before) != len(after):
+        return f"the batch changed from {len(before)} to {len(after)} tensors"
+    return None
+
+
+class Diagnostics:
+    """The rules. One instance per plugin host; state covers the current run."""
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        self.findings: list[Diagnosis] = []
+        self._reported: set[str] = set()
+        self._history: deque[StepRecord] = deque(maxlen=WINDOW)
+        self._signatures: set[Any] = set()
+        self._compile_changes: list[str] = []
+        self._graph_sizes: deque[float] = deque(maxlen=50)
+        self._env = os.environ if environ is None else environ
+        self._trace = (self._env.get("ACCELPORT_DIAGNOSTICS") or "").strip().lower() == "trace"
+        HostSyncTracer.sites.clear()
+
+    # -- reporting ------------------------------------------------------------------------
+    def report(self, kind: str, message: str, step: int, **evidence: Any) -> None:
+        """Record a finding; warn the first time each kind is seen."""
+        if kind in self._reported:
+            return
+        self._reported.add(kind)
+        diagnosis = Diagnosis(kind, message, step, evidence)
+        self.findings.append(diagnosis)
+        warnings.warn(f"[{kind}] {message}", KINDS.get(kind, DiagnosticWarning), stacklevel=4)
+
+    # -- the hook --------------------------------------------------------------------------
+    @hookimpl
+    def accelport_step_end(self, record: StepRecord) -> None:
+        new_signature = record.signature is not None and record.signature not in self._signatures
+        previous = self._history[-1].signature if self._history else None
+        if record.signature is not None:
+            self._signatures.add(record.signature)
+        self._history.append(record)
+        compiled = record.delta.get("compilations", 0) > 0
+        if compiled and record.step > 1:
+            change = describe_shape_change(previous, record.signature) if new_signature else None
+            self._compile_changes.append(change or "")
+        if record.step == 1:
+            self._deprecated_config(record)
+            if self._trace:
+                HostSyncTracer.install()
+        self._recompilation(record)
+        self._host_sync(record)
+        self._input_bound(record)
+        if record.lazy:
+            self._graph_growth(record)
+            if record.step in FALLBACK_CHECK_STEPS:
+                self._cpu_fallback(record)
+
+    # -- rules --------------------------------------------------------------------------------
+    def _recompilation(self, record: StepRecord) -> None:
+        if record.step < RECOMPILE_MIN_STEP or "recompilation" in self._reported:
+            return
+        compiling = [r for r in self._history if r.step > 1 and r.delta.get("compilations", 0) > 0]
+        if len(compiling) < RECOMPILE_STEPS_IN_WINDOW:
+            return
+        changes = [c for c in self._compile_changes if c]
+        total = sum(int(r.delta.get("compilations", 0)) for r in compiling)
+        lookback = len(self._history)
+        if changes:
+            cause = (f"{changes[-1]}; {len(self._signatures)} distinct batch shapes so far. "
+                     "Pad to a fixed length, or bucket: collate_fn=ap.data.BucketCollate(buckets=(128, 256, 512))"
+                     " with ap.data.LengthGroupedBatchSampler to keep padding low")
+        else:
+            cause = ("the input shapes did not change, so the graph itself does: look for data-dependent ops "
+                     "(boolean indexing x[mask], torch.nonzero, .item() feeding Python control flow) and "
+                     "replace them with fixed-shape ops (ap.data.masked_sum / masked_mean, torch.where)")
+        self.report(
+            "recompilation",
+            f"the graph was recompiled in {len(compiling)} of the last {lookback} steps ({total} compilations): "
+            f"{cause}.",
+            record.step,
+            compiling_steps=[r.step for r in compiling],
+            distinct_signatures=len(self._signatures),
+            last_change=changes[-1] if changes else None,
+        )
+
+    def _host_sync(self, record: StepRecord) -> None:
+        if record.step < HOST_SYNC_MIN_STEP or "host-sync" in self._reported:
+            return
+        recent = list(self._history)[-10:]
+        if "device_to_host" not in record.delta:
+            return  # the backend cannot count transfers (eager): nothing to say
+        syncing = [r for r in recent if r.delta.get("device_to_host", 0) > 0]
+        if len(syncing) < HOST_SYNC_STEPS:
+            return
+        per_step = sum(r.delta.get("device_to_host", 0) for r in syncing) / len(recent)
+        sites = [site for site, _ in HostSyncTracer.sites.most_common(3)]
+        where = (f" It happens at {', '.join(sites)}." if sites else
+                 " Set ACCELPORT_DIAGNOSTICS=trace to see the file and line.")
+        self.report(
+            "host-sync",
+            f"{per_step:.1f} device-to-host transfers per step in {len(syncing)} of the last {len(recent)} "
+            "steps: something reads device values inside the step (.item(), print(tensor), .tolist(), "
+            "if tensor:), which stops the device and cuts the graph. Log with "
+            "ap.after_step(fn, loss) instead: it runs fn with host values once the step has run, "
+            f"without an extra round trip.{where}",
+            record.step,
+            transfers_per_step=round(per_step, 2),
+            sites=sites,
+        )
+
+    def _input_bound(self, record: StepRecord) -> None:
+        if record.step < INPUT_BOUND_MIN_STEP or "input-bound" in self._reported:
+            return
+        recent = [r for r in self._history if r.step > 1]  # the first step includes start-up
+        total = sum(r.seconds for r in recent)
+        wait = sum(r.data_wait_seconds for r in recent)
+        if total <= 0 or wait / total < INPUT_BOUND_SHARE or wait / len(recent) < INPUT_BOUND_MIN_WAIT:
+            return
+        workers = (record.loader or {}).get("num_workers")
+        cpus = os.cpu_count() or 1
+        if workers is None:
+            advice = ("wrap a torch DataLoader with num_workers > 0 (at most the number of CPU cores), "
+                      "and move decoding and augmentation out of the training loop")
+            worker_text = "a plain iterable"
+        elif workers == 0:
+            n = f"{max(1, cpus - 1)}" if cpus <= 3 else f"between 2 and {cpus - 1}"
+            advice = f"set num_workers to {n} so batches are prepared in parallel while the device computes"
+            worker_text = "num_workers=0"
+        elif workers >= cpus:
+            advice = (f"num_workers={workers} already uses every CPU core ({cpus}): make each sample "
+                      "cheaper (pre-tokenise, cache decoded data) or use a machine with more cores")
+            worker_text = f"num_workers={workers}"
+        else:
+            advice = (f"raise num_workers towards {cpus} (the CPU cores), raise prefetch in "
+                      "ap.loader(..., prefetch=N), or make each sample cheaper")
+            worker_text = f"num_workers={workers}"
+        share = wait / total
+        self.report(
+            "input-bound",
+            f"the training loop waited for data {share:.0%} of the time over the last {len(recent)} steps "
+            f"({worker_text}, {cpus} CPU cores): the device is idle while the loader works. {advice}.",
+            record.step,
+            data_wait_share=round(share, 3),
+            num_workers=workers,
+            cpu_count=cpus,
+        )
+
+    def _graph_growth(self, record: StepRecord) -> None:
+        size = record.delta.get("graph_nodes")
+        if not size or "graph-growth" in self._reported:
+            if size:
+                self._graph_sizes.append(size)
+            return
+        usual = statistics.median(self._graph_sizes) if len(self._graph_sizes) >= 3 else None
+        self._graph_sizes.append(size)
+        too_big = size >= GRAPH_GROWTH_ABSOLUTE or (
+            usual is not None and size >= GRAPH_GROWTH_FACTOR * usual and size - usual >= GRAPH_GROWTH_MIN_EXTRA
+        )
+        if not too_big:
+            return
+        usual_text = f" (usually {int(usual)})" if usual else ""
+        self.report(
+            "graph-growth",
+            f"step {record.step} executed a graph of {int(size)} nodes{usual_text}: work accumulated without a "
+            "sync, so it compiles and runs as one huge graph (slow to compile, memory hungry). Call ap.sync() "
+            "inside long loops that are not training steps (evaluation, generation, metric accumulation), "
+            "e.g. once per iteration.",
+            record.step,
+            graph_nodes=int(size),
+            usual_graph_nodes=int(usual) if usual else None,
+        )
+
+    def _cpu_fallback(self, record: StepRecord) -> None:
+        if "cpu-fallback" in self._reported:
+            return
+        from ._runtime import RUNTIME
+
+        backend = RUNTIME._backend
+        if backend is None or backend.name != record.backend:
+            return
+        ops = backend.counters().get("cpu_fallback") or {}
+        ops = {op: n for op, n in ops.items() if op != "aten::_local_scalar_dense"}  # that is .item()
+        if not ops:
+            return
+        listed = ", ".join(f"{op} ({n}x)" for op, n in sorted(ops.items(), key=lambda kv: -kv[1])[:5])
+        self.report(
+            "cpu-fallback",
+            f"ops without a {record.backend} lowering ran on the host CPU: {listed}. Each one copies data to "
+            "the host and back and cuts the graph. Replace them with fixed-shape equivalents (torch.nonzero -> "
+            "a mask with torch.where; boolean indexing -> ap.data.masked_sum) or move them out of the step.",
+            record.step,
+            ops=dict(ops),
+        )
+
+    def _deprecated_config(self, record: StepRecord) -> None:
+        from .compat import deprecated_settings
+
+        found = deprecated_settings(self._env)
+        if found:
+            self.report("deprecated-config", " ".join(message for _, message in found), record.step,
+                        settings=[name for name, _ in found])
+
+
+def create_plugin() -> Diagnostics:
+    """The plugin object the plugin host registers (a fresh one per host, so per run)."""
+    return Diagnostics()

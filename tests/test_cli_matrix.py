@@ -1,0 +1,207 @@
+"""`accelport matrix` and `accelport ci-matrix`: readable at 80 columns, valid JSON, specific errors."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from accelport.cli import main
+from accelport.compat import recommend
+
+WIDTH = 80
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def assert_fits(text: str) -> None:
+    """Every line fits 80 columns, except a source URL alone on its line (a broken URL is useless)."""
+    for line in text.splitlines():
+        if line.strip().startswith("https://") and " " not in line.strip():
+            continue
+        assert len(line) <= WIDTH, f"{len(line)} columns: {line!r}"
+
+
+def test_whole_table_is_readable_at_80_columns(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "matrix")
+    assert code == 0 and err == ""
+    assert_fits(out)
+    for platform in ("cpu", "nvidia-gpu", "gcp-tpu", "aws-neuron"):
+        assert f"\n{platform}\n" in out
+    assert "  2.11-2.15   deprecated    recommended" in out  # gcp-tpu: xla, tpu
+    assert "  2.13-2.14   -             recommended" in out  # aws-neuron: neuron-xla, neuron
+    assert "This machine: " in out
+    assert "*: not confirmed" in out
+
+
+@pytest.mark.parametrize("platform,torch", [
+    ("aws-neuron", "2.9"), ("aws-neuron", "2.14"), ("gcp-tpu", "2.10"), ("gcp-tpu", "2.13"),
+    ("nvidia-gpu", "2.8"), ("cpu", "2.13.0+cpu"), ("aws-neuron", "2.16"),
+])
+def test_verdicts_are_readable_at_80_columns(capsys: pytest.CaptureFixture[str], platform: str,
+                                             torch: str) -> None:
+    code, out, _ = run(capsys, "matrix", "--platform", platform, "--torch", torch)
+    assert code == 0
+    assert_fits(out)
+    assert out.startswith(f"{platform}, torch {torch}")
+    assert "sources:" in out and "https://" in out
+
+
+def test_verdict_text_leads_with_the_answer(capsys: pytest.CaptureFixture[str]) -> None:
+    _, out, _ = run(capsys, "matrix", "--platform", "aws-neuron", "--torch", "2.14")
+    assert "recommended: neuron (pip: torch==2.14.* torch-neuronx==2.14.3.0.*)" in out
+    assert "chips: Trainium2, Trainium3" in out
+    _, out, _ = run(capsys, "matrix", "--platform", "gcp-tpu", "--torch", "2.10")
+    assert "recommended: none" in out and "nearest working combinations:" in out
+    assert "torch 2.11 with tpu (recommended; torch-tpu>=0.2.0)" in out
+    _, out, _ = run(capsys, "matrix", "--platform", "aws-neuron", "--torch", "2.16")
+    assert "judged by the torch 2.15 rows" in out and "Unverified" in out
+
+
+def test_platform_alone_uses_the_installed_torch(capsys: pytest.CaptureFixture[str]) -> None:
+    from accelport import _packages
+
+    code, out, _ = run(capsys, "matrix", "--platform", "gcp-tpu", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["torch_version"] == _packages.version("torch")
+    assert data["recommended"] == recommend("gcp-tpu", warn=False).recommended
+
+
+def test_torch_alone_uses_this_machine(capsys: pytest.CaptureFixture[str]) -> None:
+    from accelport.platform import detect
+
+    code, out, _ = run(capsys, "matrix", "--torch", "2.9", "--json")
+    data = json.loads(out)
+    assert data["platform"] == detect().name and data["torch_version"] == "2.9"
+    assert data["recommended"] == recommend(detect().name, "2.9", chip=detect().chip).recommended
+
+
+def test_whole_matrix_as_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "matrix", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["as_of"] == "2026-12-01"
+    assert {r["backend"] for r in data["rows"]} >= {"cpu", "cuda", "xla", "tpu", "neuron", "neuron-xla"}
+    assert all(r["sources"] for r in data["rows"])
+    assert {e["name"] for e in data["env"]} == {"XLA_USE_BF16", "XLA_DOWNCAST_BF16"}
+
+
+@pytest.mark.parametrize("args,words", [
+    (("--platform", "mars"), ["unknown platform 'mars'", "gcp-tpu, aws-neuron, nvidia-gpu, cpu"]),
+    (("--torch", "banana"), ["invalid torch version 'banana'", "2.9.0+cu128"]),
+])
+def test_bad_input_is_a_usage_error_naming_valid_values(capsys: pytest.CaptureFixture[str],
+                                                        args: tuple[str, ...], words: list[str]) -> None:
+    code, out, err = run(capsys, "matrix", *args)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert all(w in err for w in words)
+    code, out, _ = run(capsys, "matrix", *args, "--json")
+    data = json.loads(out)
+    assert code == 2 and data["kind"] == "usage" and all(w in data["error"] for w in words)
+
+
+def test_broken_override_is_reported_in_one_line(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[rows]]\nplatform = "cpu"\nbackend = "x"\ntorch = "2.9"\nstatus = "great"\n')
+    monkeypatch.setenv("ACCELPORT_COMPAT_MATRIX", str(bad))
+    code, out, _ = run(capsys, "matrix", "--json")
+    data = json.loads(out)
+    assert code == 1 and data["kind"] == "CompatMatrixError"
+    assert str(bad) in data["error"] and "rows[0].status" in data["error"]
+
+
+# -- ci-matrix ------------------------------------------------------------------------------
+
+
+def ci(capsys: pytest.CaptureFixture[str], *args: str) -> list[dict[str, object]]:
+    code, out, err = run(capsys, "ci-matrix", *args)
+    assert code == 0, err
+    assert len(out.strip().splitlines()) == 1  # the github format is one line for $GITHUB_OUTPUT
+    return json.loads(out)["include"]
+
+
+def test_ci_matrix_lists_the_working_combinations(capsys: pytest.CaptureFixture[str]) -> None:
+    entries = ci(capsys)
+    keys = {(e["platform"], e["torch"], e["backend"]) for e in entries}
+    assert ("gcp-tpu", "2.9", "xla") in keys and ("gcp-tpu", "2.13", "tpu") in keys
+    assert ("aws-neuron", "2.14", "neuron") in keys and ("nvidia-gpu", "2.13", "cuda") in keys
+    assert ("gcp-tpu", "2.13", "xla") not in keys  # deprecated: not by default
+    assert ("aws-neuron", "2.9", "neuron-xla") not in keys
+    assert ("gcp-tpu", "2.10", "xla") not in keys  # unsupported
+    for e in entries:
+        assert set(e) == {"platform", "torch", "backend", "python", "runner", "status", "install"}
+        assert e["status"] in ("recommended", "supported", "experimental")
+        assert str(e["install"]).startswith(f"torch=={e['torch']}.*")
+    assert len(entries) < 256  # GitHub's limit on jobs per matrix
+
+
+def test_ci_matrix_python_fits_torch_package_and_accelport(capsys: pytest.CaptureFixture[str]) -> None:
+    by = {(e["platform"], e["torch"], e["backend"]): e for e in ci(capsys)}
+    assert by[("gcp-tpu", "2.1", "xla")]["python"] == "3.11"  # torch_xla 2.1: up to 3.11
+    assert by[("gcp-tpu", "2.9", "xla")]["python"] == "3.13"  # torch 2.9 has 3.14, torch_xla not
+    assert by[("aws-neuron", "2.14", "neuron")]["python"] == "3.14"
+    assert by[("cpu", "2.13", "cpu")]["python"] == "3.15"
+    assert by[("gcp-tpu", "2.9", "xla")]["install"] == "torch==2.9.* torch_xla[tpu]==2.9.*"
+
+
+def test_ci_matrix_default_and_custom_runners(capsys: pytest.CaptureFixture[str]) -> None:
+    runners = {e["platform"]: e["runner"] for e in ci(capsys)}
+    assert runners == {"cpu": "ubuntu-latest", "nvidia-gpu": ["self-hosted", "gpu"],
+                       "gcp-tpu": ["self-hosted", "tpu"], "aws-neuron": ["self-hosted", "trainium"]}
+    entries = ci(capsys, "--platform", "gcp-tpu", "--runner", "gcp-tpu=self-hosted,tpu-v5e",
+                 "--runner", "cpu=ubuntu-24.04")
+    assert {json.dumps(e["runner"]) for e in entries} == {'["self-hosted", "tpu-v5e"]'}
+    entries = ci(capsys, "--platform", "cpu", "--runner", "cpu=ubuntu-24.04")
+    assert {e["runner"] for e in entries} == {"ubuntu-24.04"}
+
+
+def test_ci_matrix_filters(capsys: pytest.CaptureFixture[str]) -> None:
+    entries = ci(capsys, "--platform", "gcp-tpu,aws-neuron", "--torch", "2.9", "--torch", "2.14.0+cpu",
+                 "--status", "recommended,deprecated")
+    assert sorted((e["platform"], e["torch"], e["backend"], e["status"]) for e in entries) == [
+        ("aws-neuron", "2.14", "neuron", "recommended"),
+        ("aws-neuron", "2.9", "neuron-xla", "deprecated"),
+        ("gcp-tpu", "2.14", "tpu", "recommended"),
+        ("gcp-tpu", "2.14", "xla", "deprecated"),
+        ("gcp-tpu", "2.9", "xla", "recommended"),
+    ]
+
+
+def test_ci_matrix_json_format_is_indented(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "ci-matrix", "--platform", "cpu", "--format", "json")
+    assert code == 0 and len(out.splitlines()) > 5 and json.loads(out)["include"]
+
+
+@pytest.mark.parametrize("args,code,words", [
+    (("--platform", "mars"), 2, ["unknown platform 'mars'", "aws-neuron"]),
+    (("--torch", "banana"), 2, ["invalid torch version 'banana'"]),
+    (("--status", "stable"), 2, ["unknown status 'stable'", "recommended, supported"]),
+    (("--runner", "gcp-tpu"), 2, ["PLATFORM=LABEL"]),
+    (("--runner", "moon=x"), 2, ["unknown platform 'moon'"]),
+    (("--platform", "gcp-tpu", "--torch", "2.10"), 1, ["no combination matches", "empty matrix"]),
+])
+def test_ci_matrix_errors(capsys: pytest.CaptureFixture[str], args: tuple[str, ...], code: int,
+                          words: list[str]) -> None:
+    got, out, err = run(capsys, "ci-matrix", *args)
+    assert got == code and out == "" and all(w in err for w in words), err
+    for flag in (("--json",), ("--format", "json")):
+        got, out, _ = run(capsys, "ci-matrix", *args, *flag)
+        data = json.loads(out)
+        assert got == code and all(w in data["error"] for w in words)
+
+
+def test_matrix_commands_import_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, contextlib, io\nfrom accelport.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    main(['matrix']); main(['matrix', '--platform', 'gcp-tpu', '--json']); main(['ci-matrix'])\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torch_xla', 'torch_tpu')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

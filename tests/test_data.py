@@ -1,0 +1,124 @@
+"""ap.data: fixed shapes from variable-length data."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import accelport as ap
+
+
+def test_pad_to_pads_and_refuses_to_truncate() -> None:
+    import torch
+
+    t = torch.tensor([[1, 2, 3]])
+    out = ap.data.pad_to(t, 5, dim=-1, value=-1)
+    assert out.tolist() == [[1, 2, 3, -1, -1]]
+    assert ap.data.pad_to(t, 3) is t
+    assert ap.data.pad_to(t, 2, dim=0).shape == (2, 3)
+    with pytest.raises(ValueError, match="longer than the target 2: truncate"):
+        ap.data.pad_to(t, 2)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        ap.data.pad_to([1, 2], 4)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="non-negative int"):
+        ap.data.pad_to(t, -1)
+
+
+def test_bucket_collate_pads_to_smallest_bucket_and_per_field_values() -> None:
+    import torch
+
+    collate = ap.data.BucketCollate(buckets=(8, 4, 16), pad_value={"ids": 0, "labels": -100})
+    assert collate.buckets == (4, 8, 16)
+    batch = collate([{"ids": torch.arange(1, 6), "labels": torch.arange(5), "n": 5},
+                     {"ids": torch.arange(1, 3), "labels": torch.arange(2), "n": 2}])
+    assert batch["ids"].shape == (2, 8)
+    assert batch["ids"][1].tolist() == [1, 2, 0, 0, 0, 0, 0, 0]
+    assert batch["labels"][1].tolist() == [0, 1] + [-100] * 6
+    assert batch["n"].tolist() == [5, 2]
+
+
+def test_bucket_collate_tuples_and_short_final_batch() -> None:
+    import torch
+
+    collate = ap.data.BucketCollate(buckets=(4,), pad_value=(0, -100), batch_size=3)
+    x, y = collate([(torch.ones(3, dtype=torch.long), torch.tensor(1))])
+    assert x.shape == (3, 4) and y.shape == (3,)
+    assert x[1:].eq(0).all() and y.tolist() == [1, -100, -100]
+
+
+def test_bucket_collate_bad_input_says_what_to_do() -> None:
+    import torch
+
+    with pytest.raises(ValueError, match="positive ints"):
+        ap.data.BucketCollate(buckets=())
+    with pytest.raises(ValueError, match="too_long must be"):
+        ap.data.BucketCollate(too_long="wrap")
+    with pytest.raises(ValueError, match="longer than the largest bucket 4: add a larger bucket"):
+        ap.data.BucketCollate(buckets=(4,))([torch.ones(9)])
+    truncated = ap.data.BucketCollate(buckets=(4,), too_long="truncate")([torch.arange(9)])
+    assert truncated.tolist() == [[0, 1, 2, 3]]
+    with pytest.raises(ValueError, match="larger than batch_size=1"):
+        ap.data.BucketCollate(batch_size=1)([torch.ones(2), torch.ones(2)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=12))
+def test_bucketed_shapes_are_always_one_of_the_buckets(lengths: list[int]) -> None:
+    import torch
+
+    buckets = (32, 64, 128, 512)
+    batch = ap.data.BucketCollate(buckets=buckets)([torch.ones(n) for n in lengths])
+    assert batch.shape[1] in buckets
+    assert batch.shape[1] >= max(lengths)
+    assert batch.shape[1] == min(b for b in buckets if b >= max(lengths))
+    assert int(batch.sum()) == sum(lengths)  # nothing lost, padding is zeros
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 500), min_size=1, max_size=200), st.integers(1, 16), st.booleans())
+def test_length_grouped_sampler_covers_every_index_once(lengths: list[int], bs: int, drop: bool) -> None:
+    sampler = ap.data.LengthGroupedBatchSampler(lengths, bs, group_size=4, drop_last=drop, seed=3)
+    batches = list(sampler)
+    assert len(batches) == len(sampler)
+    flat = [i for b in batches for i in b]
+    assert len(flat) == len(set(flat))
+    if not drop:
+        assert sorted(flat) == list(range(len(lengths)))
+    assert all(len(b) == bs for b in batches) if drop else all(1 <= len(b) <= bs for b in batches)
+
+
+def test_length_grouping_reduces_padding_waste() -> None:
+    import random
+
+    rng = random.Random(0)
+    lengths = [rng.randint(5, 500) for _ in range(2000)]
+
+    def waste(batches: list[list[int]]) -> float:
+        return sum(max(lengths[i] for i in b) * len(b) - sum(lengths[i] for i in b) for b in batches)
+
+    grouped = list(ap.data.LengthGroupedBatchSampler(lengths, 16, seed=1))
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    plain = [order[i:i + 16] for i in range(0, len(order), 16)]
+    assert waste(grouped) < 0.2 * waste(plain)
+    epoch0 = list(ap.data.LengthGroupedBatchSampler(lengths, 16, seed=1))
+    s = ap.data.LengthGroupedBatchSampler(lengths, 16, seed=1)
+    s.set_epoch(1)
+    assert epoch0 == grouped and list(s) != grouped  # deterministic per epoch, reshuffled across
+
+
+def test_masked_reductions_match_boolean_indexing_with_a_fixed_shape() -> None:
+    import torch
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 7)
+    mask = x > 0.3
+    assert torch.allclose(ap.data.masked_sum(x, mask), x[mask].sum())
+    assert torch.allclose(ap.data.masked_mean(x, mask), x[mask].mean())
+    per_row = ap.data.masked_mean(x, mask, dim=1)
+    assert per_row.shape == (4,)
+    for r in range(4):
+        expected = x[r][mask[r]].mean() if mask[r].any() else torch.tensor(0.0)
+        assert torch.allclose(per_row[r], expected)
+    assert ap.data.masked_mean(x, torch.zeros_like(mask)).item() == 0.0

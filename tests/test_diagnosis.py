@@ -1,0 +1,209 @@
+"""The diagnosis rules, on synthetic step records and on real eager (cpu) loops.
+
+The lazy-backend rules are exercised for real on XLA:CPU in tests/xla/.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+
+import pytest
+
+import accelport as ap
+from accelport.contract import StepRecord
+from accelport.diagnosis import Diagnostics, describe_shape_change
+
+
+def rec(step: int, *, compiles: int = 0, d2h: int | None = None, sig: tuple | None = None,  # type: ignore[type-arg]
+        seconds: float = 0.01, wait: float = 0.0, lazy: bool = True, graph: int | None = None,
+        loader: dict | None = None) -> StepRecord:  # type: ignore[type-arg]
+    delta: dict[str, float] = {"compilations": compiles}
+    if d2h is not None:
+        delta["device_to_host"] = d2h
+    if graph is not None:
+        delta["graph_nodes"] = graph
+    return StepRecord(step, "xla", lazy, seconds, wait, sig, delta, time.time(), loader or {})
+
+
+def feed(records: list[StepRecord]) -> Diagnostics:
+    d = Diagnostics(environ={})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for r in records:
+            d.accelport_step_end(r)
+    return d
+
+
+def sig(n: int) -> tuple:  # type: ignore[type-arg]
+    return (((8, n, 16), "float32"), ((8,), "int64"))
+
+
+def kinds(d: Diagnostics) -> list[str]:
+    return [f.kind for f in d.findings]
+
+
+def test_shape_change_is_described() -> None:
+    assert describe_shape_change(sig(128), sig(131)) == "input 0 changed from (8, 128, 16) to (8, 131, 16)"
+    assert describe_shape_change(sig(4), sig(4)) is None
+    assert describe_shape_change(None, sig(4)) is None
+
+
+def test_growing_compilations_flagged_within_30_steps_naming_the_shape_change() -> None:
+    records = [rec(s, compiles=1, sig=sig(100 + s)) for s in range(1, 31)]
+    d = feed(records)
+    assert kinds(d) == ["recompilation"]
+    found = d.findings[0]
+    assert found.step <= 30
+    assert "input 0 changed from (8, 109, 16) to (8, 110, 16)" in found.message
+    assert "BucketCollate" in found.message
+
+
+def test_bucketing_plus_first_step_and_final_batch_is_silent() -> None:
+    buckets = [128, 256, 512, 1024]
+    records, seen = [], set()
+    for s in range(1, 201):
+        b = buckets[(s * 7) % 4]
+        records.append(rec(s, compiles=3 if s == 1 else int(b not in seen), sig=sig(b)))
+        seen.add(b)
+    records.append(rec(201, compiles=2, sig=(((5, 128, 16), "float32"),)))  # ragged final batch
+    assert feed(records).findings == []
+
+
+def test_recompiling_with_unchanged_shapes_points_at_data_dependent_ops() -> None:
+    d = feed([rec(s, compiles=1, sig=sig(64)) for s in range(1, 25)])
+    assert kinds(d) == ["recompilation"]
+    assert "input shapes did not change" in d.findings[0].message
+    assert "masked_sum" in d.findings[0].message
+
+
+def test_host_sync_needs_transfers_in_most_steps() -> None:
+    d = feed([rec(s, d2h=1, sig=sig(8)) for s in range(1, 15)])
+    assert kinds(d) == ["host-sync"]
+    assert "ap.after_step" in d.findings[0].message and d.findings[0].evidence["transfers_per_step"] == 1.0
+    # Logging every 10 steps (through after_step or not) is fine.
+    assert feed([rec(s, d2h=int(s % 10 == 0), sig=sig(8)) for s in range(1, 60)]).findings == []
+    # An eager backend cannot count transfers: no key, no finding.
+    assert feed([rec(s, lazy=False, sig=sig(8)) for s in range(1, 30)]).findings == []
+
+
+def test_input_bound_reports_share_workers_and_cores() -> None:
+    d = feed([rec(s, seconds=0.1, wait=0.06, loader={"num_workers": 0}) for s in range(1, 15)])
+    assert kinds(d) == ["input-bound"]
+    msg = d.findings[0].message
+    assert "60%" in msg and "num_workers=0" in msg and "CPU cores" in msg
+    assert feed([rec(s, seconds=0.1, wait=0.01) for s in range(1, 40)]).findings == []
+
+
+def test_graph_growth_against_the_usual_step() -> None:
+    records = [rec(s, graph=120, sig=sig(8)) for s in range(1, 10)]
+    records.append(rec(10, graph=120 + 800, sig=sig(8)))
+    d = feed(records)
+    assert kinds(d) == ["graph-growth"]
+    assert "920 nodes (usually 120)" in d.findings[0].message and "ap.sync()" in d.findings[0].message
+    # Normal jitter in graph size is not growth.
+    assert feed([rec(s, graph=120 + (s % 3) * 10, sig=sig(8)) for s in range(1, 40)]).findings == []
+
+
+def test_each_kind_is_reported_once_as_its_own_warning_category() -> None:
+    d = Diagnostics(environ={})
+    with pytest.warns(ap.DiagnosticWarning) as caught:
+        for s in range(1, 40):
+            d.accelport_step_end(rec(s, compiles=1, sig=sig(s)))
+    relevant = [w for w in caught if issubclass(w.category, ap.DiagnosticWarning)]
+    assert len(relevant) == 1
+    assert relevant[0].category.__name__ == "RecompilationWarning"
+    assert len(d.findings) == 1
+
+
+def test_deprecated_config_is_reported_on_the_first_step() -> None:
+    d = Diagnostics(environ={"XLA_USE_BF16": "1"})
+    with pytest.warns(ap.DiagnosticWarning, match="XLA_USE_BF16 is deprecated"):
+        d.accelport_step_end(rec(1))
+    assert kinds(d) == ["deprecated-config"] and "autocast" in d.findings[0].message
+    quiet = Diagnostics(environ={"XLA_USE_BF16": "0"})
+    quiet.accelport_step_end(rec(1))
+    assert quiet.findings == []
+
+
+# -- real loops on the cpu backend ------------------------------------------------------
+
+
+class SlowDataset:
+    """A dataset whose __getitem__ sleeps: the loader, not the model, is the bottleneck."""
+
+    def __init__(self, n: int, delay: float) -> None:
+        self.n, self.delay = n, delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):  # type: ignore[no-untyped-def]
+        import torch
+
+        time.sleep(self.delay)
+        return torch.randn(8), torch.randn(1)
+
+
+def _train(loader, steps: int | None = None) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    model = torch.nn.Linear(8, 1).to(ap.device())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for i, (x, y) in enumerate(ap.loader(loader, prefetch=0)):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        ap.optimizer_step(opt)
+        opt.zero_grad()
+        if steps is not None and i + 1 >= steps:
+            break
+
+
+def test_input_bound_on_cpu_with_a_slow_dataset() -> None:
+    from torch.utils.data import DataLoader
+
+    ap.use("cpu")
+    with pytest.warns(ap.DiagnosticWarning, match="input-bound"):
+        _train(DataLoader(SlowDataset(15 * 4, 0.004), batch_size=4, num_workers=0))
+    (found,) = ap.diagnostics()
+    assert found.kind == "input-bound"
+    assert found.evidence["num_workers"] == 0 and found.evidence["data_wait_share"] > 0.3
+    assert "set num_workers to " in found.message and "in parallel" in found.message
+
+
+def test_healthy_cpu_loop_is_silent_and_nothing_lazy_fires() -> None:
+    import torch
+
+    ap.use("cpu")
+    data = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(40)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ap.DiagnosticWarning)
+        _train(data)
+    assert ap.diagnostics() == []
+    assert ap.metrics().steps == 40
+
+
+def test_diagnostics_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.utils.data import DataLoader
+
+    monkeypatch.setenv("ACCELPORT_DIAGNOSTICS", "0")
+    ap.use("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ap.DiagnosticWarning)
+        _train(DataLoader(SlowDataset(15 * 4, 0.004), batch_size=4))
+    assert ap.diagnostics() == []
+
+
+def test_metrics_file_gets_one_json_line_per_step(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    path = tmp_path / "logs" / "run.jsonl"
+    monkeypatch.setenv("ACCELPORT_METRICS_FILE", str(path))
+    ap.use("cpu")
+    _train([(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(7)])
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, 8))
+    first = lines[0]
+    assert first["backend"] == "cpu" and first["signature"] == [[[4, 8], "float32"], [[4, 1], "float32"]]
+    assert {"time", "seconds", "data_wait_seconds", "compilations"} <= set(first)
+    assert all(line["seconds"] >= 0 for line in lines)

@@ -1,0 +1,157 @@
+"""accelport doctor: safe, specific, never a traceback, never a secret."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from accelport.cli import main
+from accelport.doctor import Finding, exit_status, gather, redact, render_markdown, render_text
+
+REPORT_KEYS = {"platform", "packages", "backends", "selected", "recommendation", "environment", "caches",
+               "plugins", "findings"}
+
+
+def doctor_json(env: dict[str, str] | None = None) -> tuple[int, dict]:  # type: ignore[type-arg]
+    full = {k: v for k, v in os.environ.items() if not k.startswith("ACCELPORT_")}
+    full.update(env or {})
+    out = subprocess.run([sys.executable, "-m", "accelport", "doctor", "--json"], capture_output=True, text=True,
+                         env=full, timeout=120)
+    return out.returncode, json.loads(out.stdout)
+
+
+def test_report_has_the_documented_keys_and_this_machine() -> None:
+    code, report = doctor_json()
+    assert code == 0
+    assert REPORT_KEYS <= set(report)
+    assert report["platform"]["name"] == "cpu"
+    assert report["selected"]["name"] == "cpu"
+    assert report["packages"]["torch"]
+    assert {b["name"] for b in report["backends"]} >= {"cpu", "cuda"}
+    assert any(p["name"] == "diagnostics" and "accelport_step_end" in p["hooks"] for p in report["plugins"])
+
+
+def test_doctor_imports_no_torch_and_no_vendor_runtime() -> None:
+    code = (
+        "import sys, io, contextlib\n"
+        "from accelport.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    main(['doctor', '--json'])\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "{'torch', 'torch_xla', 'torch_tpu', 'torch_neuronx', 'libneuronxla', 'jax'})\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]"
+
+
+def test_secrets_never_appear_in_any_output_mode(monkeypatch: pytest.MonkeyPatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    secret = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+    token = "ya29.a0AfH6SMBx3gK9vQ2pLmN8rT"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_dump_to=/tmp/x --auth_token={token}")
+    monkeypatch.setenv("TPU_API_TOKEN", "plainvalue")
+    for args in (["doctor"], ["doctor", "--json"], ["doctor", "--markdown"]):
+        main(args)
+        out = capsys.readouterr().out
+        assert secret not in out and token not in out and "plainvalue" not in out
+        assert "AWS_SECRET_ACCESS_KEY" not in out
+        assert "--xla_dump_to=/tmp/x" in out  # the harmless part stays readable
+
+
+@pytest.mark.parametrize(
+    "name, value, shown",
+    [
+        ("XLA_FLAGS", "--xla_cpu_fast_math=false", "--xla_cpu_fast_math=false"),
+        ("XLA_FLAGS", "--key=abc123", "--key=<redacted>"),
+        ("NEURON_CC_FLAGS", "--cache_dir=s3://b/AKIAIOSFODNN7EXAMPLE", "--cache_dir=s3://b/<redacted>"),
+        ("TPU_NAME", "my-tpu-v5e", "my-tpu-v5e"),
+        ("ACCELPORT_SECRET", "anything", "<redacted>"),
+        ("XLA_FLAGS", "x " + "a1" * 20, "x <redacted>"),
+    ],
+)
+def test_redaction(name: str, value: str, shown: str) -> None:
+    assert redact(name, value) == shown
+
+
+def test_deprecated_setting_is_a_warning_with_a_fix() -> None:
+    _, report = doctor_json({"XLA_USE_BF16": "1"})
+    (found,) = [f for f in report["findings"] if "XLA_USE_BF16" in f["title"]]
+    assert found["severity"] == "warning" and "autocast" in found["fix"]
+
+
+def test_unusable_selection_is_a_problem_and_exit_1() -> None:
+    code, report = doctor_json({"ACCELPORT_BACKEND": "cdua"})
+    assert code == 1
+    problems = [f for f in report["findings"] if f["severity"] == "problem"]
+    assert any("Did you mean 'cuda'" in f["title"] for f in problems)
+
+
+def test_usage_error_exits_2_with_json(capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["doctor", "--json", "--markdown"]) == 2
+    assert json.loads(capsys.readouterr().out)["kind"] == "usage"
+
+
+def test_plugins_contribute_checks_and_malformed_ones_are_reported(install_plugin) -> None:  # type: ignore[no-untyped-def]
+    install_plugin(
+        "sitecheck", "site_doctor_checks",
+        "import accelport as ap\n"
+        "from accelport.doctor import Finding\n"
+        "@ap.hookimpl\n"
+        "def accelport_doctor_checks(context):\n"
+        "    assert context.platform.name == 'cpu' and 'cpu' in context.probes\n"
+        "    return [Finding('problem', 'scratch disk missing', 'mount /scratch'), {'title': 'dict form'}, 42]\n",
+    )
+    report = gather()
+    titles = [f["title"] for f in report["findings"]]
+    assert "scratch disk missing" in titles and "dict form" in titles  # good items are kept
+    assert any(t.startswith("plugin sitecheck returned a malformed finding: got int") for t in titles)
+    assert exit_status(report) == 1
+
+
+def test_plugin_findings_carry_their_plugin_name(install_plugin) -> None:  # type: ignore[no-untyped-def]
+    install_plugin(
+        "sitecheck2", "site_doctor_checks2",
+        "import accelport as ap\n"
+        "from accelport.doctor import Finding\n"
+        "@ap.hookimpl\n"
+        "def accelport_doctor_checks(context):\n"
+        "    return [Finding('problem', 'scratch disk missing', 'mount /scratch'), {'title': 'dict form'}]\n",
+    )
+    report = gather()
+    by_title = {f["title"]: f for f in report["findings"]}
+    assert by_title["scratch disk missing"]["check"] == "sitecheck2"
+    assert by_title["dict form"]["severity"] == "note"
+    assert exit_status(report) == 1
+    assert report["findings"][0]["severity"] == "problem"  # worst first
+    text = render_text(report)
+    assert "[FAIL] scratch disk missing" in text and "fix: mount /scratch" in text
+    assert render_markdown(report).startswith("<details>")
+
+
+def test_bad_severity_is_rejected() -> None:
+    with pytest.raises(ValueError, match="severity must be one of ok, note, warning, problem"):
+        Finding("fatal", "x")
+
+
+env_values = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=40)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(
+    st.sampled_from(["PJRT_DEVICE", "XLA_USE_BF16", "XLA_FLAGS", "NEURON_CC_FLAGS", "NEURON_COMPILE_CACHE_URL",
+                     "CPU_NUM_DEVICES", "TPU_ACCELERATOR_TYPE", "ACCELPORT_BACKEND", "ACCELPORT_DISABLED_PLUGINS",
+                     "TORCHINDUCTOR_CACHE_DIR", "WORLD_SIZE", "LOCAL_RANK", "PT_XLA_DEBUG_LEVEL"]),
+    env_values, max_size=6))
+def test_garbage_in_every_variable_never_breaks_the_report(env: dict[str, str]) -> None:
+    report = gather(environ=env)
+    json.dumps(report)  # always serialisable
+    assert REPORT_KEYS <= set(report)
+    render_text(report)
+    assert exit_status(report) in (0, 1)

@@ -1,0 +1,444 @@
+"""`accelport launch`: plans for every engine, bad input, and real 2-process jobs on cpu (gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import accelport as ap
+from accelport._launch import LaunchError, Rendezvous, build_plan, engine_for, parent_launch_env
+from accelport._loader import shard_batches
+from accelport.cli import UsageError, main
+from accelport.contract import Probe
+from accelport.eager import EagerBackend
+from tests.conftest import REPO
+
+SCRIPTS = Path(REPO) / "tests" / "scripts"
+
+
+def launch(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """`accelport launch ...` in a fresh process, as a user runs it. The timeout only guards a hang."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELPORT_")}
+    return subprocess.run([sys.executable, "-m", "accelport", "launch", *args], capture_output=True,
+                          text=True, env=env, timeout=timeout, cwd=REPO)
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> str:
+    path = tmp_path / "train.py"
+    path.write_text("print('hi')\n")
+    return str(path)
+
+
+# -- stand-ins for backends that live outside this test environment --------------------
+
+
+class XlaStandIn(EagerBackend):
+    """Stand-in for the torch_xla backend: only what the launcher reads (family, name, probe)."""
+
+    name = "xla"
+    platform = "gcp-tpu"
+    lazy = True
+    device_type = "xla"
+
+    def _probe(self) -> Probe:
+        return Probe(False, "stand-in: no torch_xla in this environment")
+
+
+class TorchTpuStandIn(EagerBackend):
+    """Stand-in for the TorchTPU backend: eager, with TorchTPU's parent-side launch environment."""
+
+    name = "tpu"
+    platform = "gcp-tpu"
+    device_type = "tpu"
+    launch_env_function = "torch.tpu.distributed:set_tpu_launch_env"
+
+    def _probe(self) -> Probe:
+        return Probe(False, "stand-in: no TPU here", 0)
+
+
+def cpu() -> Any:
+    from accelport._runtime import RUNTIME
+
+    return RUNTIME.host().backends["cpu"]
+
+
+# -- plans ------------------------------------------------------------------------------
+
+
+def test_cpu_plan_runs_torchrun_standalone_with_the_backend_in_the_environment(script: str) -> None:
+    plan = build_plan(cpu(), script, ["--epochs", "3"], nprocs=2)
+    assert plan.engine == "torchrun" and plan.nprocs == 2 and plan.available
+    assert plan.command[1:3] == ["-m", "torch.distributed.run"]
+    assert "--standalone" in plan.command  # one host: a free port, never a clash on 29500
+    i = plan.command.index("--nproc-per-node")
+    assert plan.command[i + 1] == "2"
+    assert plan.command[-5:] == ["-m", "accelport._worker", script, "--epochs", "3"]
+    assert plan.env == {"ACCELPORT_BACKEND": "cpu"}
+    assert plan.parent_env_function is None
+
+
+def test_default_nprocs_is_one_per_device(script: str) -> None:
+    assert build_plan(cpu(), script).nprocs == 1  # the cpu probe reports one device
+
+
+def test_the_printed_command_is_what_torchrun_parses(script: str) -> None:
+    from torch.distributed.run import parse_args
+
+    plan = build_plan(cpu(), script, ["--lr", "0.1"], nprocs=3,
+                      rdzv=Rendezvous(nnodes="2", rdzv_endpoint="10.0.0.1:29400", rdzv_id="job7"))
+    args = parse_args(plan.command[3:])
+    assert (args.nproc_per_node, args.nnodes, args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id) == \
+        ("3", "2", "c10d", "10.0.0.1:29400", "job7")
+    assert args.module and args.training_script == "accelport._worker"
+    assert args.training_script_args == [script, "--lr", "0.1"]
+
+
+def test_static_rendezvous_for_several_hosts(script: str) -> None:
+    plan = build_plan(cpu(), script, nprocs=2,
+                      rdzv=Rendezvous(nnodes="2", node_rank=1, master_addr="10.0.0.1", master_port=1234))
+    c = plan.command
+    assert c[c.index("--master-addr") + 1] == "10.0.0.1" and c[c.index("--node-rank") + 1] == "1"
+    assert c[c.index("--master-port") + 1] == "1234" and "--standalone" not in c
+
+
+@pytest.mark.parametrize(
+    ("rdzv", "message"),
+    [
+        (Rendezvous(nnodes="2"), "needs a meeting point"),
+        (Rendezvous(nnodes="2", master_addr="h0"), "needs --node-rank"),
+        (Rendezvous(nnodes="2", rdzv_endpoint="h0:1", master_addr="h0", node_rank=0), "not both"),
+        (Rendezvous(node_rank=1), "only take effect"),
+        (Rendezvous(nnodes="two"), "--nnodes must be"),
+        (Rendezvous(nnodes="4:2"), "--nnodes must be"),
+        (Rendezvous(nnodes="1:4", master_addr="h0", node_rank=0), "needs --rdzv-endpoint"),
+    ],
+)
+def test_rendezvous_options_that_cannot_work_are_refused(script: str, rdzv: Rendezvous, message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        build_plan(cpu(), script, nprocs=2, rdzv=rdzv)
+
+
+def test_xla_family_launches_through_torch_xla(script: str) -> None:
+    backend = XlaStandIn()
+    assert engine_for(backend) == "xla"
+    plan = build_plan(backend, script, ["a"], environ={}, platform="gcp-tpu")
+    assert plan.engine == "xla" and plan.nprocs is None  # every chip torch_xla finds
+    assert plan.command[1:] == ["-m", "accelport._worker", "--engine", "xla", script, "a"]
+    assert plan.env == {"ACCELPORT_BACKEND": "xla", "PJRT_DEVICE": "TPU"}
+    assert not plan.available and "stand-in" in plan.reason
+    assert any("not been verified" in n for n in plan.notes)
+    one = build_plan(backend, script, environ={"PJRT_DEVICE": "cpu"}, nprocs=1)
+    assert "--single-process" in one.command and one.env["PJRT_DEVICE"] == "CPU"
+    assert not one.notes  # one replica is what the xla test environment runs
+
+
+def test_xla_nprocs_maps_to_the_device_count_variable_or_is_refused(script: str) -> None:
+    backend = XlaStandIn()
+    neuron = build_plan(backend, script, nprocs=4, environ={}, platform="aws-neuron")
+    assert neuron.env["PJRT_DEVICE"] == "NEURON" and neuron.env["NEURONCORE_NUM_DEVICES"] == "4"
+    with pytest.raises(UsageError, match="cannot be told how many"):
+        build_plan(backend, script, nprocs=4, environ={"PJRT_DEVICE": "TPU"})
+    with pytest.raises(UsageError, match="deadlock"):
+        build_plan(backend, script, nprocs=2, environ={"PJRT_DEVICE": "CPU"})
+    with pytest.raises(UsageError, match="finds the other hosts"):
+        build_plan(backend, script, environ={}, platform="gcp-tpu",
+                   rdzv=Rendezvous(nnodes="2", rdzv_endpoint="h0:1"))
+
+
+def test_torchtpu_plan_names_its_parent_side_environment(script: str) -> None:
+    plan = build_plan(TorchTpuStandIn(), script, nprocs=4)
+    assert plan.engine == "torchrun"
+    assert plan.parent_env_function == "torch.tpu.distributed:set_tpu_launch_env"
+    assert plan.parent_env_kwargs == {"nproc_per_node": 4}
+    multi = build_plan(TorchTpuStandIn(), script, nprocs=4,
+                       rdzv=Rendezvous(nnodes="2", rdzv_endpoint="h0:29400"))
+    assert multi.parent_env_kwargs == {"nproc_per_node": 4, "nnodes": 2}
+
+
+def test_parent_launch_env_returns_what_the_function_sets(tmp_path: Path) -> None:
+    # A stand-in for torch.tpu.distributed.set_tpu_launch_env, which needs a TPU.
+    (tmp_path / "standin_launch_env.py").write_text(
+        "import os\n"
+        "def set_env(*, nproc_per_node, nnodes=None):\n"
+        "    os.environ['STANDIN_ADDRESSES'] = ','.join(f'localhost:{8000 + i}' for i in range(nproc_per_node))\n"
+        "    os.environ.setdefault('KEEP', 'x')\n"
+        "def fail(**kw):\n"
+        "    raise ValueError('expected TPU devices, got none')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "KEEP": "already"}
+    got = parent_launch_env("standin_launch_env:set_env", {"nproc_per_node": 2}, env)
+    assert got == {"STANDIN_ADDRESSES": "localhost:8000,localhost:8001"}  # KEEP was already set
+    with pytest.raises(LaunchError, match=r"standin_launch_env:fail\(nproc_per_node=2\) failed on this "
+                                          r"host before any worker started: ValueError: expected TPU"):
+        parent_launch_env("standin_launch_env:fail", {"nproc_per_node": 2}, env)
+    with pytest.raises(LaunchError, match="'module:function'"):
+        parent_launch_env("no_colon", {}, env)
+
+
+@pytest.mark.tpu_pkg
+def test_real_set_tpu_launch_env_without_a_tpu_fails_before_any_worker() -> None:
+    with pytest.raises(LaunchError, match="expected TPU devices"):
+        parent_launch_env("torch.tpu.distributed:set_tpu_launch_env", {"nproc_per_node": 2}, os.environ)
+
+
+# -- the command line: dry runs and bad input --------------------------------------------
+
+
+def test_dry_run_json_prints_the_plan(script: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", "--dry-run", "--json", "--nprocs", "2", script, "--json-is-the-script's"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["engine"] == "torchrun" and plan["backend"] == "cpu" and plan["nprocs"] == 2
+    assert plan["command"][-2:] == [script, "--json-is-the-script's"]
+
+
+def test_dry_run_human_output_is_a_shell_line(script: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", "--dry-run", script]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith("env ACCELPORT_BACKEND=cpu ") and "torch.distributed.run" in line
+
+
+def test_dry_run_for_an_unavailable_backend_says_so(script: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", "--dry-run", "--json", "--backend", "cuda", script]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["backend"] == "cuda" and plan["available"] is False and plan["reason"]
+
+
+def test_dry_run_imports_no_torch(script: str) -> None:
+    code = (f"from accelport.cli import main; main(['launch', '--dry-run', '--json', {script!r}]); "
+            "import sys; print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "NO-TORCH"
+
+
+@pytest.mark.parametrize(
+    ("argv", "kind", "code", "message"),
+    [
+        (["--nprocs", "0"], "usage", 2, "--nprocs must be at least 1"),
+        (["--nprocs", "-2"], "usage", 2, "--nprocs must be at least 1"),
+        (["--backend", "cuda"], "BackendUnavailableError", 1, "is not available: torch .* CPU-only build"),
+        (["--backend", "cdua"], "UnknownBackendError", 1, "Did you mean 'cuda'"),
+    ],
+)
+def test_bad_input_is_a_specific_error_and_valid_json(script: str, capsys: pytest.CaptureFixture[str],
+                                                      argv: list[str], kind: str, code: int,
+                                                      message: str) -> None:
+    import re
+
+    assert main(["launch", "--json", *argv, script]) == code
+    data = json.loads(capsys.readouterr().out)
+    assert data["kind"] == kind and re.search(message, data["error"]), data
+    assert main(["launch", *argv, script]) == code
+    err = capsys.readouterr().err
+    assert err.startswith("accelport: error:") and "Traceback" not in err
+
+
+def test_missing_script_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", "--json", str(tmp_path / "nope.py")]) == 2
+    data = json.loads(capsys.readouterr().out)
+    assert data["kind"] == "usage" and "nope.py' not found" in data["error"]
+
+
+# -- helpers the workers use ----------------------------------------------------------------
+
+
+def test_shard_batches_gives_each_replica_its_share_and_equal_step_counts() -> None:
+    data = list(range(11))
+    shares = [list(shard_batches(data, r, 3)) for r in range(3)]
+    assert shares == [[0, 3, 6], [1, 4, 7], [2, 5, 8]]  # 9 and 10 dropped on every replica
+    assert list(shard_batches(iter(range(4)), 1, 2)) == [1, 3]  # generators too
+    assert list(shard_batches([], 0, 2)) == []
+
+
+def test_loader_shard_argument_is_checked_and_a_no_op_alone() -> None:
+    with pytest.raises(TypeError, match="shard must be"):
+        ap.loader([1], shard="yes")  # type: ignore[arg-type]
+    ap.use("cpu")
+    assert list(ap.loader([1, 2, 3], shard=True)) == [1, 2, 3]
+    assert len(ap.loader([1, 2, 3], shard=True)) == 3
+
+
+def test_print_prints_host_values_on_the_main_process(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    ap.use("cpu")
+    ap.print("loss", torch.tensor(0.25), [1], sep="|")
+    assert capsys.readouterr().out == "loss|0.25|[1]\n"
+
+
+def test_all_reduce_mean_of_integers_is_refused_at_every_world_size() -> None:
+    import torch
+
+    ap.use("cpu")
+    with pytest.raises(TypeError, match="floating-point"):
+        ap.all_reduce(torch.tensor([1, 2]), op="mean")
+    assert ap.all_reduce(torch.tensor([1, 2]), op="sum").tolist() == [1, 2]
+
+
+# -- real jobs: two processes on cpu (gloo) -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dp_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    out = tmp_path_factory.mktemp("dp")
+    return launch("--nprocs", "2", "--backend", "cpu", str(SCRIPTS / "train_dp.py"), str(out)), out
+
+
+def _rank(out: Path, r: int) -> dict[str, Any]:
+    import torch
+
+    return torch.load(out / f"rank{r}.pt", weights_only=False)
+
+
+def test_two_process_job_succeeds(dp_job: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    proc, out = dp_job
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = _rank(out, 0), _rank(out, 1)
+    assert (r0["rank"], r0["world"], r0["main"]) == (0, 2, True)
+    assert (r1["rank"], r1["world"], r1["main"]) == (1, 2, False)
+
+
+def test_replicas_hold_identical_parameters_equal_to_one_process_on_the_combined_batch(
+        dp_job: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    import importlib.util
+
+    import torch
+
+    proc, out = dp_job
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = _rank(out, 0), _rank(out, 1)
+    assert r0["steps"] == r1["steps"] == 20
+    for key in r0["params"]:
+        assert torch.equal(r0["params"][key], r1["params"][key]), key  # bit-identical across ranks
+
+    spec = importlib.util.spec_from_file_location("train_dp", SCRIPTS / "train_dp.py")
+    job = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(job)  # type: ignore[union-attr]
+    model = job.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    data = job.make_data()
+    for k in range(20):  # one process, the two replicas' batches of each step together
+        x = torch.cat([data[2 * k][0], data[2 * k + 1][0]])
+        y = torch.cat([data[2 * k][1], data[2 * k + 1][1]])
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(r0["params"][key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_parameter_used_on_one_rank_only_is_averaged_without_hanging(
+        dp_job: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    import torch
+
+    _, out = dp_job
+    r0, r1 = _rank(out, 0), _rank(out, 1)
+    # Parameters 0-1 are branch 0 (used on rank 0), 2-3 branch 1 (used on rank 1).
+    for i in range(4):
+        local = r0["local_grads"][i] if i < 2 else r1["local_grads"][i]
+        assert torch.equal(r0["averaged_grads"][i], r1["averaged_grads"][i])
+        torch.testing.assert_close(r0["averaged_grads"][i], local / 2)
+
+
+def test_collectives_across_two_processes(dp_job: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    import torch
+
+    _, out = dp_job
+    for r in (0, 1):
+        got = _rank(out, r)
+        assert got["sum"].tolist() == [3.0, 6.0] and got["mean"].tolist() == [1.5, 3.0]
+        assert torch.equal(got["strided_sum"], (torch.arange(6.0).view(2, 3) * 3).T)
+
+
+def test_loader_warns_once_without_a_distributed_sampler(
+        dp_job: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    _, out = dp_job
+    r0, r1 = _rank(out, 0), _rank(out, 1)
+    assert r0["warnings_with_sampler"] == r1["warnings_with_sampler"] == 0
+    assert r0["warnings_without_sampler"] == r1["warnings_without_sampler"] == 1
+    assert r0["sampled"] == [[0.0, 2.0], [4.0, 6.0]] and r1["sampled"] == [[1.0, 3.0], [5.0, 7.0]]
+
+
+def test_only_the_main_process_prints_and_writes(dp_job: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    import torch
+
+    proc, out = dp_job
+    assert proc.stdout.count("PRINTED-BY-RANK") == 1 and "PRINTED-BY-RANK 0 1.5" in proc.stdout
+    assert torch.load(out / "shared.pt")["writer"].item() == 0
+    assert sorted(p.name for p in out.iterdir()) == ["rank0.pt", "rank1.pt", "shared.pt"]
+
+
+def test_a_worker_that_raises_ends_the_job_and_is_named() -> None:
+    proc = launch("--nprocs", "2", str(SCRIPTS / "fail_at_step.py"))
+    assert proc.returncode == 1
+    summary = [line for line in proc.stderr.splitlines() if line.startswith("accelport: error:")]
+    assert len(summary) == 1, proc.stderr[-3000:]
+    assert "rank 1" in summary[0] and "failed first: RuntimeError: worker error at step 3" in summary[0]
+    assert "Traceback" in proc.stderr  # the worker's own traceback is shown, from its stderr
+
+
+# -- the xla engine for real (the xla environment: torch_xla on XLA:CPU) ---------------------
+
+
+@pytest.mark.xla
+def test_xla_launch_runs_the_script_under_torch_xla_and_names_a_failure(tmp_path: Path) -> None:
+    from accelport._launch import WorkerFailedError, run_plan
+
+    class XlaHere(XlaStandIn):
+        """The stand-in made available: the script below uses torch_xla only, not this backend."""
+
+        def _probe(self) -> Probe:
+            return Probe(True, "torch_xla is installed (test)")
+
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import sys\nimport torch_xla.runtime as xr\n"
+        "open(sys.argv[1], 'w').write(f'{xr.world_size()} {xr.global_ordinal()}')\n"
+        "if len(sys.argv) > 2:\n    raise ValueError('replica failed on purpose')\n"
+    )
+    out = tmp_path / "world.txt"
+    run_plan(build_plan(XlaHere(), str(script), [str(out)], environ={"PJRT_DEVICE": "CPU"}))
+    assert out.read_text() == "1 0"  # torch_xla.launch spawned one replica: world size 1
+
+    plan = build_plan(XlaHere(), str(script), [str(out), "fail"], nprocs=1, environ={"PJRT_DEVICE": "CPU"})
+    with pytest.raises(WorkerFailedError, match="rank 0 failed first: ValueError: replica failed on purpose"):
+        run_plan(plan)
+
+
+def test_world_size_one_reduces_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from tests.conftest import train_tiny
+
+    ap.use("cpu")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        calls: list[Any] = []
+        monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: calls.append(a))  # a spy, not a stand-in
+        losses = train_tiny(steps=3)
+        assert ap.world_size() == 1 and len(losses) == 3 and calls == []
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_first_failure_is_the_cause_not_a_peer_that_lost_its_connection() -> None:
+    from accelport._launch import WorkerFailure, _failure_from, _first
+
+    raised = _failure_from(1, 1, {"rank": 1, "error": "ValueError: bad batch", "traceback": "tb", "time": 10.5})
+    peer = _failure_from(0, 1, {"rank": 0, "error": "RuntimeError: Connection closed by peer",
+                                "traceback": "tb", "time": 10.9})
+    stopped = _failure_from(2, -15, None, observed=10.0)  # SIGTERM from the launcher
+    assert "stopped by the launcher" in stopped.error
+    assert _first([peer, stopped, raised]) is raised
+    oom = _failure_from(3, -9, None, observed=11.0)  # no chance to record anything
+    assert oom.error == "killed by SIGKILL (out of memory?)"
+    assert _first([peer, raised, oom, stopped]) is oom
+    silent = _failure_from(4, 3, None, observed=9.0)
+    assert "status 3" in silent.error and _first([silent, stopped]) is silent
+    assert isinstance(silent, WorkerFailure)

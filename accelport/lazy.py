@@ -124,6 +124,7 @@ class LazyBackend(Backend):
         # them read from a ParallelLoader.
         self._loading = 0
         self._parallel = 0
+        self._world: int | None = None
 
     # -- detection ---------------------------------------------------------------------
     def _requirement_problem(self, req: Requirement, torch_version: str) -> tuple[str | None, str | None]:
@@ -249,13 +250,21 @@ class LazyBackend(Backend):
         xm = self._x()
         # xm.optimizer_step all-reduces gradients across replicas (a no-op alone), then steps.
         result = xm.optimizer_step(optimizer, optimizer_args=kwargs)
-        # End the step. Inside an ap.loader loop the sync comes when the next batch is
-        # asked for (end_of_batch), after zero_grad(), as with MpDeviceLoader: syncing here
-        # as well would cost a second, empty sync per step and make the gradients graph
-        # outputs (about 4% per step on a tiny model).
-        if not self._loading:
+        # End the step. Alone inside an ap.loader loop, the sync comes when the next batch
+        # is asked for (end_of_batch), after zero_grad(), as with MpDeviceLoader: syncing
+        # here as well would cost a second, empty sync per step and make the gradients
+        # graph outputs (about 4% per step on a tiny model). With several replicas the
+        # step's graph holds the gradient all-reduce: it runs here, on every replica at
+        # once, so that a value read on one replica only (a rank-0 save, a print) never
+        # executes that collective alone and hangs (torch_xla's barrier=True).
+        if not self._loading or self._replicas() > 1:
             self._sync()
         return result
+
+    def _replicas(self) -> int:
+        if self._world is None:
+            self._world = self.world_size()
+        return self._world
 
     def end_of_batch(self) -> None:
         self._sync()

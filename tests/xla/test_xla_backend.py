@@ -365,3 +365,54 @@ def test_the_step_graph_compiles_and_runs_in_end_of_batch(monkeypatch: pytest.Mo
     assert len(inside) == 4  # after each of the four batches
     assert sum(c for c, _ in inside) == m.compilations - start.compilations == 1
     assert [launched for _, launched in inside] == [1, 1, 1, 1]  # each step's graph, once
+
+
+TWO_REPLICAS = """
+from accelport.hookspecs import hookimpl
+from accelport._backends.xla import XlaBackend
+
+
+class XlaAsOneOfTwoReplicas(XlaBackend):
+    '''Stand-in: xla as if it were one of two replicas (multi-replica XLA:CPU cannot run here).
+
+    Only world_size() is swapped; torch_xla itself still sees one replica, so no
+    collective is issued.
+    '''
+
+    name = "xla-one-of-two-stand-in"
+
+    def world_size(self):
+        return 2
+
+
+@hookimpl
+def accelport_register_backends(register):
+    register(XlaAsOneOfTwoReplicas)
+"""
+
+
+def test_with_several_replicas_the_step_runs_in_optimizer_step(install_plugin: Any) -> None:
+    # A rank-0-only host read after the step (a save, a print) must never execute the
+    # step's gradient all-reduce on one replica alone: the step ends on all of them at once.
+    import torch_xla.debug.metrics as met
+
+    install_plugin("two-replicas", "accelport_test_two_replicas", TWO_REPLICAS)
+    ap.use("xla-one-of-two-stand-in")
+    model, opt = tiny(31)
+    launched: list[int] = []
+
+    def lookups() -> int:
+        return (met.counter_value("UncachedCompile") or 0) + (met.counter_value("CachedCompile") or 0)
+
+    def step(x: Any, loss: Any) -> None:
+        loss.backward()
+        before = lookups()
+        ap.optimizer_step(opt)
+        launched.append(lookups() - before)
+        opt.zero_grad()
+
+    import torch
+
+    for x, y in ap.loader(batches(31, [8] * 3)):
+        step(x, torch.nn.functional.mse_loss(model(x), y))
+    assert launched == [1, 1, 1]

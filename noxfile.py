@@ -19,7 +19,7 @@ nox.options.envdir = os.environ.get(
     "ACCELPORT_NOX_ENVDIR", os.path.join(os.path.expanduser("~"), ".cache", "accelport", "nox")
 )
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["tests", "tpu"]
+nox.options.sessions = ["tests", "xla", "tpu"]
 nox.options.error_on_missing_interpreters = True
 
 TORCH = os.environ.get("ACCELPORT_TEST_TORCH", "2.13.0")  # the CPU build this machine serves

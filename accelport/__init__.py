@@ -65,6 +65,7 @@ __all__ = [
     "backends",
     "barrier",
     "compile",
+    "compile_cache",
     "data",
     "diagnostics",
     "device",
@@ -155,9 +156,13 @@ def device(index: int | None = None) -> torch.device:
 
 
 def loader(
-    iterable: Iterable[Any], *, prefetch: int = 2, shard: bool | None = None, progress: bool = False
+    iterable: Iterable[Any], *, prefetch: int | None = None, shard: bool | None = None, progress: bool = False
 ) -> DeviceLoader:
     """Wrap a DataLoader (or any iterable of batches): batches arrive on the device, prefetched.
+
+    ``prefetch`` is how many batches to load ahead; None takes the backend's own
+    default (2 on eager devices; torch_xla's ParallelLoader defaults on XLA, which
+    upload several batches per transfer). 0 loads each batch in the loop's thread.
 
     The time the loop waits for data and each batch's shapes are recorded for
     ``ap.metrics()`` and the diagnostics. With several replicas, ``shard=True``
@@ -188,6 +193,16 @@ def sync() -> None:
 def metrics() -> Metrics:
     """A snapshot: steps, compilations, compile time, transfers, CPU fallbacks, data wait."""
     return _RT.metrics()
+
+
+def compile_cache(path: str | os.PathLike[str]) -> str:
+    """Keep compiled graphs in ``path`` across runs; call before the first computation.
+
+    Returns the directory, which ``ap.metrics().compile_cache_dir`` reports too.
+    Raises :class:`AccelportError` after the first computation, or on a backend
+    without a persistent compile cache.
+    """
+    return _RT.backend().enable_compile_cache(path)
 
 
 def after_step(fn: Callable[..., Any], *tensors: Any) -> None:

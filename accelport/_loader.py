@@ -176,15 +176,16 @@ class DeviceLoader:
     ``len()`` is the wrapped loader's length (this replica's share with ``shard=True``).
     """
 
-    def __init__(self, iterable: Iterable[Any], runtime: Any, prefetch: int = 2,
+    def __init__(self, iterable: Iterable[Any], runtime: Any, prefetch: int | None = None,
                  shard: bool | None = None, progress: bool = False) -> None:
         if not hasattr(iterable, "__iter__"):
             raise TypeError(
                 f"ap.loader() needs an iterable of batches (a DataLoader, a list, a generator), "
                 f"not {type(iterable).__name__}"
             )
-        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
-            raise ValueError(f"prefetch must be a non-negative int (batches to load ahead), not {prefetch!r}")
+        if prefetch is not None and (not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0):
+            raise ValueError(f"prefetch must be a non-negative int (batches to load ahead) or None "
+                             f"(the backend's default), not {prefetch!r}")
         if shard is not None and not isinstance(shard, bool):
             raise TypeError(f"shard must be True, False or None, not {shard!r}")
         self.iterable = iterable
@@ -227,10 +228,17 @@ class DeviceLoader:
         tracker = runtime.tracker
         tracker.loader_info = describe_loader(self.iterable)
         it = iter(backend.wrap_loader(self._source(backend), prefetch=self.prefetch))
+        end_of_batch = backend.end_of_batch
         clock = time.perf_counter
         bar = _progress_bar(self) if self.progress else None
+        first = True
         try:
             while True:
+                if not first:
+                    # The loop body is done with the previous batch; a lazy backend runs the
+                    # step's graph now, and that (compile, dispatch) is not waiting for data.
+                    end_of_batch()
+                first = False
                 t0 = clock()
                 try:
                     batch = next(it)

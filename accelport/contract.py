@@ -164,8 +164,18 @@ class Backend(abc.ABC):
         """Average gradients across replicas, step, and flush lazy work."""
 
     @abc.abstractmethod
-    def wrap_loader(self, iterable: Iterable[Any], *, prefetch: int) -> Iterator[Any]:
-        """Yield the batches of ``iterable`` already on ``self.device()``."""
+    def wrap_loader(self, iterable: Iterable[Any], *, prefetch: int | None) -> Iterator[Any]:
+        """Yield the batches of ``iterable`` already on ``self.device()``.
+
+        ``prefetch`` batches are loaded ahead; None means this backend's default.
+        """
+
+    def end_of_batch(self) -> None:  # noqa: B027 - optional hook for subclasses
+        """Called by ``ap.loader`` when the loop asks for its next batch, before the wait is timed.
+
+        Lazy backends run the step's graph here (as torch_xla's MpDeviceLoader
+        does), so compile and dispatch time never count as waiting for data.
+        """
 
     def counters(self) -> dict[str, Any]:
         """Every counter this backend can report (keys from COUNTER_FIELDS)."""
@@ -192,6 +202,19 @@ class Backend(abc.ABC):
         if dtype is not None:
             kwargs["dtype"] = dtype
         return torch.autocast(device_type=self.device().type, **kwargs)
+
+    def enable_compile_cache(self, path: str | os.PathLike[str]) -> str:
+        """Turn on a persistent compile cache at ``path``; return the directory used.
+
+        Must come before the first computation. A backend without such a cache
+        raises, so a script never believes it is caching when it is not.
+        """
+        from .errors import AccelportError
+
+        raise AccelportError(
+            f"backend {self.name!r} has no persistent compile cache that accelport can turn on "
+            "(the lazy backends xla and neuron-xla have one): call ap.compile_cache() only on those"
+        )
 
     # -- distributed ------------------------------------------------------------------
     @abc.abstractmethod

@@ -72,6 +72,8 @@ class EagerBackend(Backend):
     transfer_batches: ClassVar[bool] = True
     #: Whether the device is indexed per process (LOCAL_RANK) when several run on one host.
     per_process_device: ClassVar[bool] = True
+    #: Batches ap.loader loads ahead when the caller does not say.
+    default_prefetch: ClassVar[int] = 2
 
     def __init__(self) -> None:
         super().__init__()
@@ -259,7 +261,9 @@ class EagerBackend(Backend):
                     elif present is not None and present[i] > 0:
                         p.grad = reduced.clone()
 
-    def wrap_loader(self, iterable: Iterable[Any], *, prefetch: int) -> Iterator[Any]:
+    def wrap_loader(self, iterable: Iterable[Any], *, prefetch: int | None) -> Iterator[Any]:
+        if prefetch is None:
+            prefetch = self.default_prefetch
         if not self.transfer_batches:
             return prefetch_iter(iterable, depth=prefetch)  # batches already live on the device
         device = self.device()

@@ -33,8 +33,10 @@ ENTRY_POINT_GROUP = "accelport"
 BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("cpu", "accelport._backends.cpu"),
     ("cuda", "accelport._backends.cuda"),
+    ("xla", "accelport._backends.xla"),
     ("tpu", "accelport._backends.tpu"),
     ("neuron", "accelport._backends.neuron"),
+    ("neuron-xla", "accelport._backends.neuron_xla"),
     ("default-selection", "accelport.selection"),
     ("diagnostics", "accelport.diagnosis:create_plugin"),
     ("metrics-file", "accelport.metrics_log:create_plugin"),

@@ -16,6 +16,22 @@ from accelport._runtime import RUNTIME
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the mark must be there by then
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test parametrised on a lazy (torch_xla) backend runs in the xla environment: mark it ``xla``."""
+    lazy: dict[str, bool] | None = None
+    for item in items:
+        name = getattr(getattr(item, "callspec", None), "params", {}).get("ap_backend")
+        if name is None:
+            continue
+        if lazy is None:
+            from accelport.plugins import create_manager
+
+            lazy = {n: b.lazy for n, b in create_manager().backends.items()}
+        if lazy.get(name):
+            item.add_marker(pytest.mark.xla)
+
+
 @pytest.fixture(autouse=True)
 def fresh_runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for key in list(os.environ):
@@ -49,6 +65,13 @@ def install_plugin(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
         RUNTIME.reset()
 
     return install
+
+
+def builtin_backends() -> list[str]:
+    """Names of the backends the built-in plugins register, in registration order."""
+    from accelport.plugins import create_manager
+
+    return list(create_manager({"ACCELPORT_DISABLE_PLUGIN_AUTOLOAD": "1"}).backends)
 
 
 def train_tiny(steps: int = 30, seed: int = 0) -> list[float]:

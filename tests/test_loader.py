@@ -87,6 +87,26 @@ def test_len_passes_through_and_each_iteration_is_a_new_epoch() -> None:
     assert list(dl) == [1, 2, 3] and list(dl) == [1, 2, 3]
 
 
+def test_end_of_batch_runs_between_batches_outside_the_data_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    from accelport import _loader
+
+    backend = ap.use("cpu")
+    now = [0.0]
+    calls: list[float] = []
+
+    def end_of_batch() -> None:  # a lazy backend would run the step's graph here
+        calls.append(now[0])
+        now[0] += 100.0
+
+    monkeypatch.setattr(_loader, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(backend, "end_of_batch", end_of_batch)
+    assert list(ap.loader([1, 2, 3], prefetch=0)) == [1, 2, 3]
+    assert len(calls) == 3  # before the 2nd and 3rd batch, and before the end
+    assert ap.metrics().data_wait_seconds == 0.0
+
+
 def test_progress_bar_counts_steps_and_shows_compilations_and_data_wait(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import io
 

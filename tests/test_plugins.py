@@ -9,9 +9,9 @@ import pytest
 import accelport as ap
 from accelport._runtime import RUNTIME
 from accelport.plugins import BUILTIN_PLUGINS, create_manager
+from tests.conftest import builtin_backends
 
 # The built-in backends, in registration order (a new built-in must not break these tests).
-BUILTIN_BACKENDS = list(create_manager({}).backends)
 
 THIRD_PARTY_BACKEND = '''
 import accelport as ap
@@ -65,7 +65,7 @@ def test_disabled_plugins_by_name(install_plugin, monkeypatch) -> None:  # type:
     monkeypatch.setenv("ACCELPORT_DISABLED_PLUGINS", "mycpu, cuda")
     RUNTIME.reset()
     names = [b.name for b in ap.backends()]
-    assert names == [n for n in BUILTIN_BACKENDS if n != "cuda"]
+    assert names == [n for n in builtin_backends() if n != "cuda"]
     assert set(RUNTIME.host().disabled) == {"mycpu", "cuda"}
 
 
@@ -88,7 +88,7 @@ def test_plugin_raising_in_register_hook_is_disabled(install_plugin) -> None:  #
     )
     with pytest.warns(ap.PluginWarning, match="raiser.*boom in register"):
         infos = ap.backends()
-    assert [i.name for i in infos] == BUILTIN_BACKENDS
+    assert [i.name for i in infos] == builtin_backends()
     assert "raiser" not in RUNTIME.host().plugins
 
 
@@ -146,7 +146,7 @@ def test_invalid_backend_classes_are_skipped_with_a_reason(install_plugin, body:
     )
     with pytest.warns(ap.PluginWarning, match=problem):
         infos = ap.backends()
-    assert [i.name for i in infos] == BUILTIN_BACKENDS
+    assert [i.name for i in infos] == builtin_backends()
     assert ap.backend().name == "cpu"
 
 

@@ -1,0 +1,428 @@
+"""The lazy family: one implementation for every XLA graph backend.
+
+``xla`` (torch_xla on a Cloud TPU, or on the host CPU with ``PJRT_DEVICE=CPU``)
+and ``neuron-xla`` (torch-neuronx <= 2.9 on top of torch_xla) differ only in the
+class constants below, so the code path ``xla`` runs on XLA:CPU in every test
+run of the xla environment is the one ``neuron-xla`` runs on Trainium.
+
+Work is recorded as a graph and runs at a sync, once per step: the loader
+(torch_xla's ``ParallelLoader``, which ``MpDeviceLoader`` wraps) uploads batches
+in the background and syncs when it hands out the next one; outside an
+``ap.loader`` loop ``ap.optimizer_step`` syncs itself. ``ap.after_step``
+callbacks run right after that sync, once the step's graph has executed.
+
+Probing reads package metadata, ``/sys``, ``/dev`` and the environment only:
+importing torch_xla on a TPU VM takes the TPU, so it is imported in
+:meth:`LazyBackend.prepare`, after this backend was selected.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from . import _packages
+from .contract import Backend, Probe, to_host
+from .eager import _env_int
+from .errors import AccelportError
+from .platform import PlatformInfo, detect
+
+__all__ = ["LazyBackend", "Requirement", "pjrt_device"]
+
+#: torch_xla's last release (PyPI, 2025-11-17); a newer torch has no torch_xla.
+LAST_TORCH_XLA = "2.9"
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """A distribution a lazy backend needs, checked through metadata only.
+
+    ``specifier`` is a PEP 440 range the version must satisfy (``"<2.13"``);
+    ``outside`` is the sentence used when it does not (``{version}`` is filled
+    in). ``same_minor_as_torch`` demands torch's major.minor (torch_xla X.Y only
+    works with torch X.Y: its C extension is built against that torch).
+    """
+
+    distribution: str
+    specifier: str = ""
+    same_minor_as_torch: bool = False
+    missing: str = ""
+    outside: str = ""
+
+
+def pjrt_device(environ: Mapping[str, str] | None = None,
+                platform: PlatformInfo | None = None) -> tuple[str, str]:
+    """The PJRT device torch_xla would use here, and why; never imports torch_xla.
+
+    Mirrors torch_xla's own default (``runtime._maybe_select_default_device``):
+    ``PJRT_DEVICE`` if set; else TPU when libtpu and TPU chips are present; else
+    NEURON when libneuronxla is installed; else CPU.
+    """
+    env = os.environ if environ is None else environ
+    explicit = env.get("PJRT_DEVICE", "").strip()
+    if explicit:
+        # torch_xla reads the part before "_" as the device type (runtime.device_type()).
+        return explicit.split("_")[0].upper(), f"PJRT_DEVICE={explicit}"
+    plat = detect(environ=env) if platform is None else platform
+    if plat.name == "gcp-tpu" and _packages.has_module("libtpu"):
+        return "TPU", f"libtpu and TPU chips found ({plat.describe()})"
+    if _packages.has_module("libneuronxla"):
+        return "NEURON", "libneuronxla is installed"
+    return "CPU", "torch_xla's default without a TPU or Neuron runtime"
+
+
+def _install_hint(req: Requirement, torch_version: str) -> str:
+    """What to pip install for a missing requirement that must match torch's major.minor."""
+    torch_release = _packages.release(torch_version) or (0, 0)
+    mm = f"{torch_release[0]}.{torch_release[1]}"
+    last = _packages.release(LAST_TORCH_XLA) or (0, 0)
+    if req.distribution == "torch_xla" and last < torch_release[:2]:
+        return (f"torch_xla X.Y needs torch X.Y and its last release is {LAST_TORCH_XLA}, older than "
+                f"torch {torch_version} (pip install torch=={LAST_TORCH_XLA}.0 torch_xla=={LAST_TORCH_XLA}.0)")
+    if req.same_minor_as_torch:
+        return f"pip install {req.distribution}=={mm}.* (it needs the torch of the same major.minor)"
+    return f"pip install {req.distribution}"
+
+
+def _current(module: Any, name: str) -> Callable[..., Any] | None:
+    """``module.name`` if it exists and the installed version does not mark it deprecated (PEP 702)."""
+    fn = getattr(module, name, None)
+    if not callable(fn) or getattr(fn, "__deprecated__", None):
+        return None
+    return fn
+
+
+class LazyBackend(Backend):
+    """An XLA device through torch_xla: operations are recorded and run at a sync."""
+
+    lazy = True
+    device_type: ClassVar[str] = "xla"
+    #: PJRT devices this backend drives. "CPU" (XLA on the host) is accepted only
+    #: when PJRT_DEVICE=CPU is set explicitly; any other device needs its hardware.
+    pjrt_devices: ClassVar[tuple[str, ...]]
+    #: Top-level module of the PJRT plugin the hardware device needs ("libtpu", "libneuronxla").
+    runtime_module: ClassVar[str | None] = None
+    #: How to install the runtime module when it is missing.
+    runtime_hint: ClassVar[str] = ""
+    #: The hardware, in words, with where detection looks for it.
+    hardware: ClassVar[str] = "accelerator"
+    #: Distributions needed besides torch (torch_xla first).
+    requires: ClassVar[tuple[Requirement, ...]] = (
+        Requirement("torch_xla", same_minor_as_torch=True),
+    )
+    #: Filesystem root that hardware detection reads (tests point it at a fake tree).
+    root: str = "/"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._torch: Any = None
+        self._xm: Any = None
+        self._device: Any = None
+        # ap.loader iterations in progress (they sync once per batch), and how many of
+        # them read from a ParallelLoader.
+        self._loading = 0
+        self._parallel = 0
+        self._world: int | None = None
+
+    # -- detection ---------------------------------------------------------------------
+    def _requirement_problem(self, req: Requirement, torch_version: str) -> tuple[str | None, str | None]:
+        """(installed version, problem sentence or None) for one requirement."""
+        found = _packages.version(req.distribution)
+        if found is None:
+            return None, f"{req.distribution} is not installed: {req.missing or _install_hint(req, torch_version)}"
+        if req.specifier:
+            from packaging.specifiers import SpecifierSet
+            from packaging.version import InvalidVersion, Version
+
+            try:
+                ok = Version(found) in SpecifierSet(req.specifier)
+            except InvalidVersion:
+                ok = False
+            if not ok:
+                return found, (req.outside or f"{req.distribution} {{version}} is outside {req.specifier}").format(
+                    version=found)
+        if req.same_minor_as_torch and not _packages.same_minor(found, torch_version):
+            mm = ".".join(map(str, (_packages.release(found) or (0, 0))[:2]))
+            return found, (f"torch {torch_version} but {req.distribution} {found}: "
+                           f"{req.distribution} {mm} needs torch {mm} exactly "
+                           f"(pip install torch=={mm}.* next to it)")
+        return found, None
+
+    def _probe(self) -> Probe:
+        torch_version = _packages.version("torch")
+        if torch_version is None:
+            return Probe(False, "torch is not installed: pip install torch", 0)
+        details: dict[str, str] = {"torch": torch_version}
+        problems: list[str] = []
+        for req in self.requires:
+            found, problem = self._requirement_problem(req, torch_version)
+            if found is not None:
+                details[req.distribution] = found
+            if problem:
+                problems.append(problem)
+
+        plat = detect(self.root)
+        device, why = pjrt_device(platform=plat)
+        details["pjrt_device"] = device
+        details["pjrt_device_source"] = why
+        explicit = bool(os.environ.get("PJRT_DEVICE", "").strip())
+        count: int | None = None
+        on_host = "CPU" in self.pjrt_devices
+        if device == "CPU" and on_host and explicit:
+            count = _env_int("CPU_NUM_DEVICES", 1)
+        else:
+            if explicit and device not in self.pjrt_devices:
+                wanted = " or ".join(f"PJRT_DEVICE={d}" for d in self.pjrt_devices)
+                problems.append(f"{why} selects PJRT device {device}; this backend needs {wanted}")
+            # Say what the hardware device would need, whatever PJRT_DEVICE says.
+            present = plat.name == self.platform
+            if present:
+                count = plat.device_count
+            else:
+                hint = "; set PJRT_DEVICE=CPU to run XLA on the host CPU" if on_host and not explicit else ""
+                problems.append(f"no {self.hardware} on this machine ({plat.describe()}){hint}")
+            # A missing libtpu on a laptop is noise when XLA:CPU is the way to go there.
+            if (present or not on_host) and self.runtime_module and not _packages.has_module(self.runtime_module):
+                problems.append(f"{self.runtime_module} is not installed: {self.runtime_hint}")
+        cache = self.compile_cache_dir()
+        if cache:
+            details["compile_cache"] = cache
+        if problems:
+            return Probe(False, "; ".join(problems), 0, details)
+        xla_version = details.get("torch_xla", "?")
+        where = "the host CPU" if device == "CPU" else plat.describe()
+        return Probe(True, f"torch_xla {xla_version} with torch {torch_version} on PJRT device {device} "
+                           f"({where})", count, details)
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def prepare(self) -> None:
+        import torch
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+        import torch_xla.debug.metrics as met
+        import torch_xla.runtime as xr
+
+        device_fn = _current(torch_xla, "device") or _current(xm, "xla_device")
+        sync_fn = _current(torch_xla, "sync") or _current(xm, "mark_step")
+        if device_fn is None or sync_fn is None:
+            raise AccelportError(
+                f"torch_xla {getattr(torch_xla, '__version__', '?')} has no usable device()/sync() API "
+                "(both the current and the older spellings are missing or deprecated); "
+                "install a torch_xla release between 2.1 and 2.9"
+            )
+        self._torch, self._xm, self._xr, self._met = torch, xm, xr, met
+        self._device_fn, self._sync = device_fn, sync_fn
+        self._counter = getattr(met, "counter_value", None)
+        self._metric = getattr(met, "metric_data", None)
+        # SPMD runs one replicated program per step (ExecuteReplicated); otherwise each
+        # process executes its own (ExecuteComputation). Reading only the one in use
+        # keeps the per-step counters to three lookups.
+        spmd = getattr(xr, "is_spmd", None)
+        self._execute_counters = (("ExecuteReplicated", "ExecuteComputation") if spmd is not None and spmd()
+                                  else ("ExecuteComputation",))
+        # ParallelLoader syncs when it hands out a batch unless this flag says a sync
+        # just happened (torch_xla's profiler StepTrace sets it the same way).
+        import torch_xla.debug.profiler as xp
+
+        self._mark_synced = getattr(xp, "set_tracer_marked_step", None)
+
+    def _x(self) -> Any:
+        if self._xm is None:
+            self.prepare()
+        return self._xm
+
+    # -- operations --------------------------------------------------------------------
+    def device(self, index: int | None = None) -> Any:
+        self._x()
+        if index is None:
+            if self._device is None:
+                self._device = self._device_fn()
+            return self._device
+        return self._device_fn(index)
+
+    def sync(self) -> None:
+        self._x()
+        self._sync()
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        xm = self._x()
+        # xm.optimizer_step all-reduces gradients across replicas (a no-op alone), then steps.
+        result = xm.optimizer_step(optimizer, optimizer_args=kwargs)
+        # End the step. Alone inside an ap.loader loop, the sync comes when the next batch
+        # is asked for (end_of_batch), after zero_grad(), as with MpDeviceLoader: syncing
+        # here as well would cost a second, empty sync per step and make the gradients
+        # graph outputs (about 4% per step on a tiny model). With several replicas the
+        # step's graph holds the gradient all-reduce: it runs here, on every replica at
+        # once, so that a value read on one replica only (a rank-0 save, a print) never
+        # executes that collective alone and hangs (torch_xla's barrier=True).
+        if not self._loading or self._replicas() > 1:
+            self._sync()
+        return result
+
+    def _replicas(self) -> int:
+        if self._world is None:
+            self._world = self.world_size()
+        return self._world
+
+    def end_of_batch(self) -> None:
+        self._sync()
+        if self._parallel and self._mark_synced is not None:
+            self._mark_synced(True)  # the ParallelLoader's own sync would be an empty one
+
+    def wrap_loader(self, iterable: Iterable[Any], *, prefetch: int | None) -> Iterator[Any]:
+        self._x()
+        device = self.device()
+        if prefetch == 0:
+            return self._tracked(None, self._unprefetched(iterable, device))
+        from torch_xla.distributed.parallel_loader import ParallelLoader
+
+        # What MpDeviceLoader does (a ParallelLoader for this process's device), plus a
+        # close() when the loop ends or breaks early, so no upload thread is left behind.
+        # ``prefetch`` is the on-device queue, which is also how many batches go up in
+        # one transfer; None keeps torch_xla's defaults, the same as a raw MpDeviceLoader.
+        kwargs = {} if prefetch is None else {"device_prefetch_size": prefetch}
+        parallel = ParallelLoader(iterable, [device], **kwargs)
+        return self._tracked(parallel, parallel.per_device_loader(device))
+
+    def _tracked(self, parallel: Any, it: Iterator[Any]) -> Iterator[Any]:
+        uses_parallel = int(parallel is not None)
+        self._loading += 1
+        self._parallel += uses_parallel
+        try:
+            yield from it
+        finally:
+            self._loading -= 1
+            self._parallel -= uses_parallel
+            if parallel is not None:
+                parallel.close()
+
+    def _unprefetched(self, iterable: Iterable[Any], device: Any) -> Iterator[Any]:
+        """prefetch=0: upload each batch in the loop's thread (end_of_batch syncs between batches)."""
+        send = self._xm.send_cpu_data_to_device
+        for batch in iterable:
+            yield send([batch], device)[0]
+
+    # -- metrics -----------------------------------------------------------------------
+    def _count(self, name: str) -> int:
+        value = self._counter(name)
+        return int(value) if value else 0  # absent: it did not happen in this process
+
+    def _samples(self, name: str) -> tuple[int, float]:
+        data = self._metric(name)
+        return (int(data[0]), float(data[1]) / 1e9) if data else (0, 0.0)  # accumulator is in ns
+
+    def counters(self) -> dict[str, Any]:
+        if self._xm is None:
+            return {}
+        out: dict[str, Any] = {}
+        if self._counter is not None:
+            out["compilations"] = self._count("UncachedCompile")
+            # In-memory hits and persistent-cache hits both end as CachedCompile.
+            out["cache_hits"] = self._count("CachedCompile")
+            names = getattr(self._met, "counter_names", None)
+            if names is not None:
+                # Every aten:: counter is an op without an XLA lowering that ran on the host.
+                out["cpu_fallback"] = {n: self._count(n) for n in names() if n.startswith("aten::")}
+        if self._metric is not None:
+            _, out["compile_seconds"] = self._samples("CompileTime")
+            finished, out["execute_seconds"] = self._samples("ExecuteTime")
+            out["host_to_device"] = self._samples("TransferToDeviceTime")[0]
+            out["device_to_host"] = self._samples("TransferFromDeviceTime")[0]
+            # Executions run asynchronously after the sync that launched them: the counters
+            # tick as each starts, ExecuteTime only once it has finished. Older versions
+            # may lack the counters.
+            dispatched = self._executions()
+            out["executions"] = finished if dispatched is None else dispatched
+        return out
+
+    def _executions(self) -> int | None:
+        if self._counter is None:
+            return None
+        counts = [self._counter(name) for name in self._execute_counters]
+        if all(n is None for n in counts):
+            return None
+        return sum(n or 0 for n in counts)
+
+    def step_counters(self) -> dict[str, float]:
+        # Read after every step, so counters only where one exists: a counter lookup
+        # costs about 0.3 us (several times that while XLA:CPU computes on the same
+        # cores), while metric_data() copies up to 1024 samples (about 50 us once full).
+        # Transfers to the host have no counter; their metric fills only as fast as the
+        # loop reads values back, which costs far more than reading it.
+        counter, metric = self._counter, self._metric
+        if counter is None or metric is None:
+            return {}
+        fetched = metric("TransferFromDeviceTime")
+        return {
+            "compilations": counter("UncachedCompile") or 0,
+            "executions": self._executions() or 0,
+            "device_to_host": fetched[0] if fetched else 0,
+        }
+
+    # -- compile cache -----------------------------------------------------------------
+    def _computation_started(self) -> bool:
+        self._x()
+        return bool(self._count("UncachedCompile") or self._count("CachedCompile"))
+
+    def compile_cache_dir(self) -> str | None:
+        # torch_xla's xr.initialize_cache stores the path here; setting it before the
+        # first computation has the same effect.
+        return os.environ.get("XLA_PERSISTENT_CACHE_PATH") or None
+
+    def enable_compile_cache(self, path: str | os.PathLike[str]) -> str:
+        directory = os.path.abspath(os.fspath(path))
+        if self.compile_cache_dir() == directory:
+            return directory
+        if self._computation_started():
+            raise AccelportError(
+                f"ap.compile_cache({os.fspath(path)!r}) came after the first computation on {self.name}; "
+                "call it before the model or data touch the device (right after `import accelport`), "
+                "or set XLA_PERSISTENT_CACHE_PATH before starting Python"
+            )
+        os.makedirs(directory, exist_ok=True)
+        try:
+            self._xr.initialize_cache(directory, readonly=False)
+        except AssertionError as exc:  # torch_xla's own check, in case ours missed a computation
+            raise AccelportError(f"torch_xla refused to set the compile cache: {exc}") from exc
+        return directory
+
+    # -- distributed -------------------------------------------------------------------
+    def world_size(self) -> int:
+        self._x()
+        return int(self._xr.world_size())
+
+    def rank(self) -> int:
+        self._x()
+        return int(self._xr.global_ordinal())
+
+    def barrier(self) -> None:
+        xm = self._x()
+        if self.world_size() > 1:
+            xm.rendezvous("accelport.barrier")
+
+    def all_reduce(self, tensor: Any, op: str = "sum") -> Any:
+        if op not in ("sum", "mean"):
+            raise ValueError(f"all_reduce op must be 'sum' or 'mean', not {op!r}")
+        xm = self._x()
+        world = self.world_size()
+        if world == 1:
+            return tensor
+        # A list input is reduced in place.
+        xm.all_reduce(xm.REDUCE_SUM, [tensor], scale=1.0 / world if op == "mean" else 1.0)
+        return tensor
+
+    # -- host values -------------------------------------------------------------------
+    def after_step(self, fn: Callable[..., Any], tensors: tuple[Any, ...]) -> None:
+        # A step closure runs right after the next sync, when the tensors already hold
+        # device data: reading them costs a transfer, never a second graph execution.
+        self._x().add_step_closure(lambda *ts: fn(*(to_host(t) for t in ts)), args=tensors)
+
+    # -- checkpoints -------------------------------------------------------------------
+    def save(self, obj: Any, path: str | os.PathLike[str]) -> None:
+        # One execution for every pending tensor, then plain copies to the host;
+        # without it each tensor's .to("cpu") would run its own graph.
+        self.sync()
+        super().save(obj, path)
+

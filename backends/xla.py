@@ -1,0 +1,23 @@
+"""xla: torch_xla on a Cloud TPU, or on the host CPU with PJRT_DEVICE=CPU (XLA:CPU)."""
+
+from __future__ import annotations
+
+from accelport.hookspecs import hookimpl
+from accelport.lazy import LazyBackend
+
+
+class XlaBackend(LazyBackend):
+    name = "xla"
+    platform = "gcp-tpu"
+    description = ("PyTorch/XLA (torch_xla) on Cloud TPU, or XLA:CPU with PJRT_DEVICE=CPU; "
+                   "torch_xla's last release is 2.9, TorchTPU ('tpu') replaces it.")
+    packages = ("torch", "torch_xla", "libtpu")
+    pjrt_devices = ("TPU", "CPU")
+    runtime_module = "libtpu"
+    runtime_hint = "pip install 'torch_xla[tpu]' (it pins the matching libtpu)"
+    hardware = "TPU chips (Google PCI devices in /sys/bus/pci, /dev/accel*)"
+
+
+@hookimpl
+def accelport_register_backends(register):  # type: ignore[no-untyped-def]
+    register(XlaBackend)

@@ -1,0 +1,146 @@
+"""Per-step overhead of ap.loader + ap.optimizer_step against raw torch_xla, on XLA:CPU.
+
+    PJRT_DEVICE=CPU python benchmarks/bench_xla_overhead.py [--rounds 21] [--steps 100]
+
+The same tiny model (where overhead shows most) trains in loops written three ways,
+interleaved round by round in one process so machine noise hits all alike:
+
+- raw:        MpDeviceLoader(batches, device) + xm.optimizer_step(opt), torch_xla's defaults
+- accelport:  ap.loader(batches) + ap.optimizer_step(opt), as shipped: the built-in
+              diagnostics observe every step (accelport_step_end)
+- no-observer: the same loop with the diagnostics plugin unregistered, so no step
+              record is built and no per-step counters are read
+
+A step's time is the wall time between consecutive batches arriving in the loop.
+Reported: the median step time of each, its ratio to raw, the median over rounds of
+each round's ratio (the headline figure, target <= 1.03: pairing within a round cancels
+slow drifts of a shared machine), and the cost of accelport's per-step pieces timed alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+import torch  # noqa: E402
+import torch_xla  # noqa: E402
+import torch_xla.core.xla_model as xm  # noqa: E402
+from torch_xla.distributed.parallel_loader import MpDeviceLoader  # noqa: E402
+
+import accelport as ap  # noqa: E402
+from accelport._loader import signature  # noqa: E402
+from accelport._runtime import RUNTIME  # noqa: E402
+
+
+def make_model(device: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).to(device)
+    return model, torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+def epoch(batches: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, step: Any) -> list[float]:
+    """Train one pass; return the time of each step (batch arrival to next batch arrival)."""
+    times = []
+    last = None
+    for x, y in batches:
+        now = time.perf_counter()
+        if last is not None:
+            times.append(now - last)
+        last = now
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        step(opt)
+        opt.zero_grad()
+    return times
+
+
+def per_call(fn: Callable[[], Any], n: int = 5000) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--steps", type=int, default=100)
+    args = parser.parse_args()
+
+    ap.use("xla")
+    device = ap.device()
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(16, 32, generator=g), torch.randn(16, 1, generator=g)) for _ in range(args.steps)]
+    models = {name: make_model(device) for name in ("raw", "accelport", "no-observer")}
+    host = RUNTIME.host()
+    diagnostics = host.pm.get_plugin("diagnostics")
+
+    class observers_off:
+        def __enter__(self) -> None:
+            if diagnostics is not None:
+                host.pm.unregister(diagnostics)
+            host._step_end = None  # the hot-path list of observers is rebuilt on next use
+
+        def __exit__(self, *exc: Any) -> None:
+            if diagnostics is not None:
+                host.pm.register(diagnostics, name="diagnostics")
+            host._step_end = None
+
+    def raw() -> list[float]:
+        return epoch(MpDeviceLoader(data, device), *models["raw"], xm.optimizer_step)
+
+    def accel() -> list[float]:
+        return epoch(ap.loader(data), *models["accelport"], ap.optimizer_step)
+
+    def quiet() -> list[float]:
+        with observers_off():
+            return epoch(ap.loader(data), *models["no-observer"], ap.optimizer_step)
+
+    runs = {"raw": raw, "accelport": accel, "no-observer": quiet}
+    for fn in runs.values():  # compile and warm up every loop
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    per_round: dict[str, list[float]] = {k: [] for k in runs}
+    order = list(runs)
+    for r in range(args.rounds):
+        for name in order[r % 3:] + order[:r % 3]:  # rotate who goes first
+            got = runs[name]()
+            times[name].extend(got)
+            per_round[name].append(statistics.median(got))
+    torch_xla.sync()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    # Each round's loops ran back to back: their ratio cancels slow drifts of a shared machine.
+    paired = {k: statistics.median(a / b for a, b in zip(per_round[k], per_round["raw"])) for k in runs}
+    print(f"torch {torch.__version__}, torch_xla {torch_xla.__version__}, PJRT_DEVICE={os.environ['PJRT_DEVICE']}; "
+          f"{args.rounds} rounds x {args.steps} steps each, interleaved; "
+          f"step observers: {[name for name, _ in host._step_end or []] or 'none'}")
+    for k in runs:
+        print(f"{k:12s} median step {med[k] * 1e6:8.1f} us   ratio to raw {med[k] / med['raw']:.3f}   "
+              f"median of per-round ratios {paired[k]:.3f}")
+
+    # accelport's own per-step pieces, timed alone (no device work running beside them;
+    # inside the loop, XLA:CPU computing on the same cores slows them several times).
+    backend = ap.backend()
+    tracker = RUNTIME.tracker
+    with_observers = per_call(lambda: tracker.step_end(backend, host))
+    with observers_off():
+        bare = per_call(lambda: tracker.step_end(backend, host))
+    for name, cost in (("signature(batch)", per_call(lambda: signature(data[0]))),
+                       ("step bookkeeping", bare),
+                       ("same + diagnostics", with_observers),
+                       ("step_counters()", per_call(backend.step_counters)),
+                       ("counters()", per_call(backend.counters, 500))):
+        print(f"{name:19s} {cost:7.2f} us per call")
+    ratio = paired["accelport"]
+    print(f"accelport / raw = {ratio:.3f}, median of per-round ratios (target <= 1.03: "
+          f"{'yes' if ratio <= 1.03 else 'NO'})")
+
+
+if __name__ == "__main__":
+    main()

@@ -426,3 +426,33 @@ class LazyBackend(Backend):
         self.sync()
         super().save(obj, path)
 
+
+
+def doctor_findings(backend: LazyBackend, context: Any) -> list[Any]:
+    """``accelport doctor`` checks shared by the lazy backends; reads metadata, /sys and env only.
+
+    - a paired package that is installed but does not match torch (torch_xla X.Y needs torch X.Y);
+    - ``PJRT_DEVICE`` naming this backend's hardware on a machine that does not have it.
+    """
+    from .doctor import Finding
+
+    env = context.environ
+    found: list[Any] = []
+    torch_version = context.packages.get("torch")
+    if torch_version:
+        for req in backend.requires:
+            installed, problem = backend._requirement_problem(req, torch_version)
+            if installed is not None and problem:
+                found.append(Finding("problem", f"{backend.name}: {problem}",
+                                     f"install a matching pair: {_install_hint(req, torch_version)}"
+                                     if req.same_minor_as_torch else problem, backend.name))
+    explicit = env.get("PJRT_DEVICE", "").strip()
+    device = explicit.split("_")[0].upper()
+    if explicit and device in backend.pjrt_devices and device != "CPU" and context.platform.name != backend.platform:
+        found.append(Finding(
+            "problem",
+            f"PJRT_DEVICE={explicit} but there are no {backend.hardware} here ({context.platform.describe()}): "
+            "torch_xla fails when it starts",
+            "unset PJRT_DEVICE (torch_xla then picks what is present), or set PJRT_DEVICE=CPU to run XLA on "
+            "the host CPU", backend.name))
+    return found

@@ -11,7 +11,7 @@ import shlex
 from collections.abc import Mapping
 
 from accelport.hookspecs import hookimpl
-from accelport.lazy import LazyBackend, Requirement
+from accelport.lazy import LazyBackend, Requirement, doctor_findings
 from accelport.errors import AccelportError
 
 #: Neuron's compile cache when neither NEURON_CC_FLAGS --cache_dir nor NEURON_COMPILE_CACHE_URL moves it.
@@ -107,3 +107,30 @@ class NeuronXlaBackend(LazyBackend):
 @hookimpl
 def accelport_register_backends(register):  # type: ignore[no-untyped-def]
     register(NeuronXlaBackend)
+
+
+def cache_findings(context) -> list:  # type: ignore[no-untyped-def,type-arg]
+    """The Neuron compile cache must be writable, or every run compiles from scratch."""
+    from accelport.doctor import Finding
+
+    env = context.environ
+    relevant = (context.platform.name == "aws-neuron" or context.packages.get("torch-neuronx")
+                or any(env.get(v) for v in ("NEURON_CC_FLAGS", "NEURON_COMPILE_CACHE_URL")))
+    path = neuron_cache_dir(env)
+    if not relevant or path is None or "://" in path:
+        return []
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)  # the nearest existing directory the compiler would create it in
+    if os.path.isdir(probe) and os.access(probe, os.W_OK | os.X_OK):
+        return []
+    return [Finding(
+        "problem", f"the Neuron compile cache {path} is not writable ({probe} is not): every run compiles "
+        "every graph again, and a failed compile cannot be cached either",
+        "point it at a writable directory: export NEURON_COMPILE_CACHE_URL=/path/you/own (or "
+        "NEURON_CC_FLAGS=--cache_dir=...), or fix the directory's permissions", "neuron-xla")]
+
+
+@hookimpl
+def accelport_doctor_checks(context):  # type: ignore[no-untyped-def]
+    return doctor_findings(NeuronXlaBackend(), context) + cache_findings(context) or None

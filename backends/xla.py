@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from accelport.hookspecs import hookimpl
-from accelport.lazy import LazyBackend
+from accelport.lazy import LazyBackend, doctor_findings
 
 
 class XlaBackend(LazyBackend):
@@ -21,3 +21,8 @@ class XlaBackend(LazyBackend):
 @hookimpl
 def accelport_register_backends(register):  # type: ignore[no-untyped-def]
     register(XlaBackend)
+
+
+@hookimpl
+def accelport_doctor_checks(context):  # type: ignore[no-untyped-def]
+    return doctor_findings(XlaBackend(), context) or None

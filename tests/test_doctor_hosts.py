@@ -95,3 +95,33 @@ def test_missing_or_unreadable_system_tree_is_not_a_crash(monkeypatch: pytest.Mo
         assert report["platform"]["name"] in ("cpu", "gcp-tpu")  # root may still read it
     finally:
         (locked / "sys").chmod(0o755)
+
+
+def test_pjrt_device_tpu_without_a_tpu_is_a_problem(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    report = report_for(monkeypatch, fakes.bare_cpu_host(tmp_path / "host"))
+    (found,) = [f for f in report["findings"] if f["title"].startswith("PJRT_DEVICE=TPU but there are no TPU")]
+    assert found["severity"] == "problem" and "PJRT_DEVICE=CPU" in found["fix"] and found["check"] == "xla"
+    assert exit_status(report) == 1
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    assert not [f for f in gather()["findings"] if f["title"].startswith("PJRT_DEVICE")]
+
+
+def test_torch_xla_minor_mismatch_is_a_problem(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # A stand-in torch_xla 2.9.0 next to the real torch 2.13: the pairing torch_xla needs is broken.
+    fakes.install_dist(monkeypatch, tmp_path / "site", "torch_xla", "2.9.0", module="torch_xla")
+    report = report_for(monkeypatch, fakes.bare_cpu_host(tmp_path / "host"))
+    (found,) = [f for f in report["findings"] if f["title"].startswith("xla: torch ")]
+    assert "but torch_xla 2.9.0: torch_xla 2.9 needs torch 2.9 exactly" in found["title"]
+    assert found["severity"] == "problem" and "torch==2.9.0 torch_xla==2.9.0" in found["fix"]
+
+
+def test_unwritable_neuron_cache_is_a_problem(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the cache directory would go")
+    monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", str(blocker / "cache"))
+    report = report_for(monkeypatch, fakes.neuron_host(tmp_path / "host", 16, "trn1.32xlarge"))
+    (found,) = [f for f in report["findings"] if "Neuron compile cache" in f["title"]]
+    assert found["severity"] == "problem" and "NEURON_COMPILE_CACHE_URL" in found["fix"]
+    monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", str(tmp_path / "fine" / "cache"))
+    assert not [f for f in gather()["findings"] if "Neuron compile cache" in f["title"]]

@@ -125,6 +125,7 @@ class LazyBackend(Backend):
         self._loading = 0
         self._parallel = 0
         self._world: int | None = None
+        self._flush_at_exit = False
 
     # -- detection ---------------------------------------------------------------------
     def _requirement_problem(self, req: Requirement, torch_version: str) -> tuple[str | None, str | None]:
@@ -418,6 +419,19 @@ class LazyBackend(Backend):
         # A step closure runs right after the next sync, when the tensors already hold
         # device data: reading them costs a transfer, never a second graph execution.
         self._x().add_step_closure(lambda *ts: fn(*(to_host(t) for t in ts)), args=tensors)
+        if not self._flush_at_exit:
+            # A closure added after the last step would otherwise never run (the final
+            # "done" print of a script): one sync at interpreter exit runs what is pending.
+            import atexit
+
+            atexit.register(self._flush_pending)
+            self._flush_at_exit = True
+
+    def _flush_pending(self) -> None:
+        try:
+            self.sync()
+        except Exception:  # the runtime may already be shutting down; nothing to report to
+            pass
 
     # -- checkpoints -------------------------------------------------------------------
     def save(self, obj: Any, path: str | os.PathLike[str]) -> None:
@@ -425,7 +439,6 @@ class LazyBackend(Backend):
         # without it each tensor's .to("cpu") would run its own graph.
         self.sync()
         super().save(obj, path)
-
 
 
 def doctor_findings(backend: LazyBackend, context: Any) -> list[Any]:

@@ -85,7 +85,9 @@ class CharLM(torch.nn.Module):
         n = ids.shape[1]
         causal = torch.triu(torch.full((n, n), float("-inf"), device=ids.device), diagonal=1)
         h = self.embed(ids) + self.pos[:n]
-        return self.head(self.blocks(h, mask=causal))
+        # is_causal=True: otherwise PyTorch compares the mask with a causal one (torch.equal)
+        # to decide, which reads a device value on the host every step (a host sync).
+        return self.head(self.blocks(h, mask=causal, is_causal=True))
 
 
 def make_loader(samples: list[torch.Tensor], padding: str, batch_size: int, seed: int = 0) -> DataLoader:

@@ -150,18 +150,20 @@ class PluginHost:
         caller = getattr(self.pm.hook, hook)
         return [i for i in caller.get_hookimpls() if not (i.hookwrapper or i.wrapper)]
 
-    def call_each(self, hook: str, **kwargs: Any) -> list[tuple[str, Any]]:
-        """Call every implementation (registration order), isolating failures: (plugin, result) pairs."""
-        results = []
-        for impl in self._impls(hook):
+    def _results(self, impls: Any, hook: str, kwargs: dict[str, Any]) -> Any:
+        """(plugin, result) for each implementation's non-None result; a raising plugin is disabled."""
+        for impl in impls:
             try:
                 result = impl.function(*(kwargs[a] for a in impl.argnames))
             except Exception as exc:
                 self._fail(impl.plugin_name, f"hook {hook}", exc)
                 continue
             if result is not None:
-                results.append((impl.plugin_name, result))
-        return results
+                yield impl.plugin_name, result
+
+    def call_each(self, hook: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        """Call every implementation (registration order), isolating failures: (plugin, result) pairs."""
+        return list(self._results(self._impls(hook), hook, kwargs))
 
     def call(self, hook: str, **kwargs: Any) -> list[Any]:
         """Call every implementation, isolating failures; the non-None results."""
@@ -169,15 +171,8 @@ class PluginHost:
 
     def call_first(self, hook: str, **kwargs: Any) -> Any:
         """Call implementations in pluggy's order (tryfirst .. trylast); first non-None wins."""
-        for impl in reversed(self._impls(hook)):
-            try:
-                result = impl.function(*(kwargs[a] for a in impl.argnames))
-            except Exception as exc:
-                self._fail(impl.plugin_name, f"hook {hook}", exc)
-                continue
-            if result is not None:
-                return result
-        return None
+        first = next(self._results(reversed(self._impls(hook)), hook, kwargs), None)
+        return first[1] if first is not None else None
 
     def step_end(self, record: Any) -> None:
         """The hot-path hook: a cached list of implementations, each isolated."""

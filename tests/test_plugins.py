@@ -180,15 +180,20 @@ def test_collect_all_hooks_gather_every_plugin_and_isolate_failures(install_plug
         "    return [{'backend': 'mycpu', 'platform': 'cpu'}]\n"
         "@ap.hookimpl\n"
         "def accelport_doctor_checks(context):\n"
-        "    return [('note', context.who)]\n",
+        "    return [('note', context.extra['who'])]\n",
     )
-    from types import SimpleNamespace
+    from accelport.doctor import DoctorContext
+    from accelport.platform import detect
+
+    def context(**extra: str) -> DoctorContext:
+        return DoctorContext(environ={}, platform=detect(), packages={}, probes={}, backends={}, selected=None,
+                             selection_reason="", cpu_count=1, extra=dict(extra))
 
     host = RUNTIME.host()
     assert [{"backend": "mycpu", "platform": "cpu"}] in host.call("accelport_compat_rows")
     # Built-in plugins may add their own findings; this plugin's result is among them.
-    context = SimpleNamespace(who="doctor", environ={})
-    assert [("note", "doctor")] in host.call("accelport_doctor_checks", context=context)
-    with pytest.warns(ap.PluginWarning, match="rows.*accelport_doctor_checks.*AttributeError"):
-        assert [("note", "doctor")] not in host.call("accelport_doctor_checks", context=SimpleNamespace(environ={}))
+    assert [("note", "doctor")] in host.call("accelport_doctor_checks", context=context(who="doctor"))
+    with pytest.warns(ap.PluginWarning, match="rows.*accelport_doctor_checks.*KeyError") as caught:
+        assert [("note", "doctor")] not in host.call("accelport_doctor_checks", context=context())
+    assert [str(w.message).split("'")[1] for w in caught if issubclass(w.category, ap.PluginWarning)] == ["rows"]
     assert "rows" not in host.plugins

@@ -94,5 +94,5 @@ def hardware(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The main job: check the environment, then train the portable example on the best backend."""
     session.install(f"torch=={TORCH}", "numpy", "-e", ".")
-    session.run("accelport", "backends")
+    session.run("accelport", "doctor")
     session.run("python", "examples/quickstart.py")

@@ -110,7 +110,7 @@ def _run_matrix_step(workflow: dict[str, Any], tmp_path: pathlib.Path,
     (step,) = [s for s in workflow["jobs"]["cloud-matrix"]["steps"] if s.get("id") == "matrix"]
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    stand_in = bin_dir / "accelport"  # stands in for `accelport ci-matrix`, not in this build yet
+    stand_in = bin_dir / "accelport"  # prints a fixed sample, so the test controls the rows
     stand_in.write_text(
         f"#!{sys.executable}\nimport json, sys\n"
         f"json.dump(sys.argv[1:], open({str(tmp_path / 'argv.json')!r}, 'w'))\n"
@@ -180,3 +180,13 @@ def test_every_job_runs_the_readme_command_on_a_nox_session() -> None:
     assert sessions | {"hardware"} <= _nox_sessions()
     assert "make test" in (ROOT / "README.md").read_text()
     assert "$(NOX) $(if $(SESSIONS),--sessions $(SESSIONS))" in (ROOT / "Makefile").read_text()
+
+
+def test_real_ci_matrix_prints_an_empty_list_for_github_when_nothing_matches() -> None:
+    # What the stand-in above prints for the empty case is what the real command does.
+    out = subprocess.run([sys.executable, "-m", "accelport", "ci-matrix", "--platform", "aws-neuron",
+                          "--torch", "2.3", "--status", "recommended", "--format", "github"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "{}") == {"include": []}
+    assert "no combination matches" in out.stderr

@@ -173,7 +173,7 @@ def _run(args: argparse.Namespace, as_json: bool) -> int:
     entries, skipped = include(mx, platforms, minors, statuses, runners, _packages.requires_python("accelport"))
     for note in skipped:
         print(f"accelport ci-matrix: left out {note}", file=sys.stderr)
-    if not entries and args.format == "github":
+    if not entries and not as_json:
         # In a workflow an empty list is an answer ("no cloud job to run"), not a failure:
         # the workflow skips the jobs on count == 0 (GitHub rejects an empty strategy.matrix).
         print("accelport ci-matrix: no combination matches; printing an empty include list", file=sys.stderr)

@@ -160,6 +160,19 @@ def _check_nnodes(text: str) -> str:
     return text
 
 
+def _check_rendezvous(rdzv: Rendezvous) -> None:
+    """Values torchrun would accept but that cannot work: say so before any process starts."""
+    if rdzv.node_rank is not None and rdzv.max_nodes() > 1 and not 0 <= rdzv.node_rank < rdzv.max_nodes():
+        raise _usage(f"--node-rank must be between 0 and {rdzv.max_nodes() - 1} (--nnodes {rdzv.nnodes}), "
+                     f"not {rdzv.node_rank}")
+    if rdzv.master_port is not None and not 1 <= rdzv.master_port <= 65535:
+        raise _usage(f"--master-port must be a TCP port (1 to 65535), not {rdzv.master_port}")
+    if rdzv.rdzv_endpoint is not None:
+        host, sep, port = rdzv.rdzv_endpoint.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise _usage(f"--rdzv-endpoint must be HOST:PORT (e.g. node0:29400), not {rdzv.rdzv_endpoint!r}")
+
+
 def build_plan(
     backend: Backend,
     script: str,
@@ -181,10 +194,11 @@ def build_plan(
     python = python or sys.executable
     if nprocs is not None and (isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1):
         raise _usage(f"--nprocs must be at least 1 (worker processes per host), not {nprocs!r}")
-    if not os.path.exists(script):
-        raise _usage(f"script {script!r} not found (relative to {os.getcwd()}); "
-                     "give the path of the training script to run")
+    if not os.path.isfile(script):
+        what = "is a directory" if os.path.isdir(script) else f"not found (relative to {os.getcwd()})"
+        raise _usage(f"script {script!r} {what}; give the path of the training script to run")
     _check_nnodes(rdzv.nnodes)
+    _check_rendezvous(rdzv)
     probe = backend.probe()
     engine = engine_for(backend)
     env = {"ACCELPORT_BACKEND": backend.name}

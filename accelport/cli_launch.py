@@ -48,12 +48,17 @@ def register(sub: Any) -> None:
 
 def _backend(name: str | None, dry_run: bool) -> Any:
     from accelport._runtime import RUNTIME
-    from accelport.errors import BackendUnavailableError
-    from accelport.selection import resolve
+    from accelport.cli import UsageError
+    from accelport.errors import BackendUnavailableError, UnknownBackendError
+    from accelport.selection import _named, resolve
 
     host = RUNTIME.host()
     try:
-        return resolve(host, name, os.environ)[0]
+        if name is not None:
+            return _named(host.backends, name, f"--backend {name}")[0]
+        return resolve(host, None, os.environ)[0]
+    except UnknownBackendError as exc:
+        raise UsageError(str(exc)) from None  # a typo on the command line: exit 2
     except BackendUnavailableError as exc:
         # A dry run may prepare a command for another machine (a TPU host, say).
         if dry_run and exc.name in host.backends:

@@ -233,7 +233,11 @@ def test_dry_run_imports_no_torch(script: str) -> None:
         (["--nprocs", "0"], "usage", 2, "--nprocs must be at least 1"),
         (["--nprocs", "-2"], "usage", 2, "--nprocs must be at least 1"),
         (["--backend", "cuda"], "BackendUnavailableError", 1, "is not available: no NVIDIA GPU found"),
-        (["--backend", "cdua"], "UnknownBackendError", 1, "Did you mean 'cuda'"),
+        (["--backend", "cdua"], "usage", 2, r"unknown backend 'cdua' \(from --backend cdua\)\. Did you mean 'cuda'"),
+        (["--nnodes", "2", "--node-rank", "2"], "usage", 2, "--node-rank must be between 0 and 1"),
+        (["--nnodes", "2", "--node-rank", "-1"], "usage", 2, "--node-rank must be between 0 and 1"),
+        (["--master-port", "99999"], "usage", 2, "--master-port must be a TCP port"),
+        (["--rdzv-endpoint", "node0:abc"], "usage", 2, "--rdzv-endpoint must be HOST:PORT"),
     ],
 )
 def test_bad_input_is_a_specific_error_and_valid_json(script: str, capsys: pytest.CaptureFixture[str],
@@ -452,3 +456,8 @@ def test_the_first_failure_is_the_cause_not_a_peer_that_lost_its_connection() ->
     silent = _failure_from(4, 3, None, observed=9.0)
     assert "status 3" in silent.error and _first([silent, stopped]) is silent
     assert isinstance(silent, WorkerFailure)
+
+
+def test_a_directory_is_not_a_script(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    assert main(["launch", "--json", "--backend", "cpu", str(tmp_path)]) == 2
+    assert "is a directory" in json.loads(capsys.readouterr().out)["error"]

@@ -69,10 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .errors import AccelportError
 
     args_list = list(sys.argv[1:] if argv is None else argv)
-    as_json = "--json" in args_list
+    as_json = "--json" in args_list  # until the arguments are parsed: a usage error is JSON too
     try:
         parser = build_parser()
         args = parser.parse_args(args_list)
+        # Parsed, the answer is exact: `accelport launch train.py --json` passes --json to the script.
+        as_json = bool(getattr(args, "json", False)) or getattr(args, "format", None) == "json"
         if not getattr(args, "func", None):
             parser.print_help()
             return 2

@@ -461,3 +461,9 @@ def test_the_first_failure_is_the_cause_not_a_peer_that_lost_its_connection() ->
 def test_a_directory_is_not_a_script(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
     assert main(["launch", "--json", "--backend", "cpu", str(tmp_path)]) == 2
     assert "is a directory" in json.loads(capsys.readouterr().out)["error"]
+
+
+def test_json_meant_for_the_script_does_not_change_the_launchers_output(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", "--backend", "cdua", "train.py", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("accelport: error: unknown backend 'cdua'")

@@ -196,9 +196,17 @@ def _as_finding(item: Any, check: str) -> Finding:
 
 
 def _core_findings(ctx: DoctorContext, recommendation: Any) -> list[Finding]:
-    from .compat import deprecated_settings, deprecation_messages, target_platform
+    from .compat import current_matrix, deprecated_settings, deprecation_messages, target_platform
+    from .errors import CompatMatrixError
 
     findings: list[Finding] = []
+    try:
+        current_matrix(ctx.environ)
+        matrix_ok = True
+    except CompatMatrixError as exc:  # a bad ACCELPORT_COMPAT_MATRIX file or plugin rows
+        matrix_ok = False
+        findings.append(Finding("problem", f"the compatibility matrix cannot be loaded: {exc}",
+                                "fix the file and key named above, or unset ACCELPORT_COMPAT_MATRIX", "core"))
     if ctx.packages.get("torch") is None:
         findings.append(Finding("problem", "torch is not installed", "pip install torch (the build your platform "
                                 "needs: see `accelport matrix`)", "core"))
@@ -206,7 +214,7 @@ def _core_findings(ctx: DoctorContext, recommendation: Any) -> list[Finding]:
         findings.append(Finding("ok", f"backend {ctx.selected} will be used: {ctx.selection_reason}", "", "core"))
         backend = ctx.backends[ctx.selected]
         platform = target_platform(backend, ctx.environ, ctx.platform.name)
-        for message in deprecation_messages(ctx.selected, platform, ctx.packages.get("torch"), {},
+        for message in [] if not matrix_ok else deprecation_messages(ctx.selected, platform, ctx.packages.get("torch"), {},
                                             chip=ctx.platform.chip if platform == ctx.platform.name else None):
             findings.append(Finding("warning", f"the selected path is deprecated or unsupported: {ctx.selected} "
                                     f"on {platform} with torch {ctx.packages.get('torch')}", message, "core"))
@@ -224,7 +232,7 @@ def _core_findings(ctx: DoctorContext, recommendation: Any) -> list[Finding]:
             findings.append(Finding(
                 "warning", f"{recommended} is recommended for {ctx.platform.name} but unavailable: {probe.reason}",
                 f"fix what the reason says to run on {recommended}", "core"))
-    for name, message in deprecated_settings(ctx.environ):
+    for name, message in deprecated_settings(ctx.environ) if matrix_ok else []:
         findings.append(Finding("warning", f"{name} is set: it is deprecated", message, "core"))
     cpus = ctx.cpu_count
     upper = max(1, cpus - 1)

@@ -155,3 +155,12 @@ def test_garbage_in_every_variable_never_breaks_the_report(env: dict[str, str]) 
     assert REPORT_KEYS <= set(report)
     render_text(report)
     assert exit_status(report) in (0, 1)
+
+
+@pytest.mark.parametrize("bad", ["/etc/passwd", "/nonexistent/matrix.toml", "/tmp"])
+def test_a_broken_compat_matrix_override_is_a_finding_not_a_crash(bad: str) -> None:
+    code, report = doctor_json({"ACCELPORT_COMPAT_MATRIX": bad})
+    assert REPORT_KEYS <= set(report)
+    assert code == 1
+    (found,) = [f for f in report["findings"] if f["title"].startswith("the compatibility matrix cannot be loaded")]
+    assert bad in found["title"] and "ACCELPORT_COMPAT_MATRIX" in found["fix"]

@@ -16,7 +16,10 @@ from typing import Any
 from .contract import StepRecord
 from .hookspecs import hookimpl
 
-__all__ = ["MetricsFile", "create_plugin", "record_to_dict"]
+__all__ = ["MetricsFile", "create_plugin", "record_to_dict", "record_from_dict"]
+
+#: Keys of a line that are not counter deltas.
+_FIELDS = frozenset({"step", "time", "backend", "lazy", "seconds", "data_wait_seconds", "signature", "loader"})
 
 
 def record_to_dict(record: StepRecord) -> dict[str, Any]:
@@ -34,6 +37,33 @@ def record_to_dict(record: StepRecord) -> dict[str, Any]:
     for key, value in sorted(record.delta.items()):
         out[key] = round(value, 6) if isinstance(value, float) else value
     return out
+
+
+def record_from_dict(line: dict[str, Any]) -> StepRecord:
+    """The StepRecord a line came from; ValueError names the field that is wrong."""
+
+    def number(key: str, default: float | None = None) -> float:
+        value = line.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{key!r} must be a number, not {value!r}")
+        return float(value)
+
+    step = line.get("step")
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ValueError(f"'step' must be an integer, not {step!r}")
+    raw_signature = line.get("signature") or []
+    try:
+        signature = tuple((tuple(int(n) for n in shape), str(dtype)) for shape, dtype in raw_signature)
+    except (TypeError, ValueError):
+        raise ValueError(f"'signature' must be a list of [shape, dtype] pairs, not {raw_signature!r}") from None
+    loader = line.get("loader") or {}
+    if not isinstance(loader, dict):
+        raise ValueError(f"'loader' must be an object, not {loader!r}")
+    delta = {k: v for k, v in line.items()
+             if k not in _FIELDS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return StepRecord(step=step, backend=str(line.get("backend", "?")), lazy=bool(line.get("lazy", False)),
+                      seconds=number("seconds"), data_wait_seconds=number("data_wait_seconds", 0.0),
+                      signature=signature or None, delta=delta, time=number("time", 0.0), loader=loader)
 
 
 class MetricsFile:

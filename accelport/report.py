@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .errors import AccelportError
+from .metrics_log import record_from_dict
 
 __all__ = ["ReportError", "load_records", "diagnose", "breakdown", "render_html", "write_report"]
 
@@ -44,9 +45,12 @@ def load_records(path: str) -> list[dict[str, Any]]:
             if number == len(lines):  # a run killed mid-write leaves a partial last line
                 break
             raise ReportError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int) \
-                or not isinstance(record.get("seconds"), (int, float)):
-            raise ReportError(f"{path}:{number}: not a step record (needs integer 'step' and number 'seconds')")
+        if not isinstance(record, dict):
+            raise ReportError(f"{path}:{number}: not a step record (a JSON object per line)")
+        try:
+            record_from_dict(record)
+        except ValueError as exc:
+            raise ReportError(f"{path}:{number}: not a step record: {exc}") from None
         records.append(record)
     if not records:
         raise ReportError(f"{path}: no step records; was the run started with ACCELPORT_METRICS_FILE set?")
@@ -55,23 +59,13 @@ def load_records(path: str) -> list[dict[str, Any]]:
 
 def diagnose(records: Sequence[dict[str, Any]]) -> list[Any]:
     """Run the live diagnosis rules over recorded steps (those that need the live backend are skipped)."""
-    from .contract import StepRecord
     from .diagnosis import Diagnostics
 
     rules = Diagnostics(environ={})
-    known = {"step", "time", "backend", "seconds", "data_wait_seconds", "signature", "lazy", "loader"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for r in records:
-            signature = tuple((tuple(shape), dtype) for shape, dtype in r.get("signature") or ())
-            delta = {k: v for k, v in r.items() if k not in known and isinstance(v, (int, float))}
-            record = StepRecord(
-                step=r["step"], backend=str(r.get("backend", "?")), lazy=bool(r.get("lazy", False)),
-                seconds=float(r["seconds"]), data_wait_seconds=float(r.get("data_wait_seconds", 0.0)),
-                signature=signature or None, delta=delta, time=float(r.get("time", 0.0)),
-                loader=r.get("loader") or {},
-            )
-            rules.accelport_step_end(record)
+            rules.accelport_step_end(record_from_dict(r))
     return list(rules.findings)
 
 

@@ -52,10 +52,16 @@ def test_bad_files_give_errors_naming_the_line(tmp_path) -> None:  # type: ignor
     bad.write_text(json.dumps(step(1)) + "\n{oops\n" + json.dumps(step(3)) + "\n")
     with pytest.raises(ReportError, match=r"bad.jsonl:2: not a JSON line"):
         load_records(str(bad))
-    wrong = tmp_path / "wrong.jsonl"
-    wrong.write_text('{"step": "one"}\n')
-    with pytest.raises(ReportError, match=r"wrong.jsonl:1: not a step record"):
-        load_records(str(wrong))
+    for i, (field, value, words) in enumerate([
+        ("step", "one", "'step' must be an integer"),
+        ("signature", 5, "'signature' must be a list of [shape, dtype] pairs"),
+        ("data_wait_seconds", "x", "'data_wait_seconds' must be a number"),
+        ("loader", [1], "'loader' must be an object"),
+    ]):
+        wrong = tmp_path / f"wrong{i}.jsonl"
+        wrong.write_text(json.dumps({**step(1), field: value}) + "\n" + json.dumps(step(2)) + "\n")
+        with pytest.raises(ReportError, match=rf"wrong{i}.jsonl:1: not a step record: {re.escape(words)}"):
+            load_records(str(wrong))
 
 
 def test_a_truncated_last_line_from_a_killed_run_is_tolerated(tmp_path) -> None:  # type: ignore[no-untyped-def]

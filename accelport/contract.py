@@ -248,11 +248,17 @@ class Backend(abc.ABC):
         in the same directory, are flushed and fsynced, then renamed over ``path``: a
         crash or SIGKILL mid-write leaves the previous checkpoint intact.
         """
+        target = os.fspath(path)
+        if os.path.isdir(target):
+            from .errors import AccelportError
+
+            raise AccelportError(f"ap.save: {target!r} is a directory; give a file path such as "
+                                 f"{os.path.join(target, 'checkpoint.pt')!r}")
         if self.rank() != 0:
             return
         import torch
 
-        atomic_torch_save(torch, tree_map_tensors(obj, _host_copy), os.fspath(path))
+        atomic_torch_save(torch, tree_map_tensors(obj, _host_copy), target)
 
     def load(self, path: str | os.PathLike[str], map_location: Any = None, *,
              weights_only: bool = True) -> Any:
@@ -268,7 +274,19 @@ class Backend(abc.ABC):
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no checkpoint at {path!r}")
-        obj = torch.load(path, map_location="cpu", weights_only=weights_only)
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=weights_only)
+        except Exception as exc:  # a text file, a truncated copy, a pickle weights_only refuses
+            import pickle
+
+            from .errors import AccelportError
+
+            if weights_only and isinstance(exc, pickle.UnpicklingError) and "weights_only" in str(exc):
+                raise AccelportError(f"ap.load: {path!r} holds Python objects that weights_only=True refuses "
+                                     "to unpickle; pass weights_only=False only for a file you trust") from exc
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise AccelportError(f"ap.load: {path!r} is not a checkpoint torch can read "
+                                 f"({type(exc).__name__}: {first})") from exc
         target = map_location if map_location is not None else self.device()
         return tree_map_tensors(obj, lambda t: t.to(target))
 

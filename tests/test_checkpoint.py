@@ -133,12 +133,30 @@ def test_load_refuses_arbitrary_objects_unless_asked(tmp_path: Path) -> None:
 
     ap.use("cpu")
     ap.save({"obj": Opaque(4)}, tmp_path / "obj.pt")
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(ap.AccelportError, match="weights_only=True refuses") as info:
         ap.load(tmp_path / "obj.pt")
+    assert isinstance(info.value.__cause__, pickle.UnpicklingError)
     assert ap.load(tmp_path / "obj.pt", weights_only=False)["obj"].n == 4
 
 
 def test_load_of_a_missing_file_says_which(tmp_path: Path) -> None:
     ap.use("cpu")
     with pytest.raises(FileNotFoundError, match="no checkpoint at .*missing.pt"):
+        ap.load(tmp_path / "missing.pt")
+
+
+def test_save_to_a_directory_and_load_of_a_non_checkpoint_say_what_is_wrong(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    import accelport as ap
+
+    ap.use("cpu")
+    with pytest.raises(ap.AccelportError, match="is a directory; give a file path such as"):
+        ap.save({"w": torch.ones(2)}, tmp_path)
+    assert list(tmp_path.iterdir()) == []  # nothing was written
+    text = tmp_path / "notes.txt"
+    text.write_text("not a checkpoint\n")
+    with pytest.raises(ap.AccelportError, match="is not a checkpoint torch can read"):
+        ap.load(text)
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         ap.load(tmp_path / "missing.pt")

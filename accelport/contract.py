@@ -278,10 +278,12 @@ class Backend(abc.ABC):
             obj = torch.load(path, map_location="cpu", weights_only=weights_only)
         except Exception as exc:  # a text file, a truncated copy, a pickle weights_only refuses
             import pickle
+            import zipfile
 
             from .errors import AccelportError
 
-            if weights_only and isinstance(exc, pickle.UnpicklingError) and "weights_only" in str(exc):
+            # torch.save writes a zip archive; anything else is not one of ours.
+            if weights_only and isinstance(exc, pickle.UnpicklingError) and zipfile.is_zipfile(path):
                 raise AccelportError(f"ap.load: {path!r} holds Python objects that weights_only=True refuses "
                                      "to unpickle; pass weights_only=False only for a file you trust") from exc
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""

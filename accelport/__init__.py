@@ -114,6 +114,8 @@ def use(name: str) -> Backend:
     Raises :class:`UnknownBackendError` (with the nearest known name) or
     :class:`BackendUnavailableError` (with the probe's reason).
     """
+    if not isinstance(name, str):
+        raise UnknownBackendError(repr(name), _RT.host().backends, "ap.use()")
     return _RT.use(name)
 
 

@@ -21,8 +21,19 @@ __all__ = [
 
 
 def nearest(name: str, known: Iterable[str]) -> str | None:
-    """The closest known name to ``name`` (for "did you mean"), or None."""
-    matches = difflib.get_close_matches(name.lower(), list(known), n=1, cutoff=0.5)
+    """The closest known name to ``name`` (for "did you mean"), or None.
+
+    A name that is one hyphen-separated part of exactly one known name wins
+    ("tpu" -> "gcp-tpu", "gpu" -> "nvidia-gpu"); otherwise the closest spelling.
+    """
+    names = list(known)
+    lowered = name.lower()
+    if lowered in names:
+        return lowered
+    parts = [k for k in names if lowered in k.lower().split("-") and lowered != k.lower()]
+    if len(parts) == 1:
+        return parts[0]
+    matches = difflib.get_close_matches(lowered, names, n=1, cutoff=0.5)
     return matches[0] if matches else None
 
 

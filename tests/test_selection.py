@@ -110,3 +110,22 @@ def test_no_backend_at_all_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("ACCELPORT_DISABLED_PLUGINS", ",".join(n for n, _ in BUILTIN_PLUGINS))
     with pytest.raises(ap.AccelportError, match="no backend is registered"):
         ap.backend()
+
+
+@pytest.mark.parametrize("name, known, expected", [
+    ("tpu", ["gcp-tpu", "aws-neuron", "nvidia-gpu", "cpu"], "gcp-tpu"),
+    ("gpu", ["gcp-tpu", "aws-neuron", "nvidia-gpu", "cpu"], "nvidia-gpu"),
+    ("xl", ["cpu", "cuda", "xla", "neuron-xla"], "xla"),
+    ("cdua", ["cpu", "cuda", "xla"], "cuda"),
+    ("quantum", ["cpu", "cuda"], None),
+])
+def test_nearest_name(name: str, known: list[str], expected: str | None) -> None:
+    from accelport.errors import nearest
+
+    assert nearest(name, known) == expected
+
+
+@pytest.mark.parametrize("bad", [None, 3, ["cpu"]])
+def test_use_needs_a_name(bad: object) -> None:
+    with pytest.raises(ap.UnknownBackendError, match="Known backends: .*cpu"):
+        ap.use(bad)  # type: ignore[arg-type]

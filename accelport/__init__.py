@@ -154,6 +154,8 @@ def recommend(platform: str | None = None, torch_version: str | None = None) -> 
 
 def device(index: int | None = None) -> torch.device:
     """The device to put the model and data on (this process's device when several run)."""
+    if index is not None and (isinstance(index, bool) or not isinstance(index, int) or index < 0):
+        raise ValueError(f"ap.device(index) takes a device number (0, 1, ...) or nothing, not {index!r}")
     return _RT.backend().device(index)
 
 
@@ -181,6 +183,8 @@ def loader(
 
 def optimizer_step(optimizer: Any, **kwargs: Any) -> Any:
     """Average gradients over replicas, step the optimizer, and end the step (lazy work runs)."""
+    if not (callable(getattr(optimizer, "step", None)) and hasattr(optimizer, "param_groups")):
+        raise TypeError(f"ap.optimizer_step needs a torch.optim.Optimizer, not {type(optimizer).__name__}")
     b = _RT.backend()
     result = b.optimizer_step(optimizer, **kwargs)
     _RT.tracker.step_end(b, _RT._host)
@@ -204,6 +208,8 @@ def compile_cache(path: str | os.PathLike[str]) -> str:
     Raises :class:`AccelportError` after the first computation, or on a backend
     without a persistent compile cache.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"ap.compile_cache needs a directory path (str or os.PathLike), not {type(path).__name__}")
     return _RT.backend().enable_compile_cache(path)
 
 
@@ -231,12 +237,19 @@ def compile(model: Any, **kwargs: Any) -> Any:  # noqa: A001 - the torch.compile
     Keyword arguments go to torch.compile; where the compiler rejects
     ``dynamic=True`` (TorchTPU, TorchNeuron) that is a ValueError saying what to do.
     """
+    if not callable(model):
+        raise TypeError(f"ap.compile needs a model or function to compile, not {type(model).__name__}")
     return _RT.backend().compile(model, **kwargs)
 
 
 def autocast(dtype: Any = None, **kwargs: Any) -> Any:
     """A ``torch.autocast`` context for the selected device (``dtype`` None: torch's default)."""
-    return _RT.backend().autocast(dtype, **kwargs)
+    b = _RT.backend()
+    import torch
+
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"ap.autocast needs a torch dtype such as torch.bfloat16 or torch.float16, not {dtype!r}")
+    return b.autocast(dtype, **kwargs)
 
 
 def rank() -> int:
@@ -260,8 +273,22 @@ def barrier() -> None:
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """Reduce ``tensor`` in place over replicas; ``op`` is "sum" or "mean"."""
-    return _RT.backend().all_reduce(tensor, op)
+    """Reduce ``tensor`` in place over replicas; ``op`` is "sum" or "mean".
+
+    Checked the same way at every world size and on every backend, so a script
+    that works alone works on many.
+    """
+    b = _RT.backend()
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"ap.all_reduce needs a tensor, not {type(tensor).__name__}")
+    if op not in ("sum", "mean"):
+        raise ValueError(f"all_reduce op must be 'sum' or 'mean', not {op!r}")
+    if op == "mean" and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise TypeError(f"all_reduce(op='mean') needs a floating-point tensor, not {tensor.dtype}; "
+                        "convert it with .float() or reduce with op='sum'")
+    return b.all_reduce(tensor, op)
 
 
 def print(*values: Any, sep: str = " ", end: str = "\n", file: Any = None, flush: bool = False) -> None:

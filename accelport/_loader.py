@@ -186,6 +186,8 @@ class DeviceLoader:
         if prefetch is not None and (not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0):
             raise ValueError(f"prefetch must be a non-negative int (batches to load ahead) or None "
                              f"(the backend's default), not {prefetch!r}")
+        if not isinstance(progress, bool):
+            raise TypeError(f"progress must be True or False, not {progress!r}")
         if shard is not None and not isinstance(shard, bool):
             raise TypeError(f"shard must be True, False or None, not {shard!r}")
         self.iterable = iterable

@@ -40,6 +40,8 @@ def pad_to(tensor: Any, length: int, dim: int = -1, value: float = 0) -> Any:
         raise ValueError("pad_to needs a tensor with at least one dimension")
     if not isinstance(length, int) or length < 0:
         raise ValueError(f"length must be a non-negative int, not {length!r}")
+    if not -tensor.ndim <= dim < tensor.ndim:
+        raise ValueError(f"dim {dim} is out of range for a tensor of {tensor.ndim} dimensions")
     size = tensor.shape[dim]
     if size > length:
         raise ValueError(
@@ -167,6 +169,9 @@ class LengthGroupedBatchSampler:
             raise ValueError(f"batch_size must be a positive int, not {batch_size!r}")
         if not isinstance(group_size, int) or group_size <= 0:
             raise ValueError(f"group_size must be a positive int, not {group_size!r}")
+        if isinstance(lengths, (str, bytes)) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lengths):
+            raise TypeError("lengths must be non-negative ints, one per sample (e.g. [len(s) for s in dataset])")
         self.lengths = list(lengths)
         self.batch_size = batch_size
         self.group_size = group_size

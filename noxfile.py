@@ -29,8 +29,8 @@ TORCH_TPU = "0.2.0"  # the tests check our reading of this release's metadata (t
 
 NEURON_INDEX = ("--extra-index-url", "https://pip.repos.neuron.amazonaws.com")
 #: What each accelerator backend needs from pip on its own hardware, beside torch=={torch}
-#: (PLATFORMS.md: torch_xla X.Y needs torch X.Y exactly; torch-tpu brings glue for torch
-#: 2.11 to 2.15; torch-neuronx is only on AWS's index). Not run here: there is no such hardware.
+#: (torch_xla X.Y needs torch X.Y exactly; torch-tpu 0.2.0 requires torch 2.11 to 2.15;
+#: torch-neuronx is only on AWS's index: see compat_matrix/ for the sources). Not run here: there is no such hardware.
 HARDWARE_REQUIREMENTS: dict[str, tuple[str, ...]] = {
     "cuda": (),
     "xla": ("torch_xla[tpu]=={torch}",),

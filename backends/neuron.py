@@ -5,7 +5,7 @@ covers two libraries: 2.13 and later is TorchNeuron (this backend); 2.9 and
 earlier is the XLA-based library, which the ``neuron-xla`` backend drives. The
 installed version decides (``_packages.torch_neuronx_kind``), never the name.
 
-Unconfirmed off hardware (PLATFORMS.md section 4): an official
+Unconfirmed off hardware (no Neuron machine or SDK was available to test against): an official
 ``torch.neuron.synchronize()`` (seen only in public code), so ``sync()`` calls it
 when present and ``torch.accelerator.synchronize()`` otherwise; the names of
 TorchNeuron's compile-cache and metrics variables, so no cache figures are

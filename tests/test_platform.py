@@ -18,7 +18,7 @@ from accelport.platform import PLATFORMS, TPU_DEVICE_IDS, detect, tpu_generation
 from tests import fakes
 
 
-# -- the hosts the issue names -----------------------------------------------------------
+# -- the machines accelport targets --------------------------------------------------------
 
 
 def test_v5e_tpu_vm(tmp_path: Path) -> None:
@@ -37,10 +37,19 @@ def test_v6e_tpu_vm_with_eight_chips(tmp_path: Path) -> None:
     assert (found.name, found.chip, found.device_count) == ("gcp-tpu", "v6e", 8)
 
 
-@pytest.mark.parametrize("generation", sorted(set(TPU_DEVICE_IDS.values())))
-def test_every_known_tpu_generation_is_read_from_the_pci_id(tmp_path: Path, generation: str) -> None:
-    fakes.tpu_vm(tmp_path, generation, 1)
+# PCI device ids as the vendors' own code lists them (torch_xla _internal/tpu.py,
+# torch_tpu utils/hardware.py), written out here so a wrong table in accelport fails.
+@pytest.mark.parametrize("device_id, generation", [
+    ("0x0027", "v2/v3"), ("0x005e", "v4"), ("0x0062", "v5p"), ("0x0063", "v5e"), ("0x006f", "v6e"),
+    ("0x0076", "v7"),
+])
+def test_every_known_tpu_generation_is_read_from_the_pci_id(tmp_path: Path, device_id: str,
+                                                            generation: str) -> None:
+    fakes.host_basics(tmp_path)
+    fakes.pci_device(tmp_path, "0000:00:06.0", "0x1ae0", device_id, iommu_group=0)
+    fakes.write(tmp_path, "/dev/vfio/0")
     assert detect(str(tmp_path), {}).chip == generation
+    assert set(TPU_DEVICE_IDS.values()) == {"v2/v3", "v4", "v5p", "v5e", "v6e", "v7"}
 
 
 def test_v4_exposes_accel_nodes_instead_of_vfio(tmp_path: Path) -> None:

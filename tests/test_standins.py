@@ -82,7 +82,8 @@ class Runtime:
                              ("memory_allocated", 2048), ("max_memory_allocated", 8192)):
             mp.setattr(torch.cuda, name, self.recorder(f"torch.cuda.{name}", result))
 
-        # TorchTPU's torch.tpu: its device functions raise for user code (PLATFORMS.md 4b),
+        # TorchTPU's torch.tpu: its device functions raise for user code (torch_tpu 0.2.0 source:
+        # "... is internal to TorchTPU ... Use torch.accelerator.X instead"),
         # which this stand-in reproduces; only the private cache statistics answer.
         def internal(*args: Any) -> None:
             raise RuntimeError("torch.tpu.synchronize is internal to TorchTPU. Use torch.accelerator.synchronize")

@@ -1,7 +1,7 @@
 """``accelport doctor``: what will happen on this machine, and what to fix, before a run.
 
 Safe by construction: it reads package metadata, /sys, /dev, /proc and the
-environment. It never imports torch, torch_xla, torch_tpu or torch_neuronx,
+environment (and runs ``neuron-ls`` with a short timeout where Neuron devices exist). It never imports torch, torch_xla, torch_tpu or torch_neuronx,
 never touches a device (a training job may hold it) and never uses the network.
 Backend-specific checks come from plugins through ``accelport_doctor_checks``.
 """

@@ -27,17 +27,8 @@ XLA_TORCH = "2.9.0"  # torch_xla's last release; it needs this exact torch
 TPU_TORCH = "2.13.0"
 TORCH_TPU = "0.2.0"  # the tests check our reading of this release's metadata (torch range, libtpu)
 
+#: torch-neuronx is only on AWS's own index; `accelport ci-matrix` rows name the packages.
 NEURON_INDEX = ("--extra-index-url", "https://pip.repos.neuron.amazonaws.com")
-#: What each accelerator backend needs from pip on its own hardware, beside torch=={torch}
-#: (torch_xla X.Y needs torch X.Y exactly; torch-tpu 0.2.0 requires torch 2.11 to 2.15;
-#: torch-neuronx is only on AWS's index: see compat_matrix/ for the sources). Not run here: there is no such hardware.
-HARDWARE_REQUIREMENTS: dict[str, tuple[str, ...]] = {
-    "cuda": (),
-    "xla": ("torch_xla[tpu]=={torch}",),
-    "tpu": ("torch-tpu",),
-    "neuron": ("torch-neuronx=={minor}.*", *NEURON_INDEX),
-    "neuron-xla": ("torch-neuronx=={minor}.*", "neuronx-cc==2.*", *NEURON_INDEX),
-}
 
 
 def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
@@ -73,19 +64,23 @@ def tpu(session: nox.Session) -> None:
 def hardware(session: nox.Session) -> None:
     """The backend contract on accelerator hardware, for one row of `accelport ci-matrix`.
 
-    A cloud CI job sets ACCELPORT_CI_BACKEND (e.g. tpu) and ACCELPORT_CI_TORCH (e.g. 2.13.0);
+    A cloud CI job sets ACCELPORT_CI_BACKEND and ACCELPORT_CI_INSTALL from the row's
+    `backend` and `install` fields (e.g. tpu and "torch==2.13.* torch-tpu>=0.2.0"), so the
+    packages come from the compatibility matrix, not from a second table here.
     --accelport-backend makes a runner on which that backend cannot run fail, not skip.
     """
-    backend = os.environ.get("ACCELPORT_CI_BACKEND", "")
-    torch = os.environ.get("ACCELPORT_CI_TORCH", "")
-    if backend not in HARDWARE_REQUIREMENTS or not torch:
+    import shlex
+
+    backend = os.environ.get("ACCELPORT_CI_BACKEND", "").strip()
+    install = shlex.split(os.environ.get("ACCELPORT_CI_INSTALL", ""))
+    if not backend or not install:
         session.error(
-            f"set ACCELPORT_CI_BACKEND to one of {', '.join(HARDWARE_REQUIREMENTS)} and ACCELPORT_CI_TORCH "
-            f"to a torch version (got {backend!r} and {torch!r})"
+            "set ACCELPORT_CI_BACKEND and ACCELPORT_CI_INSTALL to the `backend` and `install` fields of a row "
+            f"of `accelport ci-matrix` (got {backend!r} and {install!r})"
         )
-    minor = ".".join(torch.split(".")[:2])
-    extra = [req.format(torch=torch, minor=minor) for req in HARDWARE_REQUIREMENTS[backend]]
-    session.install(f"torch=={torch}", *extra, "numpy", "-e", ".[test]")
+    if any(req.startswith("torch-neuronx") for req in install):
+        install += NEURON_INDEX
+    session.install(*install, "numpy", "-e", ".[test]")
     session.run("accelport", "backends")
     _pytest(session, "tests/test_contract.py", f"--accelport-backend={backend}")
 

@@ -285,7 +285,7 @@ class Diagnostics:
 
         if record.lazy:
             size = delta.get("graph_nodes")
-            if size:
+            if size and step > 0:  # the first step's may be start-up graphs (initialisation, a first eval)
                 self._graph_growth(record, size)
             if step in FALLBACK_CHECK_STEPS and "cpu-fallback" not in reported:
                 self._cpu_fallback(record)

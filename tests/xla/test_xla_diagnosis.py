@@ -228,6 +228,23 @@ def test_400_ops_without_a_sync_inside_a_step_is_graph_growth() -> None:
     assert "ap.sync()" in found.message
 
 
+def test_a_large_graph_every_step_after_a_small_start_up_graph_is_silent() -> None:
+    import torch
+
+    ap.use("xla")
+    model = Pooled(14)
+    (torch.zeros(3, device=ap.device()) + 1).sum()
+    ap.sync()  # a tiny start-up graph, compiled before the first step
+
+    def accumulate(i: int, loss: Any) -> None:  # 400 ops in every step: large, but usual
+        total = loss.detach()
+        for _ in range(400):
+            total = total + loss.detach()
+        ap.after_step(lambda value: None, total)
+
+    silent(lambda: model.train(loader(samples(20 * 4, 14, lambda i: 6), 4, pad_to_longest), inside=accumulate))
+
+
 XLA_USE_BF16_RUN = """
 import json, warnings
 import accelport as ap

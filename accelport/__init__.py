@@ -185,7 +185,7 @@ def optimizer_step(optimizer: Any, **kwargs: Any) -> Any:
     """Average gradients over replicas, step the optimizer, and end the step (lazy work runs)."""
     if not (callable(getattr(optimizer, "step", None)) and hasattr(optimizer, "param_groups")):
         raise TypeError(f"ap.optimizer_step needs a torch.optim.Optimizer, not {type(optimizer).__name__}")
-    b = _RT.backend()
+    b = _RT._backend or _RT.backend()  # (a call less per step once selected)
     result = b.optimizer_step(optimizer, **kwargs)
     _RT.tracker.step_end(b, _RT._host)
     return result
@@ -227,6 +227,7 @@ def diagnostics() -> list[Any]:
     cpu-fallback, deprecated-config), ``message`` (cause and fix), ``step`` and
     ``evidence``. Empty when diagnostics are disabled (``ACCELPORT_DIAGNOSTICS=0``).
     """
+    _RT.tracker.flush()  # steps not yet handed to the observers (see StepRecord)
     plugin = _RT.host().pm.get_plugin("diagnostics")
     return list(getattr(plugin, "findings", []))
 

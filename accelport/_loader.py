@@ -9,8 +9,10 @@ which input changed shape.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import queue
+import sys
 import threading
 import time
 import warnings
@@ -24,18 +26,41 @@ __all__ = ["DeviceLoader", "prefetch_iter", "shard_batches", "signature"]
 _DONE = object()
 
 
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def _dtype_name(dtype: Any) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
 def signature(batch: Any) -> tuple[Any, ...]:
     """Shapes and dtypes of every tensor in a (nested) batch, in order.
 
-    Reads metadata only, so it never forces a lazy tensor to execute.
+    Reads metadata only, so it never forces a lazy tensor to execute. It runs
+    once per step: a flat tuple or list of tensors (the usual batch) takes a
+    short path that costs a third of the general walk.
     """
+    torch = sys.modules.get("torch")
+    if torch is not None and type(batch) in (tuple, list):
+        tensor, names = torch.Tensor, _DTYPE_NAMES
+        flat = []
+        for x in batch:
+            if not isinstance(x, tensor):
+                break
+            dtype = x.dtype
+            flat.append((tuple(x.shape), names.get(dtype) or _dtype_name(dtype)))
+        else:
+            return tuple(flat)
     out: list[Any] = []
 
     def walk(x: Any) -> None:
         shape = getattr(x, "shape", None)
         dtype = getattr(x, "dtype", None)
         if shape is not None and dtype is not None and hasattr(x, "device"):
-            out.append((tuple(shape), str(dtype).replace("torch.", "")))
+            out.append((tuple(shape), _dtype_name(dtype)))
         elif isinstance(x, dict):
             for v in x.values():
                 walk(v)
@@ -158,8 +183,6 @@ def shard_batches(iterable: Iterable[Any], rank: int, world: int) -> Iterator[An
 
 def _unsharded_dataloader(iterable: Any) -> bool:
     """True for a torch DataLoader over a map-style dataset without a DistributedSampler."""
-    import sys
-
     data = sys.modules.get("torch.utils.data")
     if data is None or not isinstance(iterable, data.DataLoader):
         return False
@@ -167,6 +190,22 @@ def _unsharded_dataloader(iterable: Any) -> bool:
         return False  # it may shard itself (get_worker_info, rank); we cannot tell
     samplers = (iterable.sampler, getattr(iterable.batch_sampler, "sampler", None))
     return not any(isinstance(s, data.distributed.DistributedSampler) for s in samplers)
+
+
+def _signed(source: Iterable[Any], signatures: collections.deque[tuple[Any, ...]]) -> Iterator[Any]:
+    """``source``, appending each batch's signature to ``signatures`` as it is read.
+
+    It runs where the backend reads its source: in the prefetch (or upload) thread
+    when there is one, off the training loop's own thread. The host batch has the
+    shapes and dtypes its device copy will have, and batches keep their order.
+    Equal signatures come out as one object, so the loop compares them by identity.
+    """
+    append = signatures.append
+    known: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+    intern = known.setdefault
+    for batch in source:
+        append(intern(sig := signature(batch), sig))
+        yield batch
 
 
 class DeviceLoader:
@@ -229,7 +268,9 @@ class DeviceLoader:
         backend = runtime.backend()
         tracker = runtime.tracker
         tracker.loader_info = describe_loader(self.iterable)
-        it = iter(backend.wrap_loader(self._source(backend), prefetch=self.prefetch))
+        signatures: collections.deque[tuple[Any, ...]] = collections.deque()
+        it = iter(backend.wrap_loader(_signed(self._source(backend), signatures), prefetch=self.prefetch))
+        next_signature = signatures.popleft
         end_of_batch = backend.end_of_batch
         clock = time.perf_counter
         bar = _progress_bar(self) if self.progress else None
@@ -246,10 +287,14 @@ class DeviceLoader:
                     batch = next(it)
                 except StopIteration:
                     return
-                tracker.batch_arrived(clock() - t0, signature(batch))
+                tracker.batch_arrived(clock() - t0, next_signature())
                 if bar is not None:
                     _advance(bar, tracker, backend, runtime._baseline.get("compilations"))
                 yield batch
         finally:
+            # The observers get every step of this loop now (see StepTracker).
+            runtime.tracker.flush()
+            if tracker is not runtime.tracker:
+                tracker.flush()
             if bar is not None:
                 bar.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import threading
@@ -15,26 +16,50 @@ __all__ = ["Runtime", "StepTracker", "RUNTIME"]
 
 
 class StepTracker:
-    """Counts steps, data wait and batch signatures; emits a StepRecord per step."""
+    """Counts steps, data wait and batch signatures; hands a StepRecord per step to the observers.
+
+    Reading the backend's counters costs more than everything else per step (a
+    lookup in the runtime's tables, cold in the middle of a training step), so
+    they are read after every step only while something may be happening: the
+    first :attr:`CLOSE_STEPS` steps of a run and the :attr:`CLOSE_STEPS` steps
+    after the counters last moved (a compilation, a host read). In quiet
+    stretches they are read once per :attr:`QUIET_EVERY` steps: the steps in
+    between are kept as plain tuples and handed over together, with zero change
+    (which is what was measured), and any change found is counted on the last
+    of them. Records still reach observers one per step and in order.
+    """
+
+    QUIET_EVERY = 16
+    CLOSE_STEPS = 40
 
     def __init__(self) -> None:
         self.steps = 0
         self.data_wait = 0.0
         self.step_seconds = 0.0
+        #: Distinct batch signatures. Within an ap.loader loop, a batch with the shapes of the
+        #: previous one carries the very same signature object (observers compare by identity).
         self.signatures: set[tuple[Any, ...]] = set()
         self._pending_wait = 0.0
         self._last_signature: tuple[Any, ...] | None = None
         self._last_end: float | None = None
-        self._last_counters: dict[str, float] = {}
         self.loader_info: dict[str, Any] = {}
+        # Finished steps whose counters are not read yet: (step, seconds, wait, signature, time).
+        self._pending: list[tuple[int, float, float, Any, float]] = []
+        self._every = 1
+        self._close_until = self.CLOSE_STEPS
+        self._backend: Backend | None = None
+        self._host: Any = None
+        # Wall-clock time of a perf_counter reading, without a second clock call per step.
+        self._wall_offset = time.time() - time.perf_counter()
 
     def batch_arrived(self, wait: float, sig: tuple[Any, ...]) -> None:
         if self._last_end is None:  # the first step starts when the loop first asks for data
             self._last_end = time.perf_counter() - wait
         self.data_wait += wait
         self._pending_wait += wait
-        self._last_signature = sig
-        self.signatures.add(sig)
+        if sig is not self._last_signature:  # ap.loader hands equal signatures as one object
+            self.signatures.add(sig)
+            self._last_signature = sig
 
     def step_end(self, backend: Backend, host: Any) -> None:
         now = time.perf_counter()
@@ -45,22 +70,35 @@ class StepTracker:
         wait, self._pending_wait = self._pending_wait, 0.0
         if host is None or not host.has_step_observers:
             return
-        current = backend.step_counters()
-        delta = {k: v - self._last_counters.get(k, 0) for k, v in current.items()}
-        self._last_counters = current
-        host.step_end(
-            StepRecord(
-                step=self.steps,
-                backend=backend.name,
-                lazy=backend.lazy,
-                seconds=seconds,
-                data_wait_seconds=wait,
-                signature=self._last_signature,
-                delta=delta,
-                time=time.time(),
-                loader=self.loader_info,
-            )
-        )
+        pending = self._pending
+        pending.append((self.steps, seconds, wait, self._last_signature, now + self._wall_offset))
+        self._backend, self._host = backend, host
+        if len(pending) >= self._every:
+            self.flush()
+
+    def flush(self) -> None:
+        """Read the counters and hand every finished step to the observers."""
+        pending = self._pending
+        backend, host = self._backend, self._host
+        if not pending or backend is None:
+            return
+        self._pending = []
+        delta = backend.step_delta()
+        zeros = dict.fromkeys(delta, 0)
+        last = pending[-1][0]
+        # A compilation or a host read (other than ap.after_step's) ends a quiet stretch.
+        if delta.get("compilations") or delta.get("device_to_host", 0) - delta.get("after_step_reads", 0):
+            self._close_until = last + self.CLOSE_STEPS
+        if delta.get("compilations"):
+            # Only then: these cost more than the counters, and a graph that grew is a
+            # new graph, which compiles first.
+            delta.update(backend.compile_facts())
+        self._every = 1 if last < self._close_until else self.QUIET_EVERY
+        name, lazy, loader = backend.name, backend.lazy, self.loader_info
+        for step, seconds, wait, signature, at in pending[:-1]:
+            host.step_end(StepRecord(step, name, lazy, seconds, wait, signature, dict(zeros), at, loader))
+        step, seconds, wait, signature, at = pending[-1]
+        host.step_end(StepRecord(step, name, lazy, seconds, wait, signature, delta, at, loader))
 
 
 class Runtime:
@@ -104,6 +142,7 @@ class Runtime:
         return self._backend
 
     def use(self, name: str) -> Backend:
+        self.tracker.flush()  # the steps so far belong to the backend in use until now
         with self._lock:
             from .selection import resolve
 
@@ -130,12 +169,17 @@ class Runtime:
         try:
             yield self
         finally:
+            self.tracker.flush()
             with self._lock:
                 vars(self).update(saved)
 
-    def metrics(self) -> Metrics:
-        backend = self.backend()
-        now = backend.counters()
+    def since_selected(self) -> dict[str, Any]:
+        """Every counter field, counted since the backend was selected (None: not measured).
+
+        torch_xla's counters are process-wide: a second run in the same process
+        (another ``ap.use``, a test) must not see the first one's compilations or fallbacks.
+        """
+        now = self.backend().counters()
         values: dict[str, Any] = {}
         for key in COUNTER_FIELDS:
             if key not in now:
@@ -149,6 +193,11 @@ class Runtime:
                 values[key] = {op: n for op, n in diff.items() if n}
             else:
                 values[key] = value - base
+        return values
+
+    def metrics(self) -> Metrics:
+        backend = self.backend()
+        values = self.since_selected()
         t = self.tracker
         return Metrics(
             backend=backend.name,
@@ -162,3 +211,12 @@ class Runtime:
 
 
 RUNTIME = Runtime()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    # Steps a loop without ap.loader left unread (ap.loader hands them over as it ends).
+    try:
+        RUNTIME.tracker.flush()
+    except Exception:  # noqa: BLE001 - the interpreter is going away; never fail there
+        pass

@@ -86,12 +86,24 @@ class Metrics:
         return dataclasses.asdict(self)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StepRecord:
     """One finished step, as observers of ``accelport_step_end`` see it.
 
+    Every observer gets the same record: read it, never change it. (It is not
+    frozen because one is built per step: a frozen dataclass costs four times
+    as much to build.)
+
     ``delta`` holds the change of the backend's cheap per-step counters
-    (``Backend.step_counters()``) over this step.
+    (``Backend.step_counters()``) over this step and, where the compile count
+    changed, what :meth:`Backend.compile_facts` says (``compile_seconds``,
+    ``graph_nodes`` on lazy backends).
+
+    The counters are read after every step for a run's first 40 steps and for
+    40 steps after anything in them changed; in quiet stretches, once per 16
+    steps (reading them costs more than the rest of the step's bookkeeping).
+    Records then reach observers in order but up to 15 steps late, and a change
+    is counted on the last step of those read together.
     """
 
     step: int
@@ -182,7 +194,26 @@ class Backend(abc.ABC):
         return {}
 
     def step_counters(self) -> dict[str, float]:
-        """The few counters cheap enough to read after every step."""
+        """The few counters cheap enough to read after every step (running totals)."""
+        return {}
+
+    def step_delta(self) -> dict[str, float]:
+        """The change of :meth:`step_counters` since the previous call (the first: since 0).
+
+        The step tracker calls it whenever it hands steps to the observers.
+        """
+        current = self.step_counters()
+        last = getattr(self, "_last_step_counters", None) or {}
+        self._last_step_counters = current
+        return {k: v - last.get(k, 0) for k, v in current.items()}
+
+    def compile_facts(self) -> dict[str, float]:
+        """What the graphs compiled since the previous call cost: ``compile_seconds``, and
+        ``graph_nodes`` (the largest graph run since then). Empty where unknown (eager).
+
+        It may cost more than a counter lookup: the step tracker asks only when
+        the compile count changed (a graph that grew is a new graph, compiled first).
+        """
         return {}
 
     def compile_cache_dir(self) -> str | None:

@@ -87,6 +87,21 @@ GRAPH_GROWTH_ABSOLUTE = 100_000  # torch_xla trims graphs past this size itself
 FALLBACK_CHECK_STEPS = frozenset({1, 2, 5, 10, 20, 50, 100, 200, 500, 1000})
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _caller_level() -> int:
+    """The stacklevel that makes a warning point at the training script, not at accelport.
+
+    Steps reach the rules from ap.optimizer_step, the end of an ap.loader loop or
+    ap.diagnostics(), each at another depth.
+    """
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 class HostSyncTracer:
     """Opt-in (``ACCELPORT_DIAGNOSTICS=trace``): where the step reads device values on the host.
 
@@ -160,18 +175,36 @@ def describe_shape_change(before: Sequence[Any] | None, after: Sequence[Any] | N
 
 
 class Diagnostics:
-    """The rules. One instance per plugin host; state covers the current run."""
+    """The rules. One instance per plugin host; state covers the current run.
+
+    It sees every step, so the per-step work is a few integer and float updates
+    of rolling windows; a rule is evaluated only on a step that can change its
+    verdict (a step that compiled, one that read device values, one whose
+    data-wait share crossed the threshold, one with a graph size), which gives
+    the same findings, at the same steps, as evaluating every rule every step.
+    """
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         self.findings: list[Diagnosis] = []
         self._reported: set[str] = set()
-        self._history: deque[StepRecord] = deque(maxlen=WINDOW)
-        self._signatures: set[Any] = set()
-        self._compile_changes: list[str] = []
-        self._graph_sizes: deque[float] = deque(maxlen=50)
         self._env = os.environ if environ is None else environ
         self._trace = (self._env.get("ACCELPORT_DIAGNOSTICS") or "").strip().lower() == "trace"
         HostSyncTracer.sites.clear()
+        self._restart()
+
+    def _restart(self) -> None:
+        """Forget the rolling windows: a new run (its steps count from 1 again)."""
+        self._step = 0
+        self._seen = 0  # records since the (re)start: windows count records, not step numbers
+        self._prev_signature: Any = None
+        self._signatures: set[Any] = set()
+        self._last_change: str | None = None
+        self._compiling: deque[tuple[int, int, float]] = deque()  # (record, step, compilations), step > 1
+        self._reads: deque[float] = deque(maxlen=10)  # host reads per step after the first (host-sync)
+        self._timing: deque[tuple[float, float]] = deque(maxlen=WINDOW)  # (seconds, wait), step > 1
+        self._seconds_sum = 0.0
+        self._wait_sum = 0.0
+        self._graph_sizes: deque[float] = deque(maxlen=50)
 
     # -- reporting ------------------------------------------------------------------------
     def report(self, kind: str, message: str, step: int, **evidence: Any) -> None:
@@ -181,44 +214,94 @@ class Diagnostics:
         self._reported.add(kind)
         diagnosis = Diagnosis(kind, message, step, evidence)
         self.findings.append(diagnosis)
-        warnings.warn(f"[{kind}] {message}", KINDS.get(kind, DiagnosticWarning), stacklevel=4)
+        warnings.warn(f"[{kind}] {message}", KINDS.get(kind, DiagnosticWarning), stacklevel=_caller_level())
 
     # -- the hook --------------------------------------------------------------------------
     @hookimpl
     def accelport_step_end(self, record: StepRecord) -> None:
-        new_signature = record.signature is not None and record.signature not in self._signatures
-        previous = self._history[-1].signature if self._history else None
-        if record.signature is not None:
-            self._signatures.add(record.signature)
-        self._history.append(record)
-        compiled = record.delta.get("compilations", 0) > 0
-        if compiled and record.step > 1:
-            change = describe_shape_change(previous, record.signature) if new_signature else None
-            self._compile_changes.append(change or "")
-        if record.step == 1:
+        step = record.step
+        if step <= self._step:
+            self._restart()
+        self._step = step
+        self._seen += 1
+        seen = self._seen
+        delta = record.delta
+        reported = self._reported
+
+        # Batch shapes: the loader hands the same signature object while shapes repeat.
+        signature = record.signature
+        new_signature = False
+        if signature is not self._prev_signature and signature is not None \
+                and signature not in self._signatures:
+            self._signatures.add(signature)
+            new_signature = True
+        compiles = delta.get("compilations", 0)
+        if compiles > 0 and step > 1:
+            compiling = self._compiling
+            while compiling and compiling[0][0] <= seen - WINDOW:
+                compiling.popleft()
+            compiling.append((seen, step, compiles))
+            if new_signature:
+                change = describe_shape_change(self._prev_signature, signature)
+                if change:
+                    self._last_change = change
+        self._prev_signature = signature
+        if seen == 1:
             self._deprecated_config(record)
             if self._trace:
                 HostSyncTracer.install()
-        self._recompilation(record)
-        self._host_sync(record)
-        self._input_bound(record)
+
+        # recompilation: the count of compiling steps in the window only rises on a step that compiled.
+        if step >= RECOMPILE_MIN_STEP and "recompilation" not in reported and \
+                (compiles > 0 or step == RECOMPILE_MIN_STEP):
+            self._recompilation(record)
+
+        # host-sync: likewise, only on a step that read device values on the host.
+        if step == 1:
+            pass  # the first step's counters may count from the process's start
+        elif "device_to_host" in delta:
+            reads = delta["device_to_host"] - delta.get("after_step_reads", 0)
+            self._reads.append(reads)
+            if reads > 0 and step >= HOST_SYNC_MIN_STEP and "host-sync" not in reported:
+                self._host_sync(record)
+        else:
+            self._reads.append(0)
+
+        # input-bound: running sums over the window (the first step includes start-up).
+        if step > 1:
+            timing = self._timing
+            if len(timing) == WINDOW:
+                old_seconds, old_wait = timing[0]
+                self._seconds_sum -= old_seconds
+                self._wait_sum -= old_wait
+            timing.append((record.seconds, record.data_wait_seconds))
+            self._seconds_sum += record.seconds
+            self._wait_sum += record.data_wait_seconds
+            # The running sums only pick the steps worth an exact look (with some slack for rounding).
+            if step >= INPUT_BOUND_MIN_STEP and "input-bound" not in reported and \
+                    self._wait_sum >= 0.999 * INPUT_BOUND_SHARE * self._seconds_sum and \
+                    self._wait_sum >= 0.999 * INPUT_BOUND_MIN_WAIT * len(timing):
+                self._input_bound(record)
+
         if record.lazy:
-            self._graph_growth(record)
-            if record.step in FALLBACK_CHECK_STEPS:
+            size = delta.get("graph_nodes")
+            if size and step > 0:  # the first step's may be start-up graphs (initialisation, a first eval)
+                self._graph_growth(record, size)
+            if step in FALLBACK_CHECK_STEPS and "cpu-fallback" not in reported:
                 self._cpu_fallback(record)
 
     # -- rules --------------------------------------------------------------------------------
     def _recompilation(self, record: StepRecord) -> None:
-        if record.step < RECOMPILE_MIN_STEP or "recompilation" in self._reported:
-            return
-        compiling = [r for r in self._history if r.step > 1 and r.delta.get("compilations", 0) > 0]
+        compiling = self._compiling
+        while compiling and compiling[0][0] <= self._seen - WINDOW:
+            compiling.popleft()  # (also on a step that did not compile: step 10)
         if len(compiling) < RECOMPILE_STEPS_IN_WINDOW:
             return
-        changes = [c for c in self._compile_changes if c]
-        total = sum(int(r.delta.get("compilations", 0)) for r in compiling)
-        lookback = len(self._history)
-        if changes:
-            cause = (f"{changes[-1]}; {len(self._signatures)} distinct batch shapes so far. "
+        total = sum(int(n) for _, _, n in compiling)
+        lookback = min(self._seen, WINDOW)
+        change = self._last_change
+        if change:
+            cause = (f"{change}; {len(self._signatures)} distinct batch shapes so far. "
                      "Pad to a fixed length, or bucket: collate_fn=ap.data.BucketCollate(buckets=(128, 256, 512))"
                      " with ap.data.LengthGroupedBatchSampler to keep padding low")
         else:
@@ -230,24 +313,23 @@ class Diagnostics:
             f"the graph was recompiled in {len(compiling)} of the last {lookback} steps ({total} compilations): "
             f"{cause}.",
             record.step,
-            compiling_steps=[r.step for r in compiling],
+            compiling_steps=[step for _, step, _ in compiling],
             distinct_signatures=len(self._signatures),
-            last_change=changes[-1] if changes else None,
+            last_change=change,
         )
 
     def _host_sync(self, record: StepRecord) -> None:
-        if record.step < HOST_SYNC_MIN_STEP or "host-sync" in self._reported:
-            return
-        recent = list(self._history)[-10:]
-        if "device_to_host" not in record.delta:
-            return  # the backend cannot count transfers (eager): nothing to say
-        syncing = [r for r in recent if r.delta.get("device_to_host", 0) > 0]
+        recent = self._reads
+        syncing = [n for n in recent if n > 0]
         if len(syncing) < HOST_SYNC_STEPS:
             return
-        per_step = sum(r.delta.get("device_to_host", 0) for r in syncing) / len(recent)
+        per_step = sum(syncing) / len(recent)
         sites = [site for site, _ in HostSyncTracer.sites.most_common(3)]
         where = (f" It happens at {', '.join(sites)}." if sites else
                  " Set ACCELPORT_DIAGNOSTICS=trace to see the file and line.")
+        if "cpu-fallback" in self._reported:
+            where += (" Some or all of them are the cpu-fallback ops reported above: each copies its "
+                      "inputs to the host, so replacing those ops removes these reads too.")
         self.report(
             "host-sync",
             f"{per_step:.1f} device-to-host transfers per step in {len(syncing)} of the last {len(recent)} "
@@ -261,11 +343,10 @@ class Diagnostics:
         )
 
     def _input_bound(self, record: StepRecord) -> None:
-        if record.step < INPUT_BOUND_MIN_STEP or "input-bound" in self._reported:
-            return
-        recent = [r for r in self._history if r.step > 1]  # the first step includes start-up
-        total = sum(r.seconds for r in recent)
-        wait = sum(r.data_wait_seconds for r in recent)
+        recent = self._timing
+        total = sum(seconds for seconds, _ in recent)
+        wait = sum(w for _, w in recent)
+        self._seconds_sum, self._wait_sum = total, wait  # exact again
         if total <= 0 or wait / total < INPUT_BOUND_SHARE or wait / len(recent) < INPUT_BOUND_MIN_WAIT:
             return
         workers = (record.loader or {}).get("num_workers")
@@ -297,13 +378,13 @@ class Diagnostics:
             cpu_count=cpus,
         )
 
-    def _graph_growth(self, record: StepRecord) -> None:
-        size = record.delta.get("graph_nodes")
-        if not size or "graph-growth" in self._reported:
-            if size:
-                self._graph_sizes.append(size)
+    def _graph_growth(self, record: StepRecord, size: float) -> None:
+        if "graph-growth" in self._reported:
+            self._graph_sizes.append(size)
             return
-        usual = statistics.median(self._graph_sizes) if len(self._graph_sizes) >= 3 else None
+        # Lazy backends report sizes only on steps that compiled (see Backend.graph_nodes), so
+        # one earlier size is enough to compare with.
+        usual = statistics.median(self._graph_sizes) if self._graph_sizes else None
         self._graph_sizes.append(size)
         too_big = size >= GRAPH_GROWTH_ABSOLUTE or (
             usual is not None and size >= GRAPH_GROWTH_FACTOR * usual and size - usual >= GRAPH_GROWTH_MIN_EXTRA
@@ -323,14 +404,13 @@ class Diagnostics:
         )
 
     def _cpu_fallback(self, record: StepRecord) -> None:
-        if "cpu-fallback" in self._reported:
-            return
         from ._runtime import RUNTIME
 
         backend = RUNTIME._backend
         if backend is None or backend.name != record.backend:
             return
-        ops = backend.counters().get("cpu_fallback") or {}
+        # Since the backend was selected: torch_xla's counters are process-wide.
+        ops = RUNTIME.since_selected().get("cpu_fallback") or {}
         ops = {op: n for op, n in ops.items() if op != "aten::_local_scalar_dense"}  # that is .item()
         if not ops:
             return

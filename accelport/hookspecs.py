@@ -92,9 +92,11 @@ def accelport_doctor_checks(context: Any) -> Sequence[Any] | None:
 def accelport_step_end(record: StepRecord) -> None:
     """Observe one finished training step.
 
-    Called after every ``ap.optimizer_step()`` with a
+    Called once for every ``ap.optimizer_step()``, in order, with a
     :class:`accelport.contract.StepRecord`: the step number, its wall time,
     the time spent waiting for data, the batch signature and the change in the
-    backend's counters. Collect-all; keep it cheap, it is on the hot path. The
-    built-in diagnostics are an implementation of this hook.
+    backend's counters. In quiet stretches the counters are read once per 16
+    steps and those steps' records arrive together, up to 15 steps late (see
+    StepRecord). Collect-all; keep it cheap. The built-in diagnostics are an
+    implementation of this hook.
     """

@@ -126,6 +126,12 @@ class LazyBackend(Backend):
         self._parallel = 0
         self._world: int | None = None
         self._flush_at_exit = False
+        # Host reads made by ap.after_step callbacks (each one transfer), and the state
+        # step_counters() keeps to avoid reading the transfer metric on most steps.
+        self._after_step_reads = 0
+        self._reads_seen = (0, 0)
+        self._to_host = 0
+        self._compiled_seen = (0, 0.0)
 
     # -- detection ---------------------------------------------------------------------
     def _requirement_problem(self, req: Requirement, torch_version: str) -> tuple[str | None, str | None]:
@@ -215,11 +221,12 @@ class LazyBackend(Backend):
             )
         self._torch, self._xm, self._xr, self._met = torch, xm, xr, met
         self._device_fn, self._sync = device_fn, sync_fn
-        self._counter = getattr(met, "counter_value", None)
+        # The C++ function itself where it exists: one Python call less per lookup.
+        self._counter = getattr(getattr(torch_xla, "_XLAC", None), "_xla_counter_value", None) or \
+            getattr(met, "counter_value", None)
         self._metric = getattr(met, "metric_data", None)
         # SPMD runs one replicated program per step (ExecuteReplicated); otherwise each
-        # process executes its own (ExecuteComputation). Reading only the one in use
-        # keeps the per-step counters to three lookups.
+        # process executes its own (ExecuteComputation): counters() reads the one in use.
         spmd = getattr(xr, "is_spmd", None)
         self._execute_counters = (("ExecuteReplicated", "ExecuteComputation") if spmd is not None and spmd()
                                   else ("ExecuteComputation",))
@@ -228,6 +235,7 @@ class LazyBackend(Backend):
         import torch_xla.debug.profiler as xp
 
         self._mark_synced = getattr(xp, "set_tracer_marked_step", None)
+        self._start_step_counts()
 
     def _x(self) -> Any:
         if self._xm is None:
@@ -248,7 +256,7 @@ class LazyBackend(Backend):
         self._sync()
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        xm = self._x()
+        xm = self._xm or self._x()  # (a call less per step once prepared)
         # xm.optimizer_step all-reduces gradients across replicas (a no-op alone), then steps.
         result = xm.optimizer_step(optimizer, optimizer_args=kwargs)
         # End the step. Alone inside an ap.loader loop, the sync comes when the next batch
@@ -258,7 +266,7 @@ class LazyBackend(Backend):
         # step's graph holds the gradient all-reduce: it runs here, on every replica at
         # once, so that a value read on one replica only (a rank-0 save, a print) never
         # executes that collective alone and hangs (torch_xla's barrier=True).
-        if not self._loading or self._replicas() > 1:
+        if not self._loading or (self._world or self._replicas()) > 1:
             self._sync()
         return result
 
@@ -346,21 +354,65 @@ class LazyBackend(Backend):
             return None
         return sum(n or 0 for n in counts)
 
+    def _start_step_counts(self) -> None:
+        """Take the per-step counters' starting point (at selection)."""
+        fetched = self._metric("TransferFromDeviceTime") if self._metric else None
+        self._to_host = fetched[0] if fetched else 0
+        self._reads_seen = (self._copy_calls(), self._after_step_reads)
+        self._compiled_seen = (self._metric_total("TensorsGraphSize")[0], self._metric_total("CompileTime")[1])
+
+    def _metric_total(self, name: str) -> tuple[int, float]:
+        data = self._metric(name) if self._metric else None
+        return (int(data[0]), float(data[1])) if data else (0, 0.0)
+
+    def _copy_calls(self) -> int:
+        # Every host read of an XLA tensor passes through one of these two ops: .item(),
+        # bool(), float() through _to_cpu; .cpu(), .to("cpu"), print, .tolist() through
+        # _to_copy (which also counts device-side dtype casts: a false alarm costs one
+        # read of the transfer metric, never a wrong count).
+        counter = self._counter
+        return (counter("xla::_to_cpu") or 0) + (counter("xla::_to_copy") or 0) if counter else 0
+
     def step_counters(self) -> dict[str, float]:
-        # Read after every step, so counters only where one exists: a counter lookup
-        # costs about 0.3 us (several times that while XLA:CPU computes on the same
-        # cores), while metric_data() copies up to 1024 samples (about 50 us once full).
-        # Transfers to the host have no counter; their metric fills only as fast as the
-        # loop reads values back, which costs far more than reading it.
-        counter, metric = self._counter, self._metric
-        if counter is None or metric is None:
+        # Counter lookups only (about 0.2 us each alone, several times that inside a
+        # training loop). Host transfers have no counter: their metric
+        # (TransferFromDeviceTime) copies up to 1024 samples per read (about 50 us once
+        # full), so it is read only when a host read happened that was not one of
+        # ap.after_step's own (each of those is one transfer, counted here in Python).
+        # Loops that read nothing, or log through ap.after_step, never read it.
+        counter = self._counter
+        if counter is None or self._metric is None:
             return {}
-        fetched = metric("TransferFromDeviceTime")
-        return {
-            "compilations": counter("UncachedCompile") or 0,
-            "executions": self._executions() or 0,
-            "device_to_host": fetched[0] if fetched else 0,
-        }
+        calls, deferred = self._copy_calls(), self._after_step_reads
+        seen_calls, seen_deferred = self._reads_seen
+        if calls - seen_calls != deferred - seen_deferred:
+            fetched = self._metric("TransferFromDeviceTime")
+            self._to_host = fetched[0] if fetched else 0
+        else:
+            self._to_host += deferred - seen_deferred
+        self._reads_seen = (calls, deferred)
+        return {"compilations": counter("UncachedCompile") or 0, "device_to_host": self._to_host,
+                "after_step_reads": deferred}
+
+    def compile_facts(self) -> dict[str, float]:
+        # torch_xla records each synced graph's node count (TensorsGraphSize) and each
+        # compile's duration (CompileTime, in ns). Reading a metric copies up to 1024
+        # samples, so the step tracker asks only when the compile count changed: a graph
+        # that grew is a new graph, and a new graph is always compiled first.
+        if self._metric is None:
+            return {}
+        data = self._metric("TensorsGraphSize")
+        compiled = self._metric_total("CompileTime")
+        graphs_seen, compile_ns_seen = self._compiled_seen
+        out: dict[str, float] = {"compile_seconds": (compiled[1] - compile_ns_seen) / 1e9}
+        if data:
+            total, _, samples = data
+            new = int(total) - graphs_seen
+            if new > 0 and samples:
+                out["graph_nodes"] = int(max(value for _, value in samples[-new:]))
+            graphs_seen = int(total)
+        self._compiled_seen = (graphs_seen, compiled[1])
+        return out
 
     # -- compile cache -----------------------------------------------------------------
     def _computation_started(self) -> bool:
@@ -418,7 +470,17 @@ class LazyBackend(Backend):
     def after_step(self, fn: Callable[..., Any], tensors: tuple[Any, ...]) -> None:
         # A step closure runs right after the next sync, when the tensors already hold
         # device data: reading them costs a transfer, never a second graph execution.
-        self._x().add_step_closure(lambda *ts: fn(*(to_host(t) for t in ts)), args=tensors)
+        xm = self._x()
+        tensor = self._torch.Tensor
+
+        def run(*ts: Any) -> None:
+            values = [to_host(t) for t in ts]
+            # Counted so the host-sync diagnosis leaves these reads out: they wait for the
+            # step that already ran and cut no graph, which is the point of after_step.
+            self._after_step_reads += sum(1 for t in ts if isinstance(t, tensor) and t.device.type != "cpu")
+            fn(*values)
+
+        xm.add_step_closure(run, args=tensors)
         if not self._flush_at_exit:
             # A closure added after the last step would otherwise never run (the final
             # "done" print of a script): one sync at interpreter exit runs what is pending.

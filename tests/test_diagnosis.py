@@ -207,3 +207,43 @@ def test_metrics_file_gets_one_json_line_per_step(monkeypatch: pytest.MonkeyPatc
     assert first["backend"] == "cpu" and first["signature"] == [[[4, 8], "float32"], [[4, 1], "float32"]]
     assert {"time", "seconds", "data_wait_seconds", "compilations"} <= set(first)
     assert all(line["seconds"] >= 0 for line in lines)
+
+
+def test_observers_get_every_step_in_order_even_when_counters_are_read_in_blocks(
+        install_plugin) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    from accelport._runtime import RUNTIME, StepTracker
+
+    install_plugin("arrivals", "accelport_test_arrivals",
+                   "import accelport as ap\nfrom accelport._runtime import RUNTIME\nSEEN = []\n"
+                   "@ap.hookimpl\ndef accelport_step_end(record):\n"
+                   "    SEEN.append((record.step, RUNTIME.tracker.steps, dict(record.delta)))\n")
+    import accelport_test_arrivals as arrivals
+
+    ap.use("cpu")
+    steps = StepTracker.CLOSE_STEPS + 3 * StepTracker.QUIET_EVERY + 5
+    _train([(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(steps)])
+    assert [step for step, _, _ in arrivals.SEEN] == list(range(1, steps + 1))  # all, in order
+    lag = [seen_at - step for step, seen_at, _ in arrivals.SEEN]
+    assert all(n == 0 for n in lag[:StepTracker.CLOSE_STEPS])  # the first steps: read one by one
+    assert max(lag) == StepTracker.QUIET_EVERY - 1  # then once per 16 quiet steps
+    assert all({"compilations"} <= set(delta) for _, _, delta in arrivals.SEEN)
+    assert RUNTIME.tracker._pending == []  # the end of the ap.loader loop handed over the rest
+
+
+def test_diagnostics_hands_over_the_steps_not_read_yet() -> None:
+    import torch
+
+    from accelport._runtime import RUNTIME, StepTracker
+
+    ap.use("cpu")
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(StepTracker.CLOSE_STEPS + 5):  # a loop without ap.loader
+        torch.nn.functional.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 1)).backward()
+        ap.optimizer_step(opt)
+        opt.zero_grad()
+    assert RUNTIME.tracker._pending  # quiet steps wait for the next read
+    assert ap.diagnostics() == []
+    assert RUNTIME.tracker._pending == []

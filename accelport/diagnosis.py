@@ -417,7 +417,7 @@ class Diagnostics:
         listed = ", ".join(f"{op} ({n}x)" for op, n in sorted(ops.items(), key=lambda kv: -kv[1])[:5])
         self.report(
             "cpu-fallback",
-            f"ops without a {record.backend} lowering ran on the host CPU: {listed}. Each one copies data to "
+            f"ops with no {record.backend} lowering ran on the host CPU: {listed}. Each one copies data to "
             "the host and back and cuts the graph. Replace them with fixed-shape equivalents (torch.nonzero -> "
             "a mask with torch.where; boolean indexing -> ap.data.masked_sum) or move them out of the step.",
             record.step,

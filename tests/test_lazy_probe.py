@@ -116,6 +116,17 @@ def test_xla_on_a_tpu_vm_uses_the_tpu(site: Callable[..., None], tmp_path: pathl
     assert "on PJRT device TPU (gcp-tpu, v5e, 4 devices)" in p.reason
 
 
+def test_xla_probe_reads_the_tree_accelport_sysroot_names(site: Callable[..., None], tmp_path: pathlib.Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # Doctor and `accelport backends` build backends with no root of their own: the
+    # probe must then read ACCELPORT_SYSROOT like every other detection, not "/".
+    site("libtpu", torch="2.9.0", torch_xla="2.9.0")
+    monkeypatch.setenv("ACCELPORT_SYSROOT", tree(tmp_path, "tpu-v5e"))
+    p = XlaBackend().probe()
+    assert p.available, p.reason
+    assert p.device_count == 4 and p.details["pjrt_device"] == "TPU"
+
+
 def test_xla_on_a_tpu_vm_without_libtpu_says_so(site: Callable[..., None], tmp_path: pathlib.Path) -> None:
     site(torch="2.9.0", torch_xla="2.9.0")
     p = probe(XlaBackend, tree(tmp_path, "tpu-v5e"))

@@ -92,8 +92,10 @@ _SCRIPT = """
 (function () {
   const data = JSON.parse(document.getElementById('run-data').textContent);
   const steps = data.steps, svg = document.getElementById('chart'), NS = 'http://www.w3.org/2000/svg';
-  const W = 1060, H = 320, L = 56, B = 28, T = 10, plotW = W - L - 10, plotH = H - B - T;
+  const W = 1060, H = 320, L = 64, B = 28, T = 10, plotW = W - L - 10, plotH = H - B - T;
   const max = Math.max(1e-9, ...steps.map(s => s.total));
+  // Seconds once the tallest step reaches one (a compile), so labels stay short.
+  const fmt = v => max >= 1 ? v.toFixed(2) + ' s' : (v * 1000).toFixed(1) + ' ms';
   const bw = plotW / Math.max(steps.length, 1);
   const colors = {wait: '#d4a72c', compile: '#cf222e', execute: '#0969da', rest: '#8c959f'};
   function el(name, attrs) { const e = document.createElementNS(NS, name);
@@ -101,9 +103,9 @@ _SCRIPT = """
   for (let i = 0; i <= 4; i++) { const y = T + plotH - plotH * i / 4;
     el('line', {x1: L, x2: W - 10, y1: y, y2: y, stroke: '#eaeef2'});
     el('text', {x: L - 6, y: y + 4, 'text-anchor': 'end', 'font-size': 11, fill: '#57606a'})
-      .textContent = (max * i / 4 * 1000).toFixed(1) + ' ms'; }
+      .textContent = fmt(max * i / 4); }
   steps.forEach((s, i) => { let y = T + plotH; const x = L + i * bw;
-    for (const part of ['wait', 'compile', 'execute', 'rest']) { const h = plotH * s[part] / max;
+    for (const part of data.parts) { const h = plotH * s[part] / max;
       if (h <= 0) continue; y -= h;
       const r = el('rect', {x: x, y: y, width: Math.max(bw - (bw > 3 ? 1 : 0), 0.5), height: h,
                             fill: colors[part], class: 'seg seg-' + part});
@@ -123,10 +125,15 @@ def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], tit
     """The report page as a string (self-contained: inline CSS, data and script)."""
     steps = []
     totals = {"wait": 0.0, "compile": 0.0, "execute": 0.0, "rest": 0.0}
+    # Step records carry execution time only where a backend measures it per step; where
+    # none does, say so instead of drawing an "execution" of zero.
+    timed = any(r.get("execute_seconds") is not None for r in records)
+    if not timed:
+        del totals["execute"]
     for r in records:
         parts = breakdown(r)
-        for k, v in parts.items():
-            totals[k] += v
+        for k in totals:
+            totals[k] += parts[k]
         steps.append({"step": r["step"], "total": sum(parts.values()),
                       "compilations": r.get("compilations", 0) or 0, **parts})
     total = sum(totals.values()) or 1e-12
@@ -134,8 +141,9 @@ def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], tit
     signatures = len({json.dumps(r.get("signature")) for r in records})
     backend = records[-1].get("backend", "?")
     # json.dumps does not escape "</script>"; make the embedded data unable to close the tag.
-    data = json.dumps({"steps": steps}).replace("</", "<\\/")
-    labels = {"wait": "data wait", "compile": "compilation", "execute": "execution", "rest": "the rest"}
+    data = json.dumps({"steps": steps, "parts": list(totals)}).replace("</", "<\\/")
+    labels = {"wait": "data wait", "compile": "compilation", "execute": "execution",
+              "rest": "the rest" if timed else "the rest (execution, Python, transfers)"}
     colors = {"wait": "#d4a72c", "compile": "#cf222e", "execute": "#0969da", "rest": "#8c959f"}
     rows = "".join(
         f"<tr><td><span class=sw style='background:{colors[k]}'></span>{labels[k]}</td>"
@@ -156,7 +164,7 @@ def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], tit
 {compilations} compilations · {signatures} distinct batch shapes</div>
 <h2>Where the time went, per step</h2>
 <div class=legend>{"".join(f"<span><span class=sw style='background:{colors[k]}'></span>{labels[k]}</span>"
-                           for k in labels)}<span>▲ compiled at this step</span></div>
+                           for k in totals)}<span>▲ compiled at this step</span></div>
 <svg id=chart viewBox="0 0 1060 320" width=1060 height=320 role=img aria-label="per-step time chart"></svg>
 <noscript>The chart needs JavaScript; the totals below do not.</noscript>
 <h2>Totals</h2><table>{rows}</table>

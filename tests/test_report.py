@@ -20,9 +20,10 @@ def write_jsonl(path, records) -> None:  # type: ignore[no-untyped-def]
 
 
 def step(n: int, **kw):  # type: ignore[no-untyped-def]
+    """A step record as the xla backend writes one (no per-step execution time)."""
     base = {"step": n, "time": 1.0 + n, "backend": "xla", "lazy": True, "seconds": 0.05,
             "data_wait_seconds": 0.01, "signature": [[[8, 100 + n], "float32"]], "compilations": 1,
-            "compile_seconds": 0.02, "execute_seconds": 0.01}
+            "compile_seconds": 0.02}
     base.update(kw)
     return base
 
@@ -78,6 +79,15 @@ def test_page_is_self_contained_and_escapes_embedded_text() -> None:
     assert "No diagnosis" in page
 
 
+def test_execution_is_drawn_only_where_steps_measure_it() -> None:
+    untimed = render_html([step(1), step(2)], [])
+    assert "the rest (execution, Python, transfers)" in untimed and ">execution</" not in untimed
+    assert '"parts": ["wait", "compile", "rest"]' in untimed
+    timed = render_html([step(1, execute_seconds=0.01), step(2)], [])
+    assert ">execution</" in timed and ">the rest</" in timed
+    assert '"parts": ["wait", "compile", "execute", "rest"]' in timed
+
+
 def test_cli_report_json_and_errors(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "run.jsonl"
     write_jsonl(path, [step(n) for n in range(1, 31)])
@@ -98,7 +108,9 @@ CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                     reason="Debian's chromium is not installed (`make test` installs it where it can)")
 def test_chart_is_drawn_in_a_real_headless_browser(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert CHROMIUM, "CI must have chromium: the Makefile's test target installs it"
-    records = [step(n, compilations=int(n in (1, 7)), compile_seconds=0.02 * (n in (1, 7))) for n in range(1, 41)]
+    # Step 7 compiles for 1.55 s: the axis switches to seconds and its top label is the tallest step.
+    records = [step(n, compilations=int(n in (1, 7)), compile_seconds={1: 0.02, 7: 1.55}.get(n, 0.0),
+                    seconds=1.6 if n == 7 else 0.05, execute_seconds=0.01) for n in range(1, 41)]
     path = tmp_path / "run.jsonl"
     write_jsonl(path, records)
     page, _ = write_report(str(path))
@@ -110,3 +122,5 @@ def test_chart_is_drawn_in_a_real_headless_browser(tmp_path) -> None:  # type: i
     assert segments.count("wait") == 40 and segments.count("execute") == 40
     assert segments.count("compile") == 2
     assert dom.count('class="compile-mark"') == 2
+    labels = re.findall(r'text-anchor="end"[^>]*>([^<]+)</text>', dom)
+    assert labels[:5] == ["0.00 s", "0.40 s", "0.80 s", "1.20 s", "1.60 s"], labels

@@ -26,14 +26,6 @@ from tests.conftest import REPO, train_tiny
 pytestmark = pytest.mark.xla
 
 
-@pytest.fixture(autouse=True)
-def xla_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    if not os.environ.get("PJRT_DEVICE"):
-        monkeypatch.setenv("PJRT_DEVICE", "CPU")
-    for key in ("NEURON_CC_FLAGS", "NEURON_COMPILE_CACHE_URL"):
-        monkeypatch.delenv(key, raising=False)
-
-
 def tiny(features: int) -> tuple[Any, Any]:
     """A model whose input width no other test uses, so its graphs are new to torch_xla's cache."""
     import torch

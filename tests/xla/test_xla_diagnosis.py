@@ -25,14 +25,6 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.xla
 
 
-@pytest.fixture(autouse=True)
-def xla_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    if not os.environ.get("PJRT_DEVICE"):
-        monkeypatch.setenv("PJRT_DEVICE", "CPU")
-    for key in ("XLA_USE_BF16", "XLA_DOWNCAST_BF16"):
-        monkeypatch.delenv(key, raising=False)
-
-
 class Pooled:
     """A tiny sequence model: masked mean over the sequence, then a linear layer.
 

@@ -281,6 +281,7 @@ class DeviceLoader:
                     # The loop body is done with the previous batch; a lazy backend runs the
                     # step's graph now, and that (compile, dispatch) is not waiting for data.
                     end_of_batch()
+                    tracker.synced()
                 first = False
                 t0 = clock()
                 try:

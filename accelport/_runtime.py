@@ -24,9 +24,9 @@ class StepTracker:
     first :attr:`CLOSE_STEPS` steps of a run and the :attr:`CLOSE_STEPS` steps
     after the counters last moved (a compilation, a host read). In quiet
     stretches they are read once per :attr:`QUIET_EVERY` steps: the steps in
-    between are kept as plain tuples and handed over together, with zero change
-    (which is what was measured), and any change found is counted on the last
-    of them. Records still reach observers one per step and in order.
+    between are kept as plain tuples and handed over together; the change found
+    is counted on the last of them, with ``counted_steps`` saying how many steps
+    it covers. Records still reach observers one per step and in order.
     """
 
     QUIET_EVERY = 16
@@ -47,6 +47,7 @@ class StepTracker:
         self._pending: list[tuple[int, float, float, Any, float]] = []
         self._every = 1
         self._close_until = self.CLOSE_STEPS
+        self._open: tuple[int, Backend, Any] | None = None  # a step waiting for the loop's sync
         self._backend: Backend | None = None
         self._host: Any = None
         # Wall-clock time of a perf_counter reading, without a second clock call per step.
@@ -62,8 +63,23 @@ class StepTracker:
             self._last_signature = sig
 
     def step_end(self, backend: Backend, host: Any) -> None:
-        now = time.perf_counter()
         self.steps += 1
+        if backend.step_deferred():
+            # Its graph runs when the loop asks for the next batch: finish the record then
+            # (synced()), so the step's time and counters hold its own compile and run.
+            self._open = (self.steps, backend, host)
+            return
+        self._finish(self.steps, backend, host)
+
+    def synced(self) -> None:
+        """The loop's sync ran: finish the step that waited for it."""
+        if self._open is not None:
+            step, backend, host = self._open
+            self._open = None
+            self._finish(step, backend, host)
+
+    def _finish(self, step: int, backend: Backend, host: Any) -> None:
+        now = time.perf_counter()
         seconds = now - self._last_end if self._last_end is not None else 0.0
         self.step_seconds += seconds
         self._last_end = now
@@ -71,20 +87,20 @@ class StepTracker:
         if host is None or not host.has_step_observers:
             return
         pending = self._pending
-        pending.append((self.steps, seconds, wait, self._last_signature, now + self._wall_offset))
+        pending.append((step, seconds, wait, self._last_signature, now + self._wall_offset))
         self._backend, self._host = backend, host
         if len(pending) >= self._every:
             self.flush()
 
     def flush(self) -> None:
         """Read the counters and hand every finished step to the observers."""
+        self.synced()  # a loop left early: its last step is finished as it stands
         pending = self._pending
         backend, host = self._backend, self._host
         if not pending or backend is None:
             return
         self._pending = []
         delta = backend.step_delta()
-        zeros = dict.fromkeys(delta, 0)
         last = pending[-1][0]
         # A compilation or a host read (other than ap.after_step's) ends a quiet stretch.
         if delta.get("compilations") or delta.get("device_to_host", 0) - delta.get("after_step_reads", 0):
@@ -95,10 +111,12 @@ class StepTracker:
             delta.update(backend.compile_facts())
         self._every = 1 if last < self._close_until else self.QUIET_EVERY
         name, lazy, loader = backend.name, backend.lazy, self.loader_info
+        # Steps read together: the change is known only for all of them, so it goes on
+        # the last, which says how many steps it covers; the others say theirs was not read.
         for step, seconds, wait, signature, at in pending[:-1]:
-            host.step_end(StepRecord(step, name, lazy, seconds, wait, signature, dict(zeros), at, loader))
+            host.step_end(StepRecord(step, name, lazy, seconds, wait, signature, {}, at, loader, 0))
         step, seconds, wait, signature, at = pending[-1]
-        host.step_end(StepRecord(step, name, lazy, seconds, wait, signature, delta, at, loader))
+        host.step_end(StepRecord(step, name, lazy, seconds, wait, signature, delta, at, loader, len(pending)))
 
 
 class Runtime:

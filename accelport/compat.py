@@ -391,14 +391,21 @@ def deprecation_messages(
 
 
 def deprecated_settings(
-    environ: Mapping[str, str], backend: str | None = None, matrix: Matrix | None = None
+    environ: Mapping[str, str], backend: str | None = None, matrix: Matrix | None = None,
+    *, in_effect_only: bool = False,
 ) -> list[tuple[str, str]]:
-    """(variable, message) for each deprecated environment variable in effect, from the matrix's env rows."""
+    """(variable, message) for each deprecated environment variable set, from the matrix's env rows.
+
+    With ``in_effect_only``, only those that act on ``backend`` (a setting read by
+    torch_xla does nothing on cpu).
+    """
     mx = matrix if matrix is not None else current_matrix()
     out = []
     for name, dep in mx.env.items():
         value = environ.get(name)
         if value is None or value.strip().lower() in _FALSY:
+            continue
+        if in_effect_only and backend and dep.backends and backend not in dep.backends:
             continue
         effect = (f" It has no effect on the {backend} backend." if backend and dep.backends
                   and backend not in dep.backends else "")

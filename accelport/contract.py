@@ -102,8 +102,14 @@ class StepRecord:
     The counters are read after every step for a run's first 40 steps and for
     40 steps after anything in them changed; in quiet stretches, once per 16
     steps (reading them costs more than the rest of the step's bookkeeping).
-    Records then reach observers in order but up to 15 steps late, and a change
-    is counted on the last step of those read together.
+    Records then reach observers in order but up to 15 steps late: the last of
+    those read together carries the change over all of them, and says how many
+    steps that is in ``counted_steps``; the others have an empty ``delta`` and
+    ``counted_steps == 0``.
+
+    On a lazy backend inside an ``ap.loader`` loop a step's graph runs when the
+    loop asks for the next batch; its record is finished after that sync, so
+    ``seconds`` and ``delta`` include the step's own compilation and execution.
     """
 
     step: int
@@ -116,6 +122,8 @@ class StepRecord:
     time: float
     #: What the loader said about itself: num_workers, batch_size, type (empty if unknown).
     loader: Mapping[str, Any] = field(default_factory=dict)
+    #: Steps ``delta`` covers: 1; k > 1 for the last of k steps read together; 0 if not read.
+    counted_steps: int = 1
 
 
 class Backend(abc.ABC):
@@ -188,6 +196,14 @@ class Backend(abc.ABC):
         Lazy backends run the step's graph here (as torch_xla's MpDeviceLoader
         does), so compile and dispatch time never count as waiting for data.
         """
+
+    def step_deferred(self) -> bool:
+        """True when the step that just ended runs only at the next :meth:`end_of_batch`.
+
+        Its record is then finished after that call, so that its time and
+        counters include its own graph.
+        """
+        return False
 
     def counters(self) -> dict[str, Any]:
         """Every counter this backend can report (keys from COUNTER_FIELDS)."""

@@ -75,16 +75,20 @@ KINDS: Mapping[str, type[DiagnosticWarning]] = {
 # Thresholds (see the module docstring for what they must keep silent).
 WINDOW = 20  # steps the rolling rules look back over
 RECOMPILE_MIN_STEP = 10  # first step at which recompilation is judged
-RECOMPILE_STEPS_IN_WINDOW = 8  # compiling steps within WINDOW that mean "keeps compiling"
+RECOMPILE_STEPS_IN_WINDOW = 8  # compiling steps within WINDOW that mean "keeps compiling"...
+RECOMPILE_LONG_WINDOW = 60  # ...or, for a loop that recompiles less often,
+RECOMPILE_STEPS_IN_LONG_WINDOW = 6  # this many within the long window (one in ten steps)
 HOST_SYNC_MIN_STEP = 6
-HOST_SYNC_STEPS = 8  # of the last 10 steps, this many read device values on the host
+HOST_SYNC_WINDOW = 10  # steps host-sync looks back over
+HOST_SYNC_STEPS = 8  # of the last HOST_SYNC_WINDOW steps, this many read device values on the host
 INPUT_BOUND_MIN_STEP = 10
 INPUT_BOUND_SHARE = 0.3  # share of step time spent waiting for data...
 INPUT_BOUND_MIN_WAIT = 0.005  # ...and at least this many seconds per step (below it, nothing to win)
 GRAPH_GROWTH_FACTOR = 4.0  # a graph this many times the usual step's graph...
 GRAPH_GROWTH_MIN_EXTRA = 300  # ...and at least this many nodes more
 GRAPH_GROWTH_ABSOLUTE = 100_000  # torch_xla trims graphs past this size itself
-FALLBACK_CHECK_STEPS = frozenset({1, 2, 5, 10, 20, 50, 100, 200, 500, 1000})
+FALLBACK_CHECK_STEPS = frozenset({1, 2, 5, 10, 20, 50, 100, 200, 500})  # then every 1000th step
+FALLBACK_CHECK_EVERY = 1000
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
@@ -105,12 +109,15 @@ def _caller_level() -> int:
 class HostSyncTracer:
     """Opt-in (``ACCELPORT_DIAGNOSTICS=trace``): where the step reads device values on the host.
 
-    Wraps the few ``torch.Tensor`` methods that copy a device tensor to the host
-    and counts the first caller outside torch itself. It costs a Python call per
-    wrapped method call, so it is off by default.
+    Wraps the ``torch.Tensor`` methods that copy a device tensor to the host
+    (``print(tensor)`` goes through ``__repr__``; ``.cpu()`` and ``.to("cpu")``
+    copy) and counts the first caller outside torch itself. It costs a Python
+    call per wrapped method call, so it is off by default.
     """
 
-    METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__format__", "numpy")
+    METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__format__", "__repr__", "numpy")
+    #: Methods that read the host only when their result is on the CPU.
+    COPIES = ("cpu", "to")
     _installed = False
     sites: Counter[str] = Counter()
 
@@ -123,22 +130,37 @@ class HostSyncTracer:
         torch_dir = os.path.dirname(torch.__file__)
         here = os.path.abspath(__file__)
 
+        def note() -> None:
+            frame = sys._getframe(2)
+            while frame is not None and (frame.f_code.co_filename.startswith(torch_dir)
+                                         or frame.f_code.co_filename == here):
+                frame = frame.f_back
+            if frame is not None:
+                cls.sites[f"{frame.f_code.co_filename}:{frame.f_lineno}"] += 1
+
         def wrap(original: Any) -> Any:
             def traced(self: Any, *args: Any, **kwargs: Any) -> Any:
                 if self.device.type != "cpu":
-                    frame = sys._getframe(1)
-                    while frame is not None and (frame.f_code.co_filename.startswith(torch_dir)
-                                                 or frame.f_code.co_filename == here):
-                        frame = frame.f_back
-                    if frame is not None:
-                        cls.sites[f"{frame.f_code.co_filename}:{frame.f_lineno}"] += 1
+                    note()
                 return original(self, *args, **kwargs)
+
+            traced.__wrapped__ = original  # type: ignore[attr-defined]
+            return traced
+
+        def wrap_copy(original: Any) -> Any:
+            def traced(self: Any, *args: Any, **kwargs: Any) -> Any:
+                out = original(self, *args, **kwargs)
+                if self.device.type != "cpu" and getattr(getattr(out, "device", None), "type", None) == "cpu":
+                    note()
+                return out
 
             traced.__wrapped__ = original  # type: ignore[attr-defined]
             return traced
 
         for name in cls.METHODS:
             setattr(torch.Tensor, name, wrap(getattr(torch.Tensor, name)))
+        for name in cls.COPIES:
+            setattr(torch.Tensor, name, wrap_copy(getattr(torch.Tensor, name)))
         cls._installed = True
 
 
@@ -198,9 +220,13 @@ class Diagnostics:
         self._seen = 0  # records since the (re)start: windows count records, not step numbers
         self._prev_signature: Any = None
         self._signatures: set[Any] = set()
-        self._last_change: str | None = None
-        self._compiling: deque[tuple[int, int, float]] = deque()  # (record, step, compilations), step > 1
-        self._reads: deque[float] = deque(maxlen=10)  # host reads per step after the first (host-sync)
+        self._last_change: str | None = None  # what changed at the last new batch shape that compiled
+        # (record, step, compilations, came with a new batch shape), for steps > 1 that compiled
+        self._compiling: deque[tuple[int, int, float, bool]] = deque()
+        # Host reads of the records whose counters were read, after the first step:
+        # (reads, steps they cover), most recent last.
+        self._reads: deque[tuple[float, int]] = deque()
+        self._read_steps = 0
         self._timing: deque[tuple[float, float]] = deque(maxlen=WINDOW)  # (seconds, wait), step > 1
         self._seconds_sum = 0.0
         self._wait_sum = 0.0
@@ -238,9 +264,9 @@ class Diagnostics:
         compiles = delta.get("compilations", 0)
         if compiles > 0 and step > 1:
             compiling = self._compiling
-            while compiling and compiling[0][0] <= seen - WINDOW:
+            while compiling and compiling[0][0] <= seen - RECOMPILE_LONG_WINDOW:
                 compiling.popleft()
-            compiling.append((seen, step, compiles))
+            compiling.append((seen, step, compiles, new_signature))
             if new_signature:
                 change = describe_shape_change(self._prev_signature, signature)
                 if change:
@@ -256,16 +282,17 @@ class Diagnostics:
                 (compiles > 0 or step == RECOMPILE_MIN_STEP):
             self._recompilation(record)
 
-        # host-sync: likewise, only on a step that read device values on the host.
-        if step == 1:
-            pass  # the first step's counters may count from the process's start
-        elif "device_to_host" in delta:
+        # host-sync: likewise, only on a step that read device values on the host. Records
+        # whose counters were not read (counted_steps == 0) are covered by a later one.
+        if step > 1 and "device_to_host" in delta:  # the first step may count from the process's start
             reads = delta["device_to_host"] - delta.get("after_step_reads", 0)
-            self._reads.append(reads)
+            span = max(record.counted_steps, 1)
+            self._reads.append((reads, span))
+            self._read_steps += span
+            while self._read_steps - self._reads[0][1] >= HOST_SYNC_WINDOW:
+                self._read_steps -= self._reads.popleft()[1]
             if reads > 0 and step >= HOST_SYNC_MIN_STEP and "host-sync" not in reported:
                 self._host_sync(record)
-        else:
-            self._reads.append(0)
 
         # input-bound: running sums over the window (the first step includes start-up).
         if step > 1:
@@ -285,54 +312,79 @@ class Diagnostics:
 
         if record.lazy:
             size = delta.get("graph_nodes")
-            if size and step > 0:  # the first step's may be start-up graphs (initialisation, a first eval)
+            if size:  # (the largest graph run since the last read: a small start-up graph hides behind it)
                 self._graph_growth(record, size)
-            if step in FALLBACK_CHECK_STEPS and "cpu-fallback" not in reported:
+            if "cpu-fallback" not in reported and (step in FALLBACK_CHECK_STEPS or step % FALLBACK_CHECK_EVERY == 0):
                 self._cpu_fallback(record)
 
     # -- rules --------------------------------------------------------------------------------
     def _recompilation(self, record: StepRecord) -> None:
+        seen = self._seen
         compiling = self._compiling
-        while compiling and compiling[0][0] <= self._seen - WINDOW:
+        while compiling and compiling[0][0] <= seen - RECOMPILE_LONG_WINDOW:
             compiling.popleft()  # (also on a step that did not compile: step 10)
-        if len(compiling) < RECOMPILE_STEPS_IN_WINDOW:
-            return
-        total = sum(int(n) for _, _, n in compiling)
-        lookback = min(self._seen, WINDOW)
-        change = self._last_change
+        # Every step or so (8 of the last 20), or steadily but less often (6 of the last
+        # 60): a loop with four buckets compiles at most five times after its first step.
+        recent = [c for c in compiling if c[0] > seen - WINDOW]
+        if len(recent) < RECOMPILE_STEPS_IN_WINDOW:
+            if len(compiling) < RECOMPILE_STEPS_IN_LONG_WINDOW:
+                return
+            recent = list(compiling)
+            lookback = min(seen, RECOMPILE_LONG_WINDOW)
+        else:
+            lookback = min(seen, WINDOW)
+        total = sum(int(c[2]) for c in recent)
+        # Blame the shapes only if most of these compilations came with a new batch shape.
+        reshaped = sum(1 for c in recent if c[3])
+        change = self._last_change if 2 * reshaped >= len(recent) else None
         if change:
             cause = (f"{change}; {len(self._signatures)} distinct batch shapes so far. "
                      "Pad to a fixed length, or bucket: collate_fn=ap.data.BucketCollate(buckets=(128, 256, 512))"
                      " with ap.data.LengthGroupedBatchSampler to keep padding low")
+        elif record.signature is None:
+            cause = ("the batches did not come through ap.loader, so their shapes are unknown: iterate with "
+                     "`for batch in ap.loader(data):` to have the input whose shape changes named. The usual "
+                     "causes are batches of varying shape (pad to a fixed length or use ap.data.BucketCollate) "
+                     "and data-dependent ops (boolean indexing x[mask], torch.nonzero; use ap.data.masked_sum / "
+                     "masked_mean, torch.where)")
         else:
             cause = ("the input shapes did not change, so the graph itself does: look for data-dependent ops "
                      "(boolean indexing x[mask], torch.nonzero, .item() feeding Python control flow) and "
                      "replace them with fixed-shape ops (ap.data.masked_sum / masked_mean, torch.where)")
         self.report(
             "recompilation",
-            f"the graph was recompiled in {len(compiling)} of the last {lookback} steps ({total} compilations): "
+            f"the graph was recompiled in {len(recent)} of the last {lookback} steps ({total} compilations): "
             f"{cause}.",
             record.step,
-            compiling_steps=[step for _, step, _ in compiling],
+            compiling_steps=[c[1] for c in recent],
             distinct_signatures=len(self._signatures),
             last_change=change,
         )
 
     def _host_sync(self, record: StepRecord) -> None:
-        recent = self._reads
-        syncing = [n for n in recent if n > 0]
-        if len(syncing) < HOST_SYNC_STEPS:
+        covered = self._read_steps
+        if covered < HOST_SYNC_WINDOW:
             return
-        per_step = sum(syncing) / len(recent)
+        # A record covering several steps (read together) may have read in each of them.
+        syncing = sum(min(int(n), span) for n, span in self._reads if n > 0)
+        if syncing < HOST_SYNC_STEPS * covered / HOST_SYNC_WINDOW:
+            return
+        per_step = sum(n for n, _ in self._reads) / covered
         sites = [site for site, _ in HostSyncTracer.sites.most_common(3)]
-        where = (f" It happens at {', '.join(sites)}." if sites else
-                 " Set ACCELPORT_DIAGNOSTICS=trace to see the file and line.")
+        if sites:
+            where = f" It happens at {', '.join(sites)}."
+        elif self._trace:
+            where = (" The trace caught none of them (it watches .item(), .tolist(), print, bool/int/float, "
+                     ".numpy(), .cpu() and .to('cpu') on device tensors): they come from inside ops, often "
+                     "ops that fall back to the CPU.")
+        else:
+            where = " Set ACCELPORT_DIAGNOSTICS=trace to see the file and line."
         if "cpu-fallback" in self._reported:
             where += (" Some or all of them are the cpu-fallback ops reported above: each copies its "
                       "inputs to the host, so replacing those ops removes these reads too.")
         self.report(
             "host-sync",
-            f"{per_step:.1f} device-to-host transfers per step in {len(syncing)} of the last {len(recent)} "
+            f"{per_step:.1f} device-to-host transfers per step in {syncing} of the last {covered} "
             "steps: something reads device values inside the step (.item(), print(tensor), .tolist(), "
             "if tensor:), which stops the device and cuts the graph. Log with "
             "ap.after_step(fn, loss) instead: it runs fn with host values once the step has run, "
@@ -371,7 +423,8 @@ class Diagnostics:
         self.report(
             "input-bound",
             f"the training loop waited for data {share:.0%} of the time over the last {len(recent)} steps "
-            f"({worker_text}, {cpus} CPU cores): the device is idle while the loader works. {advice}.",
+            f"({worker_text}, {cpus} CPU cores): the device is idle while the loader works. "
+            f"{advice[0].upper()}{advice[1:]}.",
             record.step,
             data_wait_share=round(share, 3),
             num_workers=workers,
@@ -427,7 +480,7 @@ class Diagnostics:
     def _deprecated_config(self, record: StepRecord) -> None:
         from .compat import deprecated_settings
 
-        found = deprecated_settings(self._env)
+        found = deprecated_settings(self._env, backend=record.backend, in_effect_only=True)
         if found:
             self.report("deprecated-config", " ".join(message for _, message in found), record.step,
                         settings=[name for name, _ in found])

@@ -96,7 +96,8 @@ def accelport_step_end(record: StepRecord) -> None:
     :class:`accelport.contract.StepRecord`: the step number, its wall time,
     the time spent waiting for data, the batch signature and the change in the
     backend's counters. In quiet stretches the counters are read once per 16
-    steps and those steps' records arrive together, up to 15 steps late (see
-    StepRecord). Collect-all; keep it cheap. The built-in diagnostics are an
-    implementation of this hook.
+    steps and those steps' records arrive together, up to 15 steps late, the
+    change on the last of them (``record.counted_steps`` says how many steps a
+    record's counters cover; see StepRecord). Collect-all; keep it cheap. The
+    built-in diagnostics are an implementation of this hook.
     """

@@ -276,6 +276,10 @@ class LazyBackend(Backend):
             self._world = self.world_size()
         return self._world
 
+    def step_deferred(self) -> bool:
+        # The condition under which optimizer_step leaves the sync to end_of_batch.
+        return bool(self._loading) and (self._world or self._replicas()) == 1
+
     def end_of_batch(self) -> None:
         self._sync()
         if self._parallel and self._mark_synced is not None:

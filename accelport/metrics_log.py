@@ -3,8 +3,11 @@
 A built-in plugin on ``accelport_step_end`` (name ``metrics-file``). Each line
 holds the step number, wall-clock time, the step's duration and data wait, its
 batch signature, and the change of every cheap backend counter over the step
-(compilations, transfers, executions where the backend measures them). Lines
-are flushed as they are written, so a crashed run keeps its history.
+(compilations, transfers, executions where the backend measures them). Where
+the counters were read for several steps at once, the last of them carries the
+change and ``counted_steps`` (how many steps it covers); the others carry
+``counted_steps: 0`` and no counters. Lines are flushed as they are written, so
+a crashed run keeps its history.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from .hookspecs import hookimpl
 __all__ = ["MetricsFile", "create_plugin", "record_to_dict", "record_from_dict"]
 
 #: Keys of a line that are not counter deltas.
-_FIELDS = frozenset({"step", "time", "backend", "lazy", "seconds", "data_wait_seconds", "signature", "loader"})
+_FIELDS = frozenset({"step", "time", "backend", "lazy", "seconds", "data_wait_seconds", "signature", "loader",
+                     "counted_steps"})
 
 
 def record_to_dict(record: StepRecord) -> dict[str, Any]:
@@ -34,6 +38,8 @@ def record_to_dict(record: StepRecord) -> dict[str, Any]:
         "signature": [[list(shape), dtype] for shape, dtype in record.signature or ()],
         "loader": dict(record.loader),
     }
+    if record.counted_steps != 1:  # counters read for several steps at once (see StepRecord)
+        out["counted_steps"] = record.counted_steps
     for key, value in sorted(record.delta.items()):
         out[key] = round(value, 6) if isinstance(value, float) else value
     return out
@@ -59,11 +65,15 @@ def record_from_dict(line: dict[str, Any]) -> StepRecord:
     loader = line.get("loader") or {}
     if not isinstance(loader, dict):
         raise ValueError(f"'loader' must be an object, not {loader!r}")
+    counted = line.get("counted_steps", 1)
+    if isinstance(counted, bool) or not isinstance(counted, int) or counted < 0:
+        raise ValueError(f"'counted_steps' must be a non-negative integer, not {counted!r}")
     delta = {k: v for k, v in line.items()
              if k not in _FIELDS and isinstance(v, (int, float)) and not isinstance(v, bool)}
     return StepRecord(step=step, backend=str(line.get("backend", "?")), lazy=bool(line.get("lazy", False)),
                       seconds=number("seconds"), data_wait_seconds=number("data_wait_seconds", 0.0),
-                      signature=signature or None, delta=delta, time=number("time", 0.0), loader=loader)
+                      signature=signature or None, delta=delta, time=number("time", 0.0), loader=loader,
+                      counted_steps=counted)
 
 
 class MetricsFile:

@@ -18,13 +18,15 @@ from accelport.diagnosis import Diagnostics, describe_shape_change
 
 def rec(step: int, *, compiles: int = 0, d2h: int | None = None, sig: tuple | None = None,  # type: ignore[type-arg]
         seconds: float = 0.01, wait: float = 0.0, lazy: bool = True, graph: int | None = None,
-        loader: dict | None = None) -> StepRecord:  # type: ignore[type-arg]
+        loader: dict | None = None, counted: int = 1, backend: str = "xla") -> StepRecord:  # type: ignore[type-arg]
+    """A step record; ``counted=0`` is one whose counters were read with a later step's."""
     delta: dict[str, float] = {"compilations": compiles}
     if d2h is not None:
         delta["device_to_host"] = d2h
     if graph is not None:
         delta["graph_nodes"] = graph
-    return StepRecord(step, "xla", lazy, seconds, wait, sig, delta, time.time(), loader or {})
+    return StepRecord(step, backend, lazy, seconds, wait, sig, delta if counted else {}, time.time(),
+                      loader or {}, counted)
 
 
 def feed(records: list[StepRecord]) -> Diagnostics:
@@ -71,6 +73,31 @@ def test_bucketing_plus_first_step_and_final_batch_is_silent() -> None:
     assert feed(records).findings == []
 
 
+def test_a_loop_recompiling_every_third_step_is_flagged_within_30_steps() -> None:
+    d = feed([rec(s, compiles=int(s % 3 == 0), sig=sig(64)) for s in range(1, 100)])
+    assert kinds(d) == ["recompilation"]
+    assert d.findings[0].step <= 30
+    assert "recompiled in 6 of the last" in d.findings[0].message
+
+
+def test_an_old_shape_change_is_not_blamed_for_later_recompilation() -> None:
+    # 128 -> 256 early (one compile), then steady shapes; the graph recompiles from step 40.
+    records = [rec(s, compiles=int(s in (1, 3)), sig=sig(128 if s < 3 else 256)) for s in range(1, 40)]
+    records += [rec(s, compiles=1, sig=sig(256)) for s in range(40, 70)]
+    d = feed(records)
+    assert kinds(d) == ["recompilation"]
+    assert "changed from" not in d.findings[0].message
+    assert "input shapes did not change" in d.findings[0].message
+
+
+def test_without_ap_loader_the_shapes_are_unknown_not_unchanged() -> None:
+    d = feed([rec(s, compiles=1, sig=None) for s in range(1, 30)])
+    assert kinds(d) == ["recompilation"]
+    message = d.findings[0].message
+    assert "did not come through ap.loader" in message and "did not change" not in message
+    assert "BucketCollate" in message and "masked_sum" in message
+
+
 def test_recompiling_with_unchanged_shapes_points_at_data_dependent_ops() -> None:
     d = feed([rec(s, compiles=1, sig=sig(64)) for s in range(1, 25)])
     assert kinds(d) == ["recompilation"]
@@ -86,6 +113,32 @@ def test_host_sync_needs_transfers_in_most_steps() -> None:
     assert feed([rec(s, d2h=int(s % 10 == 0), sig=sig(8)) for s in range(1, 60)]).findings == []
     # An eager backend cannot count transfers: no key, no finding.
     assert feed([rec(s, lazy=False, sig=sig(8)) for s in range(1, 30)]).findings == []
+
+
+def test_host_reads_counted_for_many_steps_at_once_are_not_overstated() -> None:
+    # Steps 1-40 read one by one, 41-56 read together (reads began at step 53: 4 of
+    # them), then one by one again: one .item() per step is 1.0 per step, not more.
+    records = [rec(s, d2h=0, sig=sig(8)) for s in range(1, 41)]
+    records += [rec(s, sig=sig(8), counted=0) for s in range(41, 56)]
+    records.append(rec(56, d2h=4, sig=sig(8), counted=16))
+    records += [rec(s, d2h=1, sig=sig(8)) for s in range(57, 80)]
+    d = feed(records)
+    assert kinds(d) == ["host-sync"]
+    assert d.findings[0].evidence["transfers_per_step"] == 1.0
+    assert "1.0 device-to-host transfers per step in 10 of the last 10 steps" in d.findings[0].message
+    # Reads in every one of 16 steps read together are flagged at once, at their true rate.
+    block = [rec(s, d2h=0, sig=sig(8)) for s in range(1, 41)]
+    block += [rec(s, sig=sig(8), counted=0) for s in range(41, 56)] + [rec(56, d2h=32, sig=sig(8), counted=16)]
+    d = feed(block)
+    assert kinds(d) == ["host-sync"] and d.findings[0].step == 56
+    assert d.findings[0].evidence["transfers_per_step"] == 2.0
+
+
+def test_cpu_fallbacks_are_looked_for_early_and_then_every_1000_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    looked: list[int] = []
+    monkeypatch.setattr(Diagnostics, "_cpu_fallback", lambda self, record: looked.append(record.step))
+    feed([rec(s, sig=sig(8)) for s in range(1, 3001)])
+    assert looked == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 3000]
 
 
 def test_input_bound_reports_share_workers_and_cores() -> None:
@@ -125,6 +178,10 @@ def test_deprecated_config_is_reported_on_the_first_step() -> None:
     quiet = Diagnostics(environ={"XLA_USE_BF16": "0"})
     quiet.accelport_step_end(rec(1))
     assert quiet.findings == []
+    # On cpu torch_xla's switch does nothing: not "in effect" (selection already said so).
+    on_cpu = Diagnostics(environ={"XLA_USE_BF16": "1"})
+    on_cpu.accelport_step_end(rec(1, backend="cpu", lazy=False))
+    assert on_cpu.findings == []
 
 
 # -- real loops on the cpu backend ------------------------------------------------------
@@ -168,7 +225,7 @@ def test_input_bound_on_cpu_with_a_slow_dataset() -> None:
     (found,) = ap.diagnostics()
     assert found.kind == "input-bound"
     assert found.evidence["num_workers"] == 0 and found.evidence["data_wait_share"] > 0.3
-    assert "set num_workers to " in found.message and "in parallel" in found.message
+    assert "Set num_workers to " in found.message and "in parallel" in found.message
 
 
 def test_healthy_cpu_loop_is_silent_and_nothing_lazy_fires() -> None:
@@ -181,6 +238,31 @@ def test_healthy_cpu_loop_is_silent_and_nothing_lazy_fires() -> None:
         _train(data)
     assert ap.diagnostics() == []
     assert ap.metrics().steps == 40
+
+
+def test_on_cpu_what_only_hurts_a_compiled_device_is_not_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    # .item() every step, a new sequence length every step, torch.nonzero and an
+    # XLA-only setting: each is a finding on XLA (tests/xla/), none costs anything here.
+    import torch
+
+    monkeypatch.setenv("XLA_USE_BF16", "1")
+    ap.use("cpu")
+    with pytest.warns(ap.AccelportDeprecationWarning, match="no effect on the cpu backend"):
+        ap.device()  # selection says once that the setting does nothing here
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = [(torch.randn(4, 10 + i, 8), torch.randn(4, 1)) for i in range(40)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ap.DiagnosticWarning)
+        for x, y in ap.loader(data, prefetch=0):
+            loss = torch.nn.functional.mse_loss(model(x).mean(1), y)
+            loss.backward()
+            ap.optimizer_step(opt)
+            opt.zero_grad()
+            torch.nonzero(x[0, :, 0] > 0)
+            assert isinstance(loss.item(), float)
+    assert ap.diagnostics() == []
+    assert ap.metrics().batch_signatures == 40
 
 
 def test_diagnostics_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -218,17 +300,22 @@ def test_observers_get_every_step_in_order_even_when_counters_are_read_in_blocks
     install_plugin("arrivals", "accelport_test_arrivals",
                    "import accelport as ap\nfrom accelport._runtime import RUNTIME\nSEEN = []\n"
                    "@ap.hookimpl\ndef accelport_step_end(record):\n"
-                   "    SEEN.append((record.step, RUNTIME.tracker.steps, dict(record.delta)))\n")
+                   "    SEEN.append((record.step, RUNTIME.tracker.steps, dict(record.delta), record.counted_steps))\n")
     import accelport_test_arrivals as arrivals
 
     ap.use("cpu")
     steps = StepTracker.CLOSE_STEPS + 3 * StepTracker.QUIET_EVERY + 5
     _train([(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(steps)])
-    assert [step for step, _, _ in arrivals.SEEN] == list(range(1, steps + 1))  # all, in order
-    lag = [seen_at - step for step, seen_at, _ in arrivals.SEEN]
+    assert [step for step, *_ in arrivals.SEEN] == list(range(1, steps + 1))  # all, in order
+    lag = [seen_at - step for step, seen_at, *_ in arrivals.SEEN]
     assert all(n == 0 for n in lag[:StepTracker.CLOSE_STEPS])  # the first steps: read one by one
     assert max(lag) == StepTracker.QUIET_EVERY - 1  # then once per 16 quiet steps
-    assert all({"compilations"} <= set(delta) for _, _, delta in arrivals.SEEN)
+    # A record whose counters were read says how many steps they cover; the others say
+    # theirs were not read, and carry no made-up zeros. Together they cover every step.
+    counted = [n for *_, n in arrivals.SEEN]
+    assert counted[:StepTracker.CLOSE_STEPS] == [1] * StepTracker.CLOSE_STEPS
+    assert StepTracker.QUIET_EVERY in counted and sum(counted) == steps
+    assert all(("compilations" in delta) == (n > 0) for _, _, delta, n in arrivals.SEEN)
     assert RUNTIME.tracker._pending == []  # the end of the ap.loader loop handed over the rest
 
 

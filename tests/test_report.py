@@ -58,11 +58,26 @@ def test_bad_files_give_errors_naming_the_line(tmp_path) -> None:  # type: ignor
         ("signature", 5, "'signature' must be a list of [shape, dtype] pairs"),
         ("data_wait_seconds", "x", "'data_wait_seconds' must be a number"),
         ("loader", [1], "'loader' must be an object"),
+        ("counted_steps", -1, "'counted_steps' must be a non-negative integer"),
     ]):
         wrong = tmp_path / f"wrong{i}.jsonl"
         wrong.write_text(json.dumps({**step(1), field: value}) + "\n" + json.dumps(step(2)) + "\n")
         with pytest.raises(ReportError, match=rf"wrong{i}.jsonl:1: not a step record: {re.escape(words)}"):
             load_records(str(wrong))
+
+
+def test_records_read_together_round_trip_through_the_file() -> None:
+    from accelport.contract import StepRecord
+    from accelport.metrics_log import record_from_dict, record_to_dict
+
+    unread = StepRecord(5, "xla", True, 0.01, 0.0, None, {}, 1.0, {}, 0)
+    block = StepRecord(6, "xla", True, 0.01, 0.0, None, {"compilations": 0, "device_to_host": 4}, 1.0, {}, 16)
+    single = StepRecord(7, "xla", True, 0.01, 0.0, None, {"compilations": 1}, 1.0, {})
+    lines = [record_to_dict(r) for r in (unread, block, single)]
+    assert [line.get("counted_steps") for line in lines] == [0, 16, None]  # 1 is not written
+    back = [record_from_dict(line) for line in lines]
+    assert [r.counted_steps for r in back] == [0, 16, 1]
+    assert back[1].delta == {"compilations": 0, "device_to_host": 4} and back[0].delta == {}
 
 
 def test_a_truncated_last_line_from_a_killed_run_is_tolerated(tmp_path) -> None:  # type: ignore[no-untyped-def]

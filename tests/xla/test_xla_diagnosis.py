@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -281,6 +282,102 @@ def test_cpu_fallbacks_count_from_the_backend_selection() -> None:
     ap.use("xla")
     silent(lambda: Pooled(17).train(loader(samples(12 * 4, 17, lambda i: 6), 4, pad_to_longest)))
     assert ap.metrics().cpu_fallback == {}
+
+
+def test_without_ap_loader_a_recompilation_says_the_shapes_are_unknown() -> None:
+    import torch
+
+    ap.use("xla")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(11, 1).to(ap.device())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.warns(ap.DiagnosticWarning, match="recompil"):
+        for i in range(30):  # batches of 8 + i rows, moved by hand: accelport never sees them
+            x, y = torch.randn(8 + i, 11).to(ap.device()), torch.randn(8 + i, 1).to(ap.device())
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            ap.optimizer_step(opt)
+            opt.zero_grad()
+    (found,) = ap.diagnostics()
+    assert "did not come through ap.loader" in found.message and "did not change" not in found.message
+
+
+TRACE_RUN = """
+import json, sys, warnings
+import accelport as ap
+from tests.xla.test_xla_diagnosis import Pooled, loader, pad_to_longest, samples
+
+warnings.simplefilter("ignore")
+ap.use("xla")
+model = Pooled(19)
+
+
+def inside(i, loss):
+    print(loss, file=sys.stderr)  # THE READ
+    return None
+
+
+model.train(loader(samples(20 * 4, 19, lambda i: 6), 4, pad_to_longest), inside=inside)
+print(json.dumps([d.to_dict() for d in ap.diagnostics()]))
+"""
+
+
+def test_trace_mode_names_the_line_that_prints_a_device_tensor(tmp_path: pathlib.Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(TRACE_RUN)
+    line = TRACE_RUN.splitlines().index("    print(loss, file=sys.stderr)  # THE READ") + 1
+    env = dict(os.environ, PJRT_DEVICE="CPU", ACCELPORT_DIAGNOSTICS="trace", PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (found,) = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["kind"] == "host-sync"
+    assert found["evidence"]["sites"] == [f"{script}:{line}"]
+    assert f"It happens at {script}:{line}." in found["message"]
+
+
+def test_a_steps_own_compilation_is_in_its_own_record(install_plugin: Any) -> None:
+    """Inside ap.loader a step's graph runs when the loop asks for the next batch; the
+    record of that step is finished after it, so step 1 holds step 1's compilation."""
+    install_plugin("steps_seen", "accelport_test_steps_seen",
+                   "import accelport as ap\nSEEN = []\n"
+                   "@ap.hookimpl\ndef accelport_step_end(record):\n"
+                   "    SEEN.append((record.step, record.seconds, dict(record.delta)))\n")
+    import accelport_test_steps_seen as seen
+
+    ap.use("xla")
+    silent(lambda: Pooled(23).train(loader(samples(12 * 4, 23, lambda i: 6), 4, pad_to_longest)))
+    step, seconds, delta = seen.SEEN[0]
+    assert step == 1 and delta["compilations"] >= 1
+    assert 0 < delta["compile_seconds"] <= seconds  # the step's time includes its compile
+    assert all(d["compilations"] == 0 for _, _, d in seen.SEEN[3:])  # one graph, compiled early
+
+
+def test_masked_mean_instead_of_boolean_indexing_compiles_once_and_stays_on_the_device() -> None:
+    import torch
+
+    ap.use("xla")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(13, 1).to(ap.device())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = []
+    for i in range(30):  # the same data as the boolean-indexing test: 8 + i selected rows
+        y = -torch.rand(48, 1)
+        y[: 8 + i] *= -1
+        data.append((torch.randn(48, 13), y))
+    start = ap.metrics()
+
+    def run() -> None:
+        for x, y in ap.loader(data):
+            keep = (y > 0).squeeze(1)
+            loss = ap.data.masked_mean((model(x) - y).squeeze(1) ** 2, keep)
+            loss.backward()
+            ap.optimizer_step(opt)
+            opt.zero_grad()
+
+    silent(run)
+    m = ap.metrics()
+    assert m.compilations - start.compilations <= 3  # the step's graph, and optimizer start-up
+    assert m.cpu_fallback == {}
 
 
 # -- healthy loops: not a single diagnosis -------------------------------------------------

@@ -246,9 +246,8 @@ def test_on_cpu_what_only_hurts_a_compiled_device_is_not_reported(monkeypatch: p
     import torch
 
     monkeypatch.setenv("XLA_USE_BF16", "1")
-    ap.use("cpu")
     with pytest.warns(ap.AccelportDeprecationWarning, match="no effect on the cpu backend"):
-        ap.device()  # selection says once that the setting does nothing here
+        ap.use("cpu")  # selection says once that the setting does nothing here
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     data = [(torch.randn(4, 10 + i, 8), torch.randn(4, 1)) for i in range(40)]

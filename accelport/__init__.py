@@ -201,12 +201,13 @@ def metrics() -> Metrics:
     return _RT.metrics()
 
 
-def compile_cache(path: str | os.PathLike[str]) -> str:
+def compile_cache(path: str | os.PathLike[str]) -> str | None:
     """Keep compiled graphs in ``path`` across runs; call before the first computation.
 
     Returns the directory, which ``ap.metrics().compile_cache_dir`` reports too.
-    Raises :class:`AccelportError` after the first computation, or on a backend
-    without a persistent compile cache.
+    Raises :class:`AccelportError` after the first computation. On a backend
+    without a persistent compile cache it returns None with a
+    :class:`CompatibilityWarning`, so the same script runs everywhere.
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"ap.compile_cache needs a directory path (str or os.PathLike), not {type(path).__name__}")

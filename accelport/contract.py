@@ -250,18 +250,25 @@ class Backend(abc.ABC):
             kwargs["dtype"] = dtype
         return torch.autocast(device_type=self.device().type, **kwargs)
 
-    def enable_compile_cache(self, path: str | os.PathLike[str]) -> str:
+    def enable_compile_cache(self, path: str | os.PathLike[str]) -> str | None:
         """Turn on a persistent compile cache at ``path``; return the directory used.
 
         Must come before the first computation. A backend without such a cache
-        raises, so a script never believes it is caching when it is not.
+        returns None and says so in a warning: the portable script keeps running,
+        and never believes it is caching when it is not.
         """
-        from .errors import AccelportError
+        import warnings
 
-        raise AccelportError(
-            f"backend {self.name!r} has no persistent compile cache that accelport can turn on "
-            "(the lazy backends xla and neuron-xla have one): call ap.compile_cache() only on those"
+        from .errors import CompatibilityWarning
+
+        warnings.warn(
+            f"ap.compile_cache({os.fspath(path)!r}) does nothing on backend {self.name!r}: it has no "
+            "persistent compile cache that accelport turns on (xla and neuron-xla have one; torch.compile "
+            "keeps its own cache). Nothing is cached and ap.metrics().compile_cache_dir stays None.",
+            CompatibilityWarning,
+            stacklevel=3,
         )
+        return None
 
     # -- distributed ------------------------------------------------------------------
     @abc.abstractmethod

@@ -39,9 +39,13 @@ def accelport_select_backend(
         skipped = ", ".join(ranked[:position])
         return backend, (f"{name} is the best available backend for {on} "
                          f"({skipped} ranked higher but not available; see `accelport backends`)")
+    # A backend the matrix does not rank (a third-party plugin) may still drive this
+    # platform; one the matrix marks unsupported for this torch is never picked on its
+    # own (ACCELPORT_BACKEND can still force it, and doctor says why it is unsupported).
     for backend in candidates:
-        if backend.platform == platform and backend.name != "cpu":
-            return backend, f"{backend.name} is the only available backend for {platform}"
+        if backend.platform == platform and backend.name != "cpu" and \
+                statuses.get(backend.name) != "unsupported":
+            return backend, f"{backend.name} is the only available backend for {on}"
     return None
 
 

@@ -129,3 +129,49 @@ def test_nearest_name(name: str, known: list[str], expected: str | None) -> None
 def test_use_needs_a_name(bad: object) -> None:
     with pytest.raises(ap.UnknownBackendError, match="Known backends: .*cpu"):
         ap.use(bad)  # type: ignore[arg-type]
+
+
+# -- the default policy on a TPU VM: the matrix's verdict decides ------------------------------
+
+
+class AvailableStandIn:
+    """Stands in for a backend whose hardware is not here (a TPU): available, with a reason."""
+
+    def __init__(self, name: str, platform: str) -> None:
+        self.name, self.platform = name, platform
+
+    def probe(self) -> ap.Probe:
+        return ap.Probe(True, f"{self.name} stand-in is available", 4)
+
+
+def _select(names: list[str], torch_version: str) -> tuple[str, str] | None:
+    from accelport.compat import recommend
+    from accelport.selection import accelport_select_backend
+
+    candidates = [AvailableStandIn(n, "cpu" if n == "cpu" else "gcp-tpu") for n in ["cpu", *names]]
+    chosen = accelport_select_backend(candidates=candidates, platform="gcp-tpu",
+                                      recommendation=recommend("gcp-tpu", torch_version, warn=False))
+    return None if chosen is None else (chosen[0].name, chosen[1])
+
+
+def test_on_a_tpu_vm_the_recommended_backend_wins_over_a_deprecated_one() -> None:
+    name, reason = _select(["xla", "tpu"], "2.13.0")  # type: ignore[misc]
+    assert name == "tpu"
+    assert reason.startswith("tpu is the recommended backend for gcp-tpu with torch 2.13.0")
+
+
+def test_on_a_tpu_vm_a_lower_ranked_backend_is_used_when_the_best_is_missing() -> None:
+    name, reason = _select(["xla"], "2.13.0")  # type: ignore[misc]
+    assert name == "xla"
+    assert "best available backend" in reason and "tpu ranked higher but not available" in reason
+
+
+def test_a_backend_the_matrix_marks_unsupported_is_never_picked_on_its_own() -> None:
+    # torch 2.10 on a TPU VM: no torch_xla release pairs with it, TorchTPU needs 2.11+.
+    assert _select(["xla"], "2.10.0") is None  # resolve() then falls back to cpu
+
+
+def test_a_backend_the_matrix_does_not_know_can_drive_the_platform() -> None:
+    name, reason = _select(["acme-tpu"], "2.13.0")  # type: ignore[misc]
+    assert name == "acme-tpu"
+    assert reason == "acme-tpu is the only available backend for gcp-tpu with torch 2.13.0"

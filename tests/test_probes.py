@@ -327,10 +327,16 @@ def _backends_json(env: dict[str, str]) -> dict:  # type: ignore[type-arg]
 def test_every_backend_is_listed_with_a_reason() -> None:
     data = _backends_json({})
     by_name = {b["name"]: b for b in data["backends"]}
-    assert {"cpu", "cuda", "tpu", "neuron"} <= set(by_name)
+    assert {"cpu", "cuda", "xla", "tpu", "neuron", "neuron-xla"} <= set(by_name)
     assert all(isinstance(b["reason"], str) and b["reason"] for b in data["backends"])
+    assert by_name["cpu"]["available"] and data["selected"]["name"] == "cpu"
+    assert by_name["cuda"]["reason"].startswith("no NVIDIA GPU found")
     assert by_name["tpu"]["reason"].startswith("no TPU chips found")
     assert by_name["neuron"]["reason"].startswith("no Neuron devices found")
+    # This environment has no torch_xla: both lazy backends say what to install.
+    assert "torch_xla is not installed" in by_name["xla"]["reason"]
+    assert "torch_xla is not installed" in by_name["neuron-xla"]["reason"]
+    assert "torch-neuronx is not installed" in by_name["neuron-xla"]["reason"]
 
 
 @pytest.mark.parametrize("host, backend, not_said, selected_reason", [

@@ -195,6 +195,23 @@ def _as_finding(item: Any, check: str) -> Finding:
     raise TypeError(f"got {type(item).__name__}; expected accelport.doctor.Finding or a dict with a title")
 
 
+def _no_backend_fix(ctx: DoctorContext, matrix_ok: bool) -> str:
+    """The fix for "no backend can be used", from what actually stands in the way."""
+    forced = (ctx.environ.get("ACCELPORT_BACKEND") or "").strip()
+    if forced:
+        return (f"fix what the reason says, or unset ACCELPORT_BACKEND (now {forced!r}) to let accelport "
+                "choose")
+    if ctx.packages.get("torch") is None:
+        return "pip install torch (the build your platform needs: see `accelport matrix`)"
+    disabled = {p.strip() for p in (ctx.environ.get("ACCELPORT_DISABLED_PLUGINS") or "").split(",")}
+    if "cpu" not in ctx.backends and "cpu" in disabled:
+        return "take cpu out of ACCELPORT_DISABLED_PLUGINS: it is the backend every machine can fall back to"
+    if not matrix_ok:
+        return "fix the compatibility matrix (the problem above): selection reads it"
+    return "read each backend's reason in `accelport backends` and fix the one you mean to use"
+
+
+
 def _core_findings(ctx: DoctorContext, recommendation: Any) -> list[Finding]:
     from .compat import current_matrix, deprecated_settings, deprecation_messages, target_platform
     from .errors import CompatMatrixError
@@ -220,7 +237,7 @@ def _core_findings(ctx: DoctorContext, recommendation: Any) -> list[Finding]:
                                     f"on {platform} with torch {ctx.packages.get('torch')}", message, "core"))
     else:
         findings.append(Finding("problem", f"no backend can be used: {ctx.selection_reason}",
-                                "install torch, or unset ACCELPORT_BACKEND to let accelport choose", "core"))
+                                _no_backend_fix(ctx, matrix_ok), "core"))
     recommended = getattr(recommendation, "recommended", None)
     if recommendation is not None and recommended is None:
         findings.append(Finding(

@@ -91,6 +91,16 @@ def test_unusable_selection_is_a_problem_and_exit_1() -> None:
     assert code == 1
     problems = [f for f in report["findings"] if f["severity"] == "problem"]
     assert any("Did you mean 'cuda'" in f["title"] for f in problems)
+    (found,) = [f for f in problems if f["title"].startswith("no backend can be used")]
+    assert "unset ACCELPORT_BACKEND (now 'cdua')" in found["fix"]
+
+
+def test_the_fix_for_no_usable_backend_names_what_stands_in_the_way() -> None:
+    code, report = doctor_json({"ACCELPORT_DISABLED_PLUGINS": "cpu"})
+    assert code == 1
+    (found,) = [f for f in report["findings"] if f["title"].startswith("no backend can be used")]
+    assert "take cpu out of ACCELPORT_DISABLED_PLUGINS" in found["fix"]
+    assert "install torch" not in found["fix"]  # torch is installed here: not the cause
 
 
 def test_usage_error_exits_2_with_json(capsys) -> None:  # type: ignore[no-untyped-def]

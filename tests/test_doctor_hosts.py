@@ -116,6 +116,23 @@ def test_torch_xla_minor_mismatch_is_a_problem(monkeypatch: pytest.MonkeyPatch, 
     assert found["severity"] == "problem" and "torch==2.9.0 torch_xla==2.9.0" in found["fix"]
 
 
+def test_choosing_the_deprecated_path_on_a_tpu_vm_is_a_warning(monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path) -> None:
+    # Stand-ins: torch_xla and libtpu for this torch, on a fake v5e TPU VM; xla forced.
+    torch_version = report_for(monkeypatch, fakes.bare_cpu_host(tmp_path / "bare"))["packages"]["torch"]
+    minor = ".".join(torch_version.split(".")[:2])
+    fakes.install_dist(monkeypatch, tmp_path / "site", "torch_xla", f"{minor}.0", module="torch_xla")
+    fakes.install_dist(monkeypatch, tmp_path / "site", "libtpu", "0.0.52", module="libtpu")
+    monkeypatch.setenv("ACCELPORT_BACKEND", "xla")
+    report = report_for(monkeypatch, fakes.tpu_vm(tmp_path / "host", "v5e", chips=4))
+    assert report["selected"]["name"] == "xla"
+    (found,) = [f for f in report["findings"] if f["title"].startswith("the selected path is deprecated")]
+    assert found["severity"] == "warning"
+    assert found["title"] == f"the selected path is deprecated or unsupported: xla on gcp-tpu with torch {torch_version}"
+    assert "tpu" in found["fix"]  # it names the path to move to
+    assert exit_status(report) == 0
+
+
 def test_unwritable_neuron_cache_is_a_problem(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("a file where the cache directory would go")

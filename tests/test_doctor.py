@@ -153,17 +153,26 @@ def test_bad_severity_is_rejected() -> None:
 env_values = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=40)
 
 
+HOSTILE = ["PJRT_DEVICE", "XLA_USE_BF16", "XLA_FLAGS", "NEURON_CC_FLAGS", "NEURON_COMPILE_CACHE_URL",
+           "CPU_NUM_DEVICES", "TPU_ACCELERATOR_TYPE", "ACCELPORT_BACKEND", "ACCELPORT_DISABLED_PLUGINS",
+           "TORCHINDUCTOR_CACHE_DIR", "WORLD_SIZE", "LOCAL_RANK", "PT_XLA_DEBUG_LEVEL", "ACCELPORT_SYSROOT",
+           "ACCELPORT_COMPAT_MATRIX", "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT", "NEURON_RT_VISIBLE_CORES"]
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.dictionaries(
-    st.sampled_from(["PJRT_DEVICE", "XLA_USE_BF16", "XLA_FLAGS", "NEURON_CC_FLAGS", "NEURON_COMPILE_CACHE_URL",
-                     "CPU_NUM_DEVICES", "TPU_ACCELERATOR_TYPE", "ACCELPORT_BACKEND", "ACCELPORT_DISABLED_PLUGINS",
-                     "TORCHINDUCTOR_CACHE_DIR", "WORLD_SIZE", "LOCAL_RANK", "PT_XLA_DEBUG_LEVEL"]),
-    env_values, max_size=6))
+@given(st.dictionaries(st.sampled_from(HOSTILE), env_values, max_size=6))
 def test_garbage_in_every_variable_never_breaks_the_report(env: dict[str, str]) -> None:
-    report = gather(environ=env)
+    # In the process environment itself, so every probe and cache lookup reads it too.
+    with pytest.MonkeyPatch.context() as mp:
+        for name in HOSTILE:
+            mp.delenv(name, raising=False)
+        for name, value in env.items():
+            mp.setenv(name, value)
+        report = gather()
     json.dumps(report)  # always serialisable
     assert REPORT_KEYS <= set(report)
     render_text(report)
+    render_markdown(report)
     assert exit_status(report) in (0, 1)
 
 

@@ -35,7 +35,10 @@ class UsageError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:  # argparse would print and exit; we decide the format
-        raise UsageError(f"{self.prog}: {message}")
+        # _fail() prints "accelport: error: "; a subcommand's parser adds its own name
+        # ("ci-matrix: argument --format: ..."), the top-level parser nothing more.
+        command = self.prog.partition(" ")[2]
+        raise UsageError(f"{command}: {message}" if command else message)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,10 +49,31 @@ def build_parser() -> argparse.ArgumentParser:
         description="One PyTorch training script on TPU, Trainium, GPU and CPU.",
     )
     parser.add_argument("--version", action="version", version=f"accelport {__version__}")
+    # `accelport --json backends` means `accelport backends --json` (every subcommand has --json).
+    # Its own dest: a subcommand's default (False) would overwrite a shared one.
+    parser.add_argument("--json", action="store_true", dest="json_before_command",
+                        help="machine-readable output: the same as the subcommand's --json")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for module in COMMANDS:
         importlib.import_module(module).register(sub)
     return parser
+
+
+def _json_before_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Apply a ``--json`` given before the subcommand as the subcommand's own ``--json``."""
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    command = sub.choices[args.command]
+    if not hasattr(args, "json"):
+        raise UsageError(f"--json: `accelport {args.command}` has no JSON output")
+    for group in command._mutually_exclusive_groups:  # what argparse would say after the command
+        dests = {a.dest for a in group._group_actions}
+        if "json" not in dests:
+            continue
+        for action in group._group_actions:
+            if action.dest != "json" and getattr(args, action.dest, action.default) != action.default:
+                raise UsageError(f"{args.command}: argument --json: not allowed with argument "
+                                 f"{'/'.join(action.option_strings)}")
+    args.json = True
 
 
 def emit_json(obj: Any) -> None:
@@ -73,6 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(args_list)
+        if args.json_before_command and getattr(args, "func", None):
+            _json_before_command(parser, args)
         # Parsed, the answer is exact: `accelport launch train.py --json` passes --json to the script.
         as_json = bool(getattr(args, "json", False)) or getattr(args, "format", None) == "json"
         if not getattr(args, "func", None):

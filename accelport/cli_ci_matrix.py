@@ -1,17 +1,31 @@
 """``accelport ci-matrix``: a GitHub Actions ``strategy.matrix`` of the combinations that work.
 
-Prints ``{"include": [{platform, torch, backend, python, runner, status, install}, ...]}``::
+Prints ``{"include": [{platform, torch, backend, python, runner, status, install, pip_args}, ...]}``::
 
     - id: m
-      run: echo "matrix=$(accelport ci-matrix --platform cpu,gcp-tpu)" >> "$GITHUB_OUTPUT"
+      run: |
+        matrix=$(accelport ci-matrix --platform cpu,gcp-tpu)
+        echo "matrix=$matrix" >> "$GITHUB_OUTPUT"
     ...
+    if: needs.plan.outputs.matrix != '{"include":[]}'
     strategy:
       matrix: ${{ fromJSON(needs.plan.outputs.matrix) }}
     runs-on: ${{ matrix.runner }}
+    steps:
+      - run: python -m pip install ${{ matrix.pip_args }} accelport pytest
+
+An empty result is an empty ``include`` list in the default format (a workflow
+skips its jobs on it: GitHub rejects an empty ``strategy.matrix``) and an error
+with ``--json``; a ``--torch`` version the matrix has no row for on the chosen
+platforms is a usage error either way.
 
 ``python`` is the newest Python that torch, the paired package and accelport
-all support; ``install`` is a pip line (torch-neuronx comes from AWS's own
-package index).
+all support. ``install`` is the requirements, separated by spaces, for a program
+to split (``shlex.split``: what the noxfile's ``hardware`` session does with
+``ACCELPORT_CI_INSTALL``); it is not safe in a shell (``torch-tpu>=0.2.0`` is a
+redirection there). ``pip_args`` is the same requirements quoted for a shell, plus
+the package index a requirement needs (torch-neuronx comes from AWS's own), so
+``pip install ${{ matrix.pip_args }}`` is safe in a ``run:`` step.
 """
 
 from __future__ import annotations
@@ -30,6 +44,10 @@ DEFAULT_RUNNERS: Mapping[str, str | list[str]] = {
     "aws-neuron": ["self-hosted", "trainium"],
 }
 DEFAULT_STATUSES = ("recommended", "supported", "experimental")
+#: Paired packages that are not on PyPI: the index pip needs for them (``pip_args`` adds it).
+PACKAGE_INDEXES: Mapping[str, str] = {
+    "torch-neuronx": "https://pip.repos.neuron.amazonaws.com",
+}
 _PY_MINORS = [f"3.{n}" for n in range(8, 21)]
 
 
@@ -48,7 +66,8 @@ def register(sub: Any) -> None:
     p.add_argument("--torch", action="append", dest="torch_versions", metavar="V",
                    help="torch minor versions to include (repeat or comma-separate; default all)")
     p.add_argument("--status", action="append", metavar="S",
-                   help=f"statuses to include (default {', '.join(DEFAULT_STATUSES)}; any of {', '.join(STATUSES)})")
+                   help=f"statuses to include, instead of the default {','.join(DEFAULT_STATUSES)} "
+                        f"(repeat or comma-separate; any of {', '.join(STATUSES)})")
     p.add_argument("--runner", action="append", default=[], metavar="PLATFORM=LABEL",
                    help="runs-on label(s) for a platform, e.g. gcp-tpu=self-hosted,tpu-v5e")
     p.add_argument("--format", choices=("github", "json"), default="github",
@@ -95,6 +114,19 @@ def _python(ranges: Iterable[tuple[str, str] | None], requires: str | None) -> s
     return fits[-1] if fits else None
 
 
+def pip_args(requirements: Sequence[str], package: str | None) -> str:
+    """``requirements`` quoted for a shell, plus ``--extra-index-url`` where ``package`` needs one."""
+    import shlex
+
+    from packaging.utils import canonicalize_name
+
+    args = list(requirements)
+    index = PACKAGE_INDEXES.get(canonicalize_name(package)) if package else None
+    if index:
+        args += ["--extra-index-url", index]
+    return shlex.join(args)
+
+
 def include(mx: Any, platforms: Sequence[str], minors: Sequence[tuple[int, int]] | None,
             statuses: Sequence[str], runners: Mapping[str, Any],
             requires_python: str | None) -> tuple[list[dict[str, Any]], list[str]]:
@@ -121,7 +153,7 @@ def include(mx: Any, platforms: Sequence[str], minors: Sequence[tuple[int, int]]
                 pip = [f"torch=={minor_str(m)}.*"] + ([row.requirement(m)] if row.package else [])
                 entries.append({"platform": platform, "torch": minor_str(m), "backend": backend,
                                 "python": python, "runner": runners[platform], "status": row.status,
-                                "install": " ".join(pip)})
+                                "install": " ".join(pip), "pip_args": pip_args(pip, row.package)})
     return entries, skipped
 
 
@@ -169,6 +201,18 @@ def _run(args: argparse.Namespace, as_json: bool) -> int:
             minors = [parse_torch_version(v, mx.covered()) for v in _split(args.torch_versions)]
         except InvalidVersionError as exc:
             raise UsageError(f"--torch: {exc}") from None
+        # A version the matrix knows nothing about on these platforms is a mistake (a typo, a
+        # stale pin), not an answer: an empty list would quietly drop it from CI.
+        known = {m for p in platforms for m in mx.minors(p)}
+        unknown = [v for v, m in zip(_split(args.torch_versions), minors) if m not in known]
+        if unknown:
+            covered = {p: mx.covered(p) for p in platforms}
+            ranges = (next(iter(covered.values())) if len(set(covered.values())) == 1
+                      else "; ".join(f"{r} on {p}" for p, r in covered.items()))
+            raise UsageError(
+                f"--torch {', '.join(unknown)}: the compatibility matrix has no row for torch "
+                f"{', '.join(unknown)} on {', '.join(platforms)} (it covers torch {ranges}); "
+                "see `accelport matrix`")
     runners = _runners(args.runner)
     entries, skipped = include(mx, platforms, minors, statuses, runners, _packages.requires_python("accelport"))
     for note in skipped:

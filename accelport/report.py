@@ -12,6 +12,7 @@ from __future__ import annotations
 import html
 import json
 import os
+import stat
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -26,8 +27,33 @@ class ReportError(AccelportError, ValueError):
     """The metrics file cannot be read as a run."""
 
 
+def _not_a_file(path: str) -> str | None:
+    """What ``path`` is when it exists and is not a regular file ("a directory"), else None.
+
+    Opening a named pipe blocks until something writes to it, and a directory or a device
+    is no run either: say so instead of hanging or printing an errno.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None  # missing or unreadable: open() says which
+    if stat.S_ISREG(mode):
+        return None
+    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
 def load_records(path: str) -> list[dict[str, Any]]:
     """The step records in ``path``; a bad line is an error naming its number."""
+    what = _not_a_file(path)
+    if what is not None:
+        pipe = " (save what the pipe carries to a file first)" if "pipe" in what else ""
+        raise ReportError(f"{path}: is {what}, not a metrics file; give the JSON-lines file a run wrote "
+                          f"with ACCELPORT_METRICS_FILE set{pipe}")
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.readlines()
@@ -181,6 +207,9 @@ def write_report(source: str, output: str | None = None) -> tuple[str, list[Any]
     findings = diagnose(records)
     target = output or os.path.splitext(source)[0] + ".html"
     page = render_html(records, findings, title=f"accelport run: {os.path.basename(source)}")
+    what = _not_a_file(target)
+    if what is not None:
+        raise ReportError(f"cannot write {target}: it is {what}; give -o the path of an HTML file to write")
     try:
         with open(target, "w", encoding="utf-8") as f:
             f.write(page)

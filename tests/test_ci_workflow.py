@@ -1,8 +1,10 @@
-"""The GitHub Actions workflow and the one in docs/ci.md: actionlint accepts them, and they fit
-`accelport ci-matrix` and the noxfile.
+"""The GitHub Actions workflow and those in README.md and docs/*.md: actionlint accepts them, and
+they fit `accelport ci-matrix` and the noxfile.
 
 Nothing here runs a job on GitHub. The matrix job's script runs for real, in bash, against a
-stand-in `accelport` that prints a sample of `accelport ci-matrix --format github` output.
+stand-in `accelport` that prints a sample of `accelport ci-matrix --format github` output, and
+the documented jobs' `run:` lines that paste in matrix fields run in bash with every real row,
+against stand-in `python`, `pip` and `pytest` that record the arguments they get.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -24,9 +27,11 @@ import yaml
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKFLOW = ROOT / ".github" / "workflows" / "ci.yml"
 RECIPE = ROOT / "docs" / "ci.md"
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+NEURON_INDEX = "https://pip.repos.neuron.amazonaws.com"
 
-def _real_matrix() -> dict[str, Any]:
-    """What `accelport ci-matrix` prints for the cloud platforms today: one row per cloud job."""
+
+def _ci_matrix(*args: str) -> dict[str, Any]:
     import contextlib
     import io
 
@@ -34,12 +39,32 @@ def _real_matrix() -> dict[str, Any]:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main(["ci-matrix", "--platform", "gcp-tpu", "--platform", "aws-neuron", "--format", "json"]) == 0
+        assert main(["ci-matrix", *args, "--format", "json"]) == 0
     return json.loads(out.getvalue())
+
+
+def _real_matrix() -> dict[str, Any]:
+    """What `accelport ci-matrix` prints for the cloud platforms today: one row per cloud job."""
+    return _ci_matrix("--platform", "gcp-tpu", "--platform", "aws-neuron")
 
 
 MATRIX_SAMPLE = _real_matrix()
 ROW_FIELDS = set(MATRIX_SAMPLE["include"][0])
+#: Every row of every platform and status (deprecated ones too), so neuron-xla is in.
+EVERY_ROW = _ci_matrix("--status", "recommended,supported,experimental,deprecated")["include"]
+
+
+def _doc_workflows() -> dict[str, str]:
+    """Every ```yaml block in README.md and docs/*.md that is a workflow (has `jobs:`), by file."""
+    found: dict[str, str] = {}
+    for path in DOCS:
+        blocks = [b for b in re.findall(r"```ya?ml\n(.*?)```", path.read_text(), re.S) if "jobs:" in b]
+        for n, block in enumerate(blocks, start=1):
+            found[path.relative_to(ROOT).as_posix() + (f"#{n}" if len(blocks) > 1 else "")] = block
+    return found
+
+
+DOC_WORKFLOWS = _doc_workflows()
 
 
 def _actionlint() -> str:
@@ -62,8 +87,7 @@ def _load(text: str) -> dict[str, Any]:
 
 
 def _recipe_text() -> str:
-    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", RECIPE.read_text(), re.S) if "jobs:" in b]
-    return block
+    return DOC_WORKFLOWS["docs/ci.md"]
 
 
 def _workflows() -> list[tuple[str, str]]:
@@ -84,11 +108,18 @@ def test_actionlint_accepts_the_workflow() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_actionlint_accepts_the_workflow_in_the_docs(tmp_path: pathlib.Path) -> None:
-    path = tmp_path / "recipe.yml"
-    path.write_text(_recipe_text())
+def test_the_docs_workflows_are_found() -> None:
+    # The README's ci-matrix example and the workflow of docs/ci.md, at least: a change to how
+    # they are written must not quietly take them out of the checks below.
+    assert {"README.md", "docs/ci.md"} <= set(DOC_WORKFLOWS), sorted(DOC_WORKFLOWS)
+
+
+@pytest.mark.parametrize("name", sorted(DOC_WORKFLOWS))
+def test_actionlint_accepts_the_workflow_in_the_docs(name: str, tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "documented.yml"
+    path.write_text(DOC_WORKFLOWS[name])
     result = lint(path)
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == 0, f"{name}:\n" + result.stdout + result.stderr
 
 
 def test_actionlint_rejects_a_broken_workflow(tmp_path: pathlib.Path) -> None:
@@ -177,6 +208,84 @@ def test_cloud_jobs_are_off_unless_the_repository_opts_in(name: str) -> None:
     assert jobs["cloud"]["needs"] == "cloud-matrix"  # skipped with it
 
 
+# -- every job fed by `accelport ci-matrix`, in the workflow and in the docs ------------------
+
+
+_EXPR = re.compile(r"\$\{\{\s*matrix\.([A-Za-z_][\w-]*)\s*\}\}")
+_ALL_WORKFLOWS = {"ci.yml": WORKFLOW.read_text(), **DOC_WORKFLOWS}
+
+
+def _matrix_jobs(text: str) -> list[dict[str, Any]]:
+    """The jobs whose strategy.matrix comes from a JSON output (`accelport ci-matrix`)."""
+    jobs = (_load(text) or {}).get("jobs") or {}
+    return [job for job in jobs.values()
+            if "fromJSON(" in str((job.get("strategy") or {}).get("matrix", ""))]
+
+
+@pytest.mark.parametrize("name", sorted(_ALL_WORKFLOWS))
+def test_jobs_fed_by_ci_matrix_read_only_its_fields(name: str) -> None:
+    for job in _matrix_jobs(_ALL_WORKFLOWS[name]):
+        used = set(re.findall(r"(?<![\w.-])matrix\.([A-Za-z_][\w-]*)", json.dumps(job)))
+        assert used <= ROW_FIELDS, f"{name}: {sorted(used - ROW_FIELDS)} are not fields of accelport ci-matrix"
+
+
+def _shell_steps(name: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(job, step) for each `run:` line that pastes a matrix field into the shell."""
+    return [(job, step) for job in _matrix_jobs(_ALL_WORKFLOWS[name]) for step in job.get("steps", [])
+            if _EXPR.search(str(step.get("run", "")))]
+
+
+def _render(value: Any, row: dict[str, Any]) -> str:
+    """What GitHub puts in place of ${{ matrix.X }}: the field's text, pasted as is."""
+    def field(m: re.Match[str]) -> str:
+        v = row[m.group(1)]
+        return v if isinstance(v, str) else json.dumps(v)
+
+    return _EXPR.sub(field, str(value))
+
+
+@pytest.mark.parametrize("name", sorted(n for n in _ALL_WORKFLOWS if _shell_steps(n)))
+def test_matrix_fields_reach_pip_intact_through_the_shell(name: str, tmp_path: pathlib.Path) -> None:
+    # `pip install ${{ matrix.install }}` is a redirection (`torch-tpu>=0.2.0`) and lacks AWS's
+    # index for torch-neuronx; every row must reach pip whole, in bash as GitHub runs a step.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls.log"
+    for tool in ("python", "python3", "pip", "pip3", "pytest", "accelport"):
+        (bin_dir / tool).write_text('#!/bin/bash\n{ echo "--- ${0##*/}"; printf \'%s\\n\' "$@"; } >> "$CALLS_LOG"\n')
+        (bin_dir / tool).chmod(0o755)
+    steps = _shell_steps(name)
+    installs_from_matrix = any(re.search(r"matrix\.(install|pip_args)\b", str(step["run"])) for _, step in steps)
+    for row in EVERY_ROW:
+        work = tmp_path / "work"
+        work.mkdir()
+        log.write_text("")
+        for job, step in steps:
+            env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "CALLS_LOG": str(log),
+                   "GITHUB_OUTPUT": str(tmp_path / "output"), "GITHUB_ENV": str(tmp_path / "env"),
+                   "GITHUB_PATH": str(tmp_path / "path"), "RUNNER_TEMP": str(tmp_path)}
+            env.update({k: _render(v, row) for k, v in {**job.get("env", {}), **step.get("env", {})}.items()})
+            script = tmp_path / "step.sh"
+            script.write_text(_render(step["run"], row))
+            out = subprocess.run(["bash", "-e", str(script)], cwd=work, env=env, capture_output=True, text=True,
+                                 timeout=60)
+            assert out.returncode == 0, f"{name}, {row}: {out.stderr}"
+        stray = sorted(p.name for p in work.iterdir())
+        assert not stray, f"{name}: the step wrote {stray} for {row['install']!r}: a field was read as a redirection"
+        work.rmdir()
+        if not installs_from_matrix:
+            continue
+        calls = [chunk.splitlines() for chunk in log.read_text().split("--- ")[1:]]
+        pip = [args[args.index("install") + 1:] for tool, *args in calls
+               if "install" in args and (tool.startswith("pip") or args[:2] == ["-m", "pip"])]
+        wanted = shlex.split(row["install"])
+        fits = [args for args in pip if all(req in args for req in wanted)]
+        assert fits, f"{name}: pip never got {wanted} whole for {row['platform']} {row['backend']}; it got {pip}"
+        if any(req.startswith("torch-neuronx") for req in wanted):
+            assert any(NEURON_INDEX in args and args[args.index(NEURON_INDEX) - 1] == "--extra-index-url"
+                       for args in fits), f"{name}: no --extra-index-url {NEURON_INDEX} for {row['install']}"
+
+
 # -- the same commands as the README --------------------------------------------------------
 
 
@@ -199,3 +308,5 @@ def test_real_ci_matrix_prints_an_empty_list_for_github_when_nothing_matches() -
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "{}") == {"include": []}
     assert "no combination matches" in out.stderr
+    # The exact text: a workflow may guard its matrix job with `!= '{"include":[]}'` (README.md).
+    assert out.stdout == '{"include":[]}\n'

@@ -59,6 +59,52 @@ def test_unknown_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) ->
     assert "invalid choice: 'bakends'" in err and "Traceback" not in err
 
 
+
+@pytest.mark.parametrize("args,message", [
+    (["backends", "--frobnicate"], "accelport: error: unrecognized arguments: --frobnicate\n"),
+    (["--frobnicate"], "accelport: error: unrecognized arguments: --frobnicate\n"),
+    (["ci-matrix", "--format", "yaml"], "accelport: error: ci-matrix: argument --format: invalid choice: 'yaml'"),
+    (["launch"], "accelport: error: launch: the following arguments are required: script"),
+])
+def test_usage_error_names_accelport_once(capsys: pytest.CaptureFixture[str], args: list[str],
+                                          message: str) -> None:
+    # _fail() prints the "accelport: error: " prefix; the parser must not add "accelport: " again.
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("accelport: ") == 1, err
+
+
+def test_console_usage_error_has_one_prefix() -> None:
+    out = run_cli("backends", "--frobnicate")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == "accelport: error: unrecognized arguments: --frobnicate\n"
+
+
+@pytest.mark.parametrize("command", [
+    ["backends"], ["doctor"], ["matrix", "--platform", "gcp-tpu", "--torch", "2.9"],
+    ["ci-matrix", "--platform", "cpu"], ["launch", "--dry-run", "examples/quickstart.py"],
+])
+def test_json_before_the_command_is_the_commands_json(capsys: pytest.CaptureFixture[str],
+                                                     command: list[str]) -> None:
+    before = main(["--json", *command])
+    first = capsys.readouterr()
+    after = main([*command[:1], "--json", *command[1:]])
+    second = capsys.readouterr()
+    assert before == after, (first, second)
+    assert json.loads(first.out) == json.loads(second.out)
+
+
+def test_json_before_the_command_for_errors_and_conflicts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--json", "ci-matrix", "--torch", "banana"]) == 2
+    data = json.loads(capsys.readouterr().out)
+    assert data["kind"] == "usage" and "invalid torch version 'banana'" in data["error"]
+    # The same conflict argparse reports after the command, with the same words.
+    assert main(["--json", "doctor", "--markdown"]) == 2
+    data = json.loads(capsys.readouterr().out)
+    assert data == {"error": "doctor: argument --json: not allowed with argument --markdown", "kind": "usage"}
+    out = run_cli("--json", "backends")
+    assert out.returncode == 0 and json.loads(out.stdout)["selected"]["name"] == "cpu", out.stderr
+
 def test_no_command_prints_help_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert "backends" in capsys.readouterr().out

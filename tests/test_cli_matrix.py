@@ -134,7 +134,7 @@ def test_ci_matrix_lists_the_working_combinations(capsys: pytest.CaptureFixture[
     assert ("aws-neuron", "2.9", "neuron-xla") not in keys
     assert ("gcp-tpu", "2.10", "xla") not in keys  # unsupported
     for e in entries:
-        assert set(e) == {"platform", "torch", "backend", "python", "runner", "status", "install"}
+        assert set(e) == {"platform", "torch", "backend", "python", "runner", "status", "install", "pip_args"}
         assert e["status"] in ("recommended", "supported", "experimental")
         assert str(e["install"]).startswith(f"torch=={e['torch']}.*")
     assert len(entries) < 256  # GitHub's limit on jobs per matrix
@@ -147,6 +147,47 @@ def test_ci_matrix_python_fits_torch_package_and_accelport(capsys: pytest.Captur
     assert by[("aws-neuron", "2.14", "neuron")]["python"] == "3.14"
     assert by[("cpu", "2.13", "cpu")]["python"] == "3.15"
     assert by[("gcp-tpu", "2.9", "xla")]["install"] == "torch==2.9.* torch_xla[tpu]==2.9.*"
+
+
+def _through_bash(words: str) -> list[str]:
+    """The arguments a command gets when ``words`` are pasted into a bash command line."""
+    import subprocess
+
+    out = subprocess.run(["bash", "-c", 'printf "%s\\n" ' + words], capture_output=True, text=True,
+                         timeout=30, check=True)
+    return out.stdout.splitlines()
+
+
+def test_ci_matrix_pip_args_are_safe_in_a_shell(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import shlex
+    import subprocess
+
+    monkeypatch.chdir(tmp_path)  # a redirection would write here
+    entries = ci(capsys, "--status", "recommended,supported,experimental,deprecated")
+    neuron = "https://pip.repos.neuron.amazonaws.com"
+    by = {(e["platform"], e["torch"], e["backend"]): e for e in entries}
+    assert by[("gcp-tpu", "2.13", "tpu")]["install"] == "torch==2.13.* torch-tpu>=0.2.0"  # unchanged
+    assert _through_bash(by[("gcp-tpu", "2.13", "tpu")]["pip_args"]) == ["torch==2.13.*", "torch-tpu>=0.2.0"]
+    assert _through_bash(by[("aws-neuron", "2.14", "neuron")]["pip_args"]) == [
+        "torch==2.14.*", "torch-neuronx==2.14.3.0.*", "--extra-index-url", neuron]
+    assert _through_bash(by[("cpu", "2.13", "cpu")]["pip_args"]) == ["torch==2.13.*"]
+    for e in entries:
+        args = _through_bash(str(e["pip_args"]))
+        # The same requirements as `install` (what the noxfile splits), plus the index pip needs.
+        requirements = shlex.split(str(e["install"]))
+        needs_index = any(r.startswith("torch-neuronx") for r in requirements)
+        assert args == requirements + (["--extra-index-url", neuron] if needs_index else []), e
+        assert shlex.split(str(e["pip_args"])) == args
+        assert needs_index == (e["platform"] == "aws-neuron"), e
+        # As a GitHub `run:` line: no word is taken as a redirection, a glob or a variable.
+        subprocess.run(["bash", "-ec", f"printf '%s\\n' {e['pip_args']} > argv"], check=True, timeout=30)
+        assert (tmp_path / "argv").read_text().splitlines() == args
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["argv"]
+    # Why pip_args exists: pasted unquoted, `install` loses the pin to a redirection.
+    (tmp_path / "argv").unlink()
+    assert _through_bash("torch==2.13.* torch-tpu>=0.2.0") == []
+    assert (tmp_path / "=0.2.0").read_text().splitlines() == ["torch==2.13.*", "torch-tpu"]
 
 
 def test_ci_matrix_default_and_custom_runners(capsys: pytest.CaptureFixture[str]) -> None:
@@ -183,6 +224,10 @@ def test_ci_matrix_json_format_is_indented(capsys: pytest.CaptureFixture[str]) -
     (("--status", "stable"), 2, ["unknown status 'stable'", "recommended, supported"]),
     (("--runner", "gcp-tpu"), 2, ["PLATFORM=LABEL"]),
     (("--runner", "moon=x"), 2, ["unknown platform 'moon'"]),
+    # A torch version the matrix has no row for is a mistake, not an empty answer.
+    (("--torch", "1.0"), 2, ["--torch 1.0: the compatibility matrix has no row for torch 1.0",
+                             "it covers torch 2.1 to"]),
+    (("--platform", "cpu", "--torch", "2.9,3.0"), 2, ["--torch 3.0:", "on cpu (it covers torch 2.1 to"]),
 ])
 def test_ci_matrix_errors(capsys: pytest.CaptureFixture[str], args: tuple[str, ...], code: int,
                           words: list[str]) -> None:
@@ -197,6 +242,7 @@ def test_ci_matrix_errors(capsys: pytest.CaptureFixture[str], args: tuple[str, .
 def test_ci_matrix_with_no_match(capsys: pytest.CaptureFixture[str]) -> None:
     # For a workflow (the default format) an empty list is an answer: the workflow skips the cloud
     # jobs on count == 0. As JSON for a person or a script it is an error saying what to do.
+    # (torch 2.10 has rows on gcp-tpu, none that works: unlike 1.0, it is not a usage error.)
     got, out, err = run(capsys, "ci-matrix", "--platform", "gcp-tpu", "--torch", "2.10")
     assert got == 0 and json.loads(out) == {"include": []} and "no combination matches" in err
     for flag in (("--json",), ("--format", "json")):

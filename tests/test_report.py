@@ -114,6 +114,37 @@ def test_cli_report_json_and_errors(tmp_path, capsys) -> None:  # type: ignore[n
     assert err["kind"] == "ReportError" and "no such file" in err["error"]
 
 
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes need a POSIX system")
+def test_report_on_a_named_pipe_or_a_directory_is_an_error_not_a_hang(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import sys
+
+    fifo = tmp_path / "run.jsonl"
+    os.mkfifo(fifo)
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    good = tmp_path / "good.jsonl"
+    write_jsonl(good, [step(1)])
+    cases = [([str(fifo)], "is a named pipe (FIFO), not a metrics file"),
+             ([str(folder)], "is a directory, not a metrics file"),
+             ([str(good), "-o", str(fifo)], "it is a named pipe (FIFO)"),
+             ([str(good), "-o", str(folder)], "it is a directory")]
+    for args, words in cases:
+        # In a subprocess with a timeout: opening a FIFO nobody writes to would block for ever.
+        out = subprocess.run([sys.executable, "-m", "accelport", "report", *args],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and out.stdout == "", out.stderr
+        assert out.stderr.startswith("accelport: error: ") and words in out.stderr, out.stderr
+        assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+        out = subprocess.run([sys.executable, "-m", "accelport", "report", *args, "--json"],
+                             capture_output=True, text=True, timeout=60)
+        data = json.loads(out.stdout)
+        assert out.returncode == 1 and data["kind"] == "ReportError" and words in data["error"]
+    assert not (tmp_path / "run.html").exists()
+    with pytest.raises(ReportError, match="is a directory"):
+        load_records(str(folder))
+
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +45,15 @@ ENGINES = ("torchrun", "xla")
 _PJRT_BY_PLATFORM = {"gcp-tpu": "TPU", "aws-neuron": "NEURON"}
 #: The variable that sets how many devices torch_xla replicates over, per PJRT device.
 _XLA_NUM_DEVICES = {"CPU": "CPU_NUM_DEVICES", "NEURON": "NEURONCORE_NUM_DEVICES"}
+
+#: How long (seconds) a host waits for the others of a multi-host job before the launch
+#: fails, unless --rdzv-timeout says otherwise: torchrun's own default, now passed
+#: explicitly, so the bound is visible in a dry run and stays the same across torch versions.
+RDZV_TIMEOUT_S = 600
+#: The --rdzv-conf key each rendezvous backend reads its timeout from (torch 2.x:
+#: static_tcp_rendezvous.py and etcd_rendezvous.py read "timeout"; the dynamic
+#: rendezvous of c10d and etcd-v2 reads "join_timeout").
+_RDZV_TIMEOUT_KEY = {"static": "timeout", "etcd": "timeout"}
 
 
 class LaunchError(AccelportError):
@@ -100,6 +110,8 @@ class Rendezvous:
     rdzv_endpoint: str | None = None
     rdzv_backend: str | None = None
     rdzv_id: str | None = None
+    #: Seconds to wait for the other hosts (default :data:`RDZV_TIMEOUT_S`).
+    rdzv_timeout: int | None = None
 
     def max_nodes(self) -> int:
         return int(self.nnodes.split(":")[-1])
@@ -128,6 +140,9 @@ class LaunchPlan:
     available: bool = True
     reason: str = ""
     notes: list[str] = field(default_factory=list)
+    #: Where the hosts meet, on several hosts: option, host, port, timeout_s. Empty on one host.
+    #: ``run_plan`` checks that the host resolves before anything starts.
+    rendezvous: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -165,6 +180,9 @@ def _check_rendezvous(rdzv: Rendezvous) -> None:
     if rdzv.node_rank is not None and rdzv.max_nodes() > 1 and not 0 <= rdzv.node_rank < rdzv.max_nodes():
         raise _usage(f"--node-rank must be between 0 and {rdzv.max_nodes() - 1} (--nnodes {rdzv.nnodes}), "
                      f"not {rdzv.node_rank}")
+    if rdzv.rdzv_timeout is not None and rdzv.rdzv_timeout < 1:
+        raise _usage(f"--rdzv-timeout must be at least 1 (seconds to wait for the other hosts), "
+                     f"not {rdzv.rdzv_timeout}")
     if rdzv.master_port is not None and not 1 <= rdzv.master_port <= 65535:
         raise _usage(f"--master-port must be a TCP port (1 to 65535), not {rdzv.master_port}")
     if rdzv.rdzv_endpoint is not None:
@@ -220,37 +238,95 @@ def build_plan(
         parent_env_function=backend.launch_env_function, parent_env_kwargs=kwargs,
         parent_env_preload=getattr(backend, "vendor_module", None),
         available=probe.available, reason=probe.reason, notes=notes,
+        rendezvous=_meeting_point(rdzv) if engine == "torchrun" else {},
     )
+
+
+def _meeting_point(rdzv: Rendezvous) -> dict[str, Any]:
+    """Where the hosts meet (the plan's ``rendezvous``); empty on one host."""
+    if rdzv.max_nodes() == 1:
+        return {}
+    timeout = rdzv.rdzv_timeout or RDZV_TIMEOUT_S
+    if rdzv.rdzv_endpoint:
+        host, _, port = rdzv.rdzv_endpoint.rpartition(":")
+        return {"option": "--rdzv-endpoint", "host": host, "port": int(port), "timeout_s": timeout}
+    return {"option": "--master-addr", "host": rdzv.master_addr, "port": rdzv.master_port or 29500,
+            "timeout_s": timeout}
+
+
+def _check_resolves(rendezvous: Mapping[str, Any]) -> None:
+    """Refuse a meeting point whose host name does not resolve here, before anything starts.
+
+    torchrun would retry an unresolvable name until its rendezvous timeout (ten
+    minutes by default), printing only c10d warnings; a typo deserves a usage error now.
+    """
+    host = rendezvous.get("host")
+    if not host:
+        return
+    try:
+        socket.getaddrinfo(host.strip("[]"), rendezvous.get("port"), type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:  # socket.gaierror is an OSError; an over-long label a UnicodeError
+        reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        option = rendezvous.get("option", "--master-addr")
+        what = "the host of --rdzv-endpoint" if option == "--rdzv-endpoint" else option
+        raise _usage(f"{what} {host!r} does not resolve on this host ({reason}); give a host name or "
+                     "IP address that every host of the job can resolve (check the spelling, DNS or "
+                     "/etc/hosts)") from None
 
 
 def _torchrun_command(backend: Backend, script: str, script_args: Sequence[str], nprocs: int | None,
                       rdzv: Rendezvous, python: str) -> tuple[list[str], int]:
     n = nprocs if nprocs is not None else max(1, backend.probe().device_count or 1)
     args = ["--nproc-per-node", str(n), "--nnodes", rdzv.nnodes]
-    if rdzv.rdzv_endpoint:
-        args += ["--rdzv-backend", rdzv.rdzv_backend or "c10d", "--rdzv-endpoint", rdzv.rdzv_endpoint]
+    options = [g for g in rdzv.given() if g != "nnodes"]
+    flags = ", ".join("--" + g.replace("_", "-") for g in options)
+    timeout = str(rdzv.rdzv_timeout or RDZV_TIMEOUT_S)
+    if rdzv.max_nodes() == 1:
+        # One host: the rendezvous options are refused rather than ignored or obeyed. Obeyed, a
+        # static rendezvous of one host at --master-addr only works if that address is this host,
+        # and otherwise waits minutes for a store that never answers; ignored, a forgotten
+        # --nnodes would run a multi-host job as several independent single-host ones, each
+        # training on its own. Either way the user meant several hosts, so say what is missing.
+        if options:
+            raise _usage(f"{flags} only {'applies' if len(options) == 1 else 'apply'} with --nnodes > 1 "
+                         "(several hosts); on one host the workers meet on a free local port by "
+                         "themselves. Give --nnodes N (the number of hosts, the same on every host), "
+                         f"or drop {flags}")
+        # One host: torchrun picks a free port itself, so two jobs never collide on 29500.
+        args.append("--standalone")
+    elif rdzv.rdzv_endpoint:
+        mixed = [f for f, v in (("--master-addr", rdzv.master_addr), ("--node-rank", rdzv.node_rank),
+                                ("--master-port", rdzv.master_port)) if v is not None]
+        if mixed:
+            raise _usage("give either --rdzv-endpoint (hosts meet there, ranks are assigned) or "
+                         "--master-addr with --node-rank (fixed ranks), not both: drop "
+                         f"{', '.join(mixed)}")
+        backend_name = rdzv.rdzv_backend or "c10d"
+        if backend_name == "static":  # torchrun would give every host rank 0: it needs --node-rank
+            raise _usage("--rdzv-backend static is a fixed-rank rendezvous: use --master-addr HOST "
+                         "--master-port PORT with --node-rank N instead of --rdzv-endpoint")
+        args += ["--rdzv-backend", backend_name, "--rdzv-endpoint", rdzv.rdzv_endpoint]
         if rdzv.rdzv_id:
             args += ["--rdzv-id", rdzv.rdzv_id]
-        if rdzv.master_addr or rdzv.node_rank is not None:
-            raise _usage("give either --rdzv-endpoint (hosts meet there, ranks are assigned) or "
-                         "--master-addr with --node-rank (fixed ranks), not both")
+        # A bound on the wait for the other hosts: without one a host that never comes is
+        # waited for as long as the backend's default allows.
+        args += ["--rdzv-conf", f"{_RDZV_TIMEOUT_KEY.get(backend_name, 'join_timeout')}={timeout}"]
     elif rdzv.master_addr:
-        if rdzv.max_nodes() > 1 and rdzv.node_rank is None:
+        if rdzv.node_rank is None:
             raise _usage("--master-addr on several hosts needs --node-rank (0 on the master host, "
                          "1, 2, ... on the others), or use --rdzv-endpoint instead")
         if ":" in rdzv.nnodes:
             raise _usage("a range of hosts (--nnodes MIN:MAX) needs --rdzv-endpoint, not --master-addr")
+        mixed = [f for f, v in (("--rdzv-backend", rdzv.rdzv_backend), ("--rdzv-id", rdzv.rdzv_id))
+                 if v is not None]
+        if mixed:
+            raise _usage(f"{', '.join(mixed)} go with --rdzv-endpoint; --master-addr with --node-rank "
+                         f"is a fixed (static) rendezvous: drop {', '.join(mixed)} or use --rdzv-endpoint")
         args += ["--master-addr", rdzv.master_addr, "--master-port", str(rdzv.master_port or 29500),
-                 "--node-rank", str(rdzv.node_rank or 0)]
-    elif rdzv.max_nodes() > 1:
+                 "--node-rank", str(rdzv.node_rank), "--rdzv-conf", f"timeout={timeout}"]
+    else:
         raise _usage(f"--nnodes {rdzv.nnodes} needs a meeting point: --rdzv-endpoint HOST:PORT "
                      "(the same on every host), or --master-addr HOST with --node-rank N")
-    elif rdzv.given():
-        raise _usage(f"{', '.join('--' + g.replace('_', '-') for g in rdzv.given())} only take effect "
-                     "with --rdzv-endpoint or --master-addr")
-    else:
-        # One host: torchrun picks a free port itself, so two jobs never collide on 29500.
-        args.append("--standalone")
     return [python, "-m", "torch.distributed.run", *args, "-m", "accelport._worker", script,
             *script_args], n
 
@@ -340,6 +416,7 @@ def run_plan(plan: LaunchPlan, environ: Mapping[str, str] | None = None) -> None
         from .errors import BackendUnavailableError
 
         raise BackendUnavailableError(plan.backend, plan.reason, "--backend")
+    _check_resolves(plan.rendezvous)
     env = {**base, **plan.env}
     if plan.parent_env_function:
         env.update(parent_launch_env(plan.parent_env_function, plan.parent_env_kwargs, env,
@@ -420,6 +497,7 @@ def _run_torchrun(plan: LaunchPlan, env: dict[str, str], launch_dir: str) -> Non
     os.environ.clear()
     os.environ.update(env)
     try:
+        from torch.distributed import DistError
         from torch.distributed import run as torchrun
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -435,11 +513,17 @@ def _run_torchrun(plan: LaunchPlan, env: dict[str, str], launch_dir: str) -> Non
                 for rank, pf in sorted(exc.failures.items())
             ]
             raise WorkerFailedError(_first(failures), failures) from None
-        except RendezvousError as exc:
+        except (RendezvousError, DistError) as exc:
+            # A static rendezvous (--master-addr) fails with the store's DistError (a client that
+            # cannot connect, a master whose clients never came); c10d with a RendezvousError.
+            where = plan.rendezvous
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else "no details"
+            waited = f" within {where['timeout_s']} s" if where.get("timeout_s") else ""
             raise LaunchError(
-                f"the hosts did not meet ({type(exc).__name__}: {exc}); check that every host runs the "
-                "same command with the same --nnodes and --rdzv-endpoint (or --master-addr), and that "
-                "the address is reachable from all of them") from None
+                f"the {plan.nnodes} hosts did not meet{waited} ({type(exc).__name__}: {detail}); check "
+                "that every host runs the same command with the same --nnodes and --rdzv-endpoint (or "
+                "--master-addr), that the address is reachable from all of them, and --rdzv-timeout "
+                "if the hosts start far apart") from None
         except SignalException as exc:
             raise LaunchError(f"the launch received {exc.sigval.name}; all workers were stopped") from None
     finally:

@@ -2,6 +2,7 @@
 
     accelport launch --nprocs 4 train.py --epochs 3
     accelport launch --nnodes 2 --rdzv-endpoint host0:29400 --nprocs 8 train.py   # on every host
+    accelport launch --nnodes 2 --node-rank 1 --master-addr host0 train.py        # fixed ranks
     accelport launch --backend xla train.py                                       # torch_xla.launch
     accelport launch --dry-run --json --nprocs 2 train.py                         # what would run
 """
@@ -29,7 +30,8 @@ def register(sub: Any) -> None:
                    help="worker processes per host (default: one per device the backend sees; 1 on cpu)")
     p.add_argument("--backend", default=None,
                    help="backend for the workers (default: ACCELPORT_BACKEND, else the selection)")
-    hosts = p.add_argument_group("several hosts (torchrun rendezvous; the same values on every host)")
+    hosts = p.add_argument_group("several hosts (torchrun rendezvous; the same values on every host; "
+                                 "refused with --nnodes 1)")
     hosts.add_argument("--nnodes", default="1", help="number of hosts, or MIN:MAX (default 1)")
     hosts.add_argument("--node-rank", type=int, default=None, help="this host's rank, with --master-addr")
     hosts.add_argument("--master-addr", default=None, help="address of the host with --node-rank 0")
@@ -38,6 +40,8 @@ def register(sub: Any) -> None:
                        help="where hosts meet (c10d rendezvous): ranks are assigned, no --node-rank needed")
     hosts.add_argument("--rdzv-backend", default=None, help="rendezvous backend (default c10d)")
     hosts.add_argument("--rdzv-id", default=None, help="job id shared by the hosts of one job")
+    hosts.add_argument("--rdzv-timeout", type=int, default=None, metavar="SECONDS",
+                       help="how long a host waits for the others before the launch fails (default 600)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the command and environment that would run, and start nothing")
     p.add_argument("--json", action="store_true", help="machine-readable output (dry run and errors)")
@@ -72,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
 
     rdzv = Rendezvous(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                       master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint,
-                      rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id)
+                      rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id, rdzv_timeout=args.rdzv_timeout)
     backend = _backend(args.backend, args.dry_run)
     plan = build_plan(backend, args.script, args.script_args, nprocs=args.nprocs, rdzv=rdzv)
     if args.dry_run:

@@ -114,7 +114,18 @@ def test_static_rendezvous_for_several_hosts(script: str) -> None:
         (Rendezvous(nnodes="2"), "needs a meeting point"),
         (Rendezvous(nnodes="2", master_addr="h0"), "needs --node-rank"),
         (Rendezvous(nnodes="2", rdzv_endpoint="h0:1", master_addr="h0", node_rank=0), "not both"),
-        (Rendezvous(node_rank=1), "only take effect"),
+        (Rendezvous(node_rank=1), r"--node-rank only applies with --nnodes > 1"),
+        (Rendezvous(node_rank=0), r"--node-rank only applies with --nnodes > 1"),
+        (Rendezvous(master_addr="h0"), r"--master-addr only applies with --nnodes > 1"),
+        (Rendezvous(master_addr="h0", node_rank=0, master_port=29500),
+         r"--node-rank, --master-addr, --master-port only apply with --nnodes > 1"),
+        (Rendezvous(nnodes="1:1", rdzv_endpoint="h0:29400"), r"--rdzv-endpoint only applies with --nnodes > 1"),
+        (Rendezvous(rdzv_id="job", rdzv_backend="c10d", rdzv_timeout=30),
+         r"--rdzv-backend, --rdzv-id, --rdzv-timeout only apply"),
+        (Rendezvous(nnodes="2", rdzv_endpoint="h0:1", master_port=29500), "not both: drop --master-port"),
+        (Rendezvous(nnodes="2", rdzv_endpoint="h0:1", rdzv_backend="static"), "use --master-addr"),
+        (Rendezvous(nnodes="2", master_addr="h0", node_rank=1, rdzv_backend="c10d"), "go with --rdzv-endpoint"),
+        (Rendezvous(nnodes="2", rdzv_endpoint="h0:1", rdzv_timeout=0), "--rdzv-timeout must be at least 1"),
         (Rendezvous(nnodes="two"), "--nnodes must be"),
         (Rendezvous(nnodes="4:2"), "--nnodes must be"),
         (Rendezvous(nnodes="1:4", master_addr="h0", node_rank=0), "needs --rdzv-endpoint"),
@@ -123,6 +134,32 @@ def test_static_rendezvous_for_several_hosts(script: str) -> None:
 def test_rendezvous_options_that_cannot_work_are_refused(script: str, rdzv: Rendezvous, message: str) -> None:
     with pytest.raises(UsageError, match=message):
         build_plan(cpu(), script, nprocs=2, rdzv=rdzv)
+
+
+def test_the_rendezvous_wait_is_bounded_with_options_this_torchrun_reads(script: str) -> None:
+    from datetime import timedelta
+
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import create_rdzv_handler
+    from torch.distributed.run import config_from_args, parse_args
+
+    from accelport._launch import RDZV_TIMEOUT_S
+
+    c10d = build_plan(cpu(), script, nprocs=1, rdzv=Rendezvous(nnodes="2", rdzv_endpoint="h0:29400"))
+    config, _, _ = config_from_args(parse_args(c10d.command[3:]))
+    assert config.rdzv_backend == "c10d" and config.rdzv_configs["join_timeout"] == str(RDZV_TIMEOUT_S)
+    assert c10d.rendezvous == {"option": "--rdzv-endpoint", "host": "h0", "port": 29400,
+                               "timeout_s": RDZV_TIMEOUT_S}
+
+    static = build_plan(cpu(), script, nprocs=1,
+                        rdzv=Rendezvous(nnodes="2", master_addr="h0", node_rank=1, rdzv_timeout=30))
+    config, _, _ = config_from_args(parse_args(static.command[3:]))
+    assert config.rdzv_backend == "static" and config.rdzv_configs == {"timeout": "30", "rank": 1}
+    params = RendezvousParameters(config.rdzv_backend, config.rdzv_endpoint, config.run_id, 2, 2,
+                                  **config.rdzv_configs)
+    assert create_rdzv_handler(params).timeout == timedelta(seconds=30)  # the key torch reads
+    assert static.rendezvous["timeout_s"] == 30 and static.rendezvous["host"] == "h0"
+    assert build_plan(cpu(), script).rendezvous == {}  # one host: nothing to meet at
 
 
 def test_xla_family_launches_through_torch_xla(script: str) -> None:
@@ -253,6 +290,69 @@ def test_bad_input_is_a_specific_error_and_valid_json(script: str, capsys: pytes
     assert err.startswith("accelport: error:") and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # One host (--nnodes 1, the default): these used to hang torchrun on the address.
+        (["--master-addr", "h.invalid"], r"^--master-addr only applies with --nnodes > 1 \(several hosts\)"),
+        (["--master-addr", "h.invalid", "--node-rank", "0"],
+         r"^--node-rank, --master-addr only apply with --nnodes > 1"),
+        # Several hosts, a name that never resolves (the reserved .invalid TLD): refused at once.
+        (["--nnodes", "2", "--node-rank", "1", "--master-addr", "h.invalid"],
+         r"^--master-addr 'h\.invalid' does not resolve on this host"),
+        (["--nnodes", "2", "--rdzv-endpoint", "node0.invalid:29400"],
+         r"^the host of --rdzv-endpoint 'node0\.invalid' does not resolve on this host"),
+    ],
+)
+@pytest.mark.parametrize("as_json", [False, True], ids=["plain", "json"])
+def test_a_rendezvous_that_cannot_work_fails_before_anything_starts(script: str, argv: list[str], message: str,
+                                                                    as_json: bool) -> None:
+    import re
+
+    proc = launch(*(["--json"] if as_json else []), "--backend", "cpu", "--nprocs", "1", *argv, script,
+                  timeout=120)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr[-3000:])
+    if as_json:
+        data = json.loads(proc.stdout)
+        assert data["kind"] == "usage" and re.search(message, data["error"]), data
+    else:
+        assert proc.stdout == ""
+        first = proc.stderr.splitlines()[0]
+        assert first.startswith("accelport: error: ") and re.search(message, first[len("accelport: error: "):])
+        assert "Traceback" not in proc.stderr and "c10d" not in proc.stderr
+
+
+def test_a_dry_run_does_not_resolve_the_address(script: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # The plan may be meant for another machine, on a network where the name resolves.
+    argv = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "h.invalid", "--rdzv-timeout", "60"]
+    assert main(["launch", "--dry-run", "--json", *argv, script]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["rendezvous"] == {"option": "--master-addr", "host": "h.invalid", "port": 29500, "timeout_s": 60}
+    assert "timeout=60" in plan["command"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("style", ["master-addr", "rdzv-endpoint"])
+def test_a_host_that_never_comes_ends_the_launch_after_the_rendezvous_timeout(script: str, style: str) -> None:
+    port = str(_free_port())
+    meet = (["--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", port] if style == "master-addr"
+            else ["--rdzv-endpoint", f"127.0.0.1:{port}"])
+    # This host is the only one of two that ever comes: the wait ends after --rdzv-timeout.
+    proc = launch("--json", "--backend", "cpu", "--nprocs", "1", "--nnodes", "2", *meet, "--rdzv-timeout", "2",
+                  script, timeout=150)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr[-3000:])
+    data = json.loads(proc.stdout)
+    assert data["kind"] == "LaunchError", data
+    assert data["error"].startswith("the 2 hosts did not meet within 2 s ("), data
+
+
 def test_missing_script_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["launch", "--json", str(tmp_path / "nope.py")]) == 2
     data = json.loads(capsys.readouterr().out)
@@ -316,6 +416,18 @@ def test_two_process_job_succeeds(dp_job: tuple[subprocess.CompletedProcess[str]
     r0, r1 = _rank(out, 0), _rank(out, 1)
     assert (r0["rank"], r0["world"], r0["main"]) == (0, 2, True)
     assert (r1["rank"], r1["world"], r1["main"]) == (1, 2, False)
+
+
+def test_gradients_are_averaged_in_fewer_all_reduces_than_parameters(
+        dp_job: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    proc, out = dp_job
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in (0, 1):
+        got = _rank(out, r)
+        calls = got["all_reduce_calls_per_step"]
+        assert len(calls) == got["steps"] == 20
+        assert all(1 <= c < got["parameters"] for c in calls), calls  # coalesced, not one per parameter
+        assert calls == [1] * 20  # 4 small float32 cpu tensors: one bucket, one collective per step
 
 
 def test_replicas_hold_identical_parameters_equal_to_one_process_on_the_combined_batch(

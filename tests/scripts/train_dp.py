@@ -36,17 +36,32 @@ def main(out_dir: str) -> None:
     rank, world = ap.rank(), ap.world_size()
     result: dict[str, object] = {"rank": rank, "world": world, "main": ap.is_main_process()}
 
-    # 1. Training: every rank takes its share of the batches; gradients are averaged.
+    # 1. Training: every rank takes its share of the batches; gradients are averaged, in
+    # buckets: a spy (the real collective still runs) counts the all-reduces of each step.
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     steps = 0
+    calls_per_step: list[int] = []
+    real_all_reduce = torch.distributed.all_reduce
+
+    def counting_all_reduce(*args: object, **kwargs: object) -> object:
+        calls_per_step[-1] += 1
+        return real_all_reduce(*args, **kwargs)
+
     for x, y in ap.loader(make_data(), shard=True):
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
-        ap.optimizer_step(opt)
+        calls_per_step.append(0)
+        torch.distributed.all_reduce = counting_all_reduce
+        try:
+            ap.optimizer_step(opt)
+        finally:
+            torch.distributed.all_reduce = real_all_reduce
         opt.zero_grad()
         steps += 1
     result["steps"] = steps
+    result["all_reduce_calls_per_step"] = calls_per_step
+    result["parameters"] = len(list(model.parameters()))
     result["params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     # 2. A parameter that gets a gradient on one rank only must not hang the job.

@@ -61,7 +61,9 @@ class BucketCollate:
 
     Samples are tensors, tuples or dicts of tensors. Every tensor with at least
     one dimension is padded along its first dimension (the sequence) to the
-    bucket length and stacked; 0-d tensors and numbers are stacked as they are.
+    bucket length and stacked; 0-d tensors and numbers are stacked as they are,
+    and so are the fields named in ``fixed_fields`` (fixed-size features such as
+    an image or an embedding, which must not grow to the bucket length).
 
     Args:
         buckets: allowed sequence lengths, e.g. ``(128, 256, 512, 1024)``.
@@ -74,6 +76,9 @@ class BucketCollate:
             compilation for the last batch.
         too_long: ``"error"`` (default) or ``"truncate"`` for samples longer
             than the largest bucket.
+        fixed_fields: keys (dict samples) or positions (tuple samples) of
+            fields that are not sequences: stacked, never padded in length
+            (a short final batch is still padded to ``batch_size``).
     """
 
     def __init__(
@@ -82,6 +87,7 @@ class BucketCollate:
         pad_value: float | Sequence[float] | Mapping[str, float] = 0,
         batch_size: int | None = None,
         too_long: str = "error",
+        fixed_fields: Sequence[Any] = (),
     ) -> None:
         if not buckets or any(not isinstance(b, int) or b <= 0 for b in buckets):
             raise ValueError(f"buckets must be positive ints, e.g. (128, 256, 512), not {buckets!r}")
@@ -93,6 +99,9 @@ class BucketCollate:
         self.pad_value = pad_value
         self.batch_size = batch_size
         self.too_long = too_long
+        if isinstance(fixed_fields, (str, int)):  # one name or position, not its characters
+            fixed_fields = (fixed_fields,)
+        self.fixed_fields = frozenset(fixed_fields)
 
     def bucket_for(self, length: int) -> int:
         """The smallest bucket >= ``length`` (the largest if truncating)."""
@@ -133,8 +142,14 @@ class BucketCollate:
     def _field(self, values: list[Any], key: Any, torch: Any) -> Any:
         tensors = [v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for v in values]
         pad = self._pad_for(key)
-        if tensors[0].ndim == 0:
-            stacked = torch.stack(tensors)
+        if tensors[0].ndim == 0 or key in self.fixed_fields:
+            try:
+                stacked = torch.stack(tensors)
+            except RuntimeError:
+                shapes = sorted({tuple(t.shape) for t in tensors})
+                raise ValueError(f"field {key!r} is in fixed_fields but its samples differ in shape "
+                                 f"({', '.join(map(str, shapes))}): only fixed-size fields can be stacked "
+                                 "as they are") from None
             return self._pad_batch(stacked, pad, torch)
         length = self.bucket_for(max(t.shape[0] for t in tensors))
         padded = [pad_to(t[:length], length, dim=0, value=pad) for t in tensors]

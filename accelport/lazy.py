@@ -207,10 +207,20 @@ class LazyBackend(Backend):
     # -- lifecycle ---------------------------------------------------------------------
     def prepare(self) -> None:
         import torch
-        import torch_xla
-        import torch_xla.core.xla_model as xm
-        import torch_xla.debug.metrics as met
-        import torch_xla.runtime as xr
+
+        try:
+            import torch_xla
+            import torch_xla.core.xla_model as xm
+            import torch_xla.debug.metrics as met
+            import torch_xla.runtime as xr
+        except ImportError as exc:  # versions pair (the probe said so), yet the build does not load
+            found = _packages.version("torch_xla")
+            raise AccelportError(
+                f"torch_xla{' ' + found if found else ''} is installed but does not import: {exc}. "
+                f"It was probably built for another torch build than torch {torch.__version__} (a CUDA or "
+                "CPU wheel, another patch release): reinstall both together, "
+                "pip install --force-reinstall torch==X.Y.Z torch_xla==X.Y.Z"
+            ) from exc
 
         device_fn = _current(torch_xla, "device") or _current(xm, "xla_device")
         sync_fn = _current(torch_xla, "sync") or _current(xm, "mark_step")

@@ -47,6 +47,22 @@ def test_bucket_collate_tuples_and_short_final_batch() -> None:
     assert x[1:].eq(0).all() and y.tolist() == [1, -100, -100]
 
 
+def test_fixed_size_fields_are_stacked_not_padded_to_the_bucket() -> None:
+    import torch
+
+    collate = ap.data.BucketCollate(buckets=(8, 16), fixed_fields=("features",), batch_size=3)
+    batch = collate([{"ids": torch.arange(5), "features": torch.ones(10)},
+                     {"ids": torch.arange(9), "features": torch.zeros(10)}])
+    assert batch["ids"].shape == (3, 16)  # a sequence: padded to the bucket
+    assert batch["features"].shape == (3, 10)  # a feature vector: as it is, plus the padded sample
+    assert batch["features"][0].eq(1).all() and batch["features"][2].eq(0).all()
+    by_position = ap.data.BucketCollate(buckets=(8,), fixed_fields=1)
+    x, image = by_position([(torch.arange(3), torch.ones(3, 4, 4)), (torch.arange(6), torch.ones(3, 4, 4))])
+    assert x.shape == (2, 8) and image.shape == (2, 3, 4, 4)
+    with pytest.raises(ValueError, match="field 1 is in fixed_fields but its samples differ in shape"):
+        by_position([(torch.arange(3), torch.ones(3)), (torch.arange(3), torch.ones(4))])
+
+
 def test_bucket_collate_bad_input_says_what_to_do() -> None:
     import torch
 

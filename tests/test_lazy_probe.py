@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import sys
 from collections.abc import Callable
 
@@ -125,6 +126,20 @@ def test_xla_probe_reads_the_tree_accelport_sysroot_names(site: Callable[..., No
     p = XlaBackend().probe()
     assert p.available, p.reason
     assert p.device_count == 4 and p.details["pjrt_device"] == "TPU"
+
+
+@pytest.mark.skipif(_packages.version("torch_xla") is not None,
+                    reason="torch_xla is installed here; the default environment runs this")
+def test_a_torch_xla_that_pairs_but_does_not_import_is_a_specific_error(
+        site: Callable[..., None], monkeypatch: pytest.MonkeyPatch) -> None:
+    # The versions pair, so the probe says yes; the build itself fails to load (a wheel
+    # for another torch build): the error says so instead of an ImportError traceback.
+    site("torch_xla", torch_xla=TORCH)
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    with pytest.raises(ap.AccelportError, match=re.escape(f"torch_xla {TORCH} is installed but does not import")) as info:
+        ap.use("xla")
+        ap.device()
+    assert "reinstall both together" in str(info.value)
 
 
 def test_xla_on_a_tpu_vm_without_libtpu_says_so(site: Callable[..., None], tmp_path: pathlib.Path) -> None:

@@ -101,6 +101,10 @@ class BucketCollate:
         self.too_long = too_long
         if isinstance(fixed_fields, (str, int)):  # one name or position, not its characters
             fixed_fields = (fixed_fields,)
+        if not isinstance(fixed_fields, (tuple, list, set, frozenset)) or \
+                not all(isinstance(f, (str, int)) and not isinstance(f, bool) for f in fixed_fields):
+            raise TypeError("fixed_fields must name fields by key (dict samples) or position (tuple samples), "
+                            f"e.g. ('pixel_values',) or (1,), not {fixed_fields!r}")
         self.fixed_fields = frozenset(fixed_fields)
 
     def bucket_for(self, length: int) -> int:

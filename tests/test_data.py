@@ -61,6 +61,9 @@ def test_fixed_size_fields_are_stacked_not_padded_to_the_bucket() -> None:
     assert x.shape == (2, 8) and image.shape == (2, 3, 4, 4)
     with pytest.raises(ValueError, match="field 1 is in fixed_fields but its samples differ in shape"):
         by_position([(torch.arange(3), torch.ones(3)), (torch.arange(3), torch.ones(4))])
+    for wrong in (None, [1.5], True, {"features": 1}):
+        with pytest.raises(TypeError, match=r"fixed_fields must name fields by key .* or position"):
+            ap.data.BucketCollate(fixed_fields=wrong)  # type: ignore[arg-type]
 
 
 def test_bucket_collate_bad_input_says_what_to_do() -> None:

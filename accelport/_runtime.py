@@ -63,6 +63,7 @@ class StepTracker:
             self._last_signature = sig
 
     def step_end(self, backend: Backend, host: Any) -> None:
+        self.synced()  # a second step in the same batch (two optimizers): the first one ends here
         self.steps += 1
         if backend.step_deferred():
             # Its graph runs when the loop asks for the next batch: finish the record then
@@ -155,6 +156,7 @@ class Runtime:
                     backend.prepare()
                     backend.reason = reason
                     self._baseline = backend.counters()
+                    backend.step_delta()  # per-step changes count from here, not from the process start
                     self.tracker = StepTracker()
                     self._backend, self.reason = backend, reason
         return self._backend
@@ -172,6 +174,7 @@ class Runtime:
 
     def reset(self) -> None:
         """Forget plugins, selection and counters (tests; a fresh start after env changes)."""
+        self.tracker.flush()  # the observers get every step of the run that ends here
         with self._lock:
             self.__init__()  # type: ignore[misc]
 

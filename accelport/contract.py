@@ -214,9 +214,10 @@ class Backend(abc.ABC):
         return {}
 
     def step_delta(self) -> dict[str, float]:
-        """The change of :meth:`step_counters` since the previous call (the first: since 0).
+        """The change of :meth:`step_counters` since the previous call.
 
-        The step tracker calls it whenever it hands steps to the observers.
+        The runtime calls it once when the backend is selected (the starting point),
+        then the step tracker whenever it hands steps to the observers.
         """
         current = self.step_counters()
         last = getattr(self, "_last_step_counters", None) or {}

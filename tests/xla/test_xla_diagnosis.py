@@ -352,6 +352,29 @@ def test_a_steps_own_compilation_is_in_its_own_record(install_plugin: Any) -> No
     assert all(d["compilations"] == 0 for _, _, d in seen.SEEN[3:])  # one graph, compiled early
 
 
+def test_two_optimizer_steps_per_batch_give_two_records(install_plugin: Any) -> None:
+    """A GAN-style loop steps two optimizers per batch: every step gets its record."""
+    install_plugin("two_steps_seen", "accelport_test_two_steps_seen",
+                   "import accelport as ap\nSEEN = []\n"
+                   "@ap.hookimpl\ndef accelport_step_end(record):\n"
+                   "    SEEN.append(record.step)\n")
+    import accelport_test_two_steps_seen as seen
+
+    ap.use("xla")
+    first, second = Pooled(27), Pooled(27)
+
+    def run() -> None:
+        for x, mask, y in ap.loader(loader(samples(10 * 4, 27, lambda i: 6), 4, pad_to_longest)):
+            for model in (first, second):
+                model.loss(x, mask, y).backward()
+                ap.optimizer_step(model.opt)
+                model.opt.zero_grad()
+
+    silent(run)
+    assert ap.metrics().steps == 20
+    assert seen.SEEN == list(range(1, 21))
+
+
 def test_masked_mean_instead_of_boolean_indexing_compiles_once_and_stays_on_the_device() -> None:
     import torch
 

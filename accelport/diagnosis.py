@@ -76,8 +76,9 @@ KINDS: Mapping[str, type[DiagnosticWarning]] = {
 WINDOW = 20  # steps the rolling rules look back over
 RECOMPILE_MIN_STEP = 10  # first step at which recompilation is judged
 RECOMPILE_STEPS_IN_WINDOW = 8  # compiling steps within WINDOW that mean "keeps compiling"...
-RECOMPILE_LONG_WINDOW = 60  # ...or, for a loop that recompiles less often,
-RECOMPILE_STEPS_IN_LONG_WINDOW = 6  # this many within the long window (one in ten steps)
+RECOMPILE_LONG_WINDOW = 60  # ...or, for a loop that recompiles less often, within this window:
+RECOMPILE_REPEATS_IN_LONG_WINDOW = 6  # this many compiling steps whose batch shape was seen before,
+RECOMPILE_STEPS_IN_LONG_WINDOW = 10  # or this many in all (new shapes: more than a few buckets)
 HOST_SYNC_MIN_STEP = 6
 HOST_SYNC_WINDOW = 10  # steps host-sync looks back over
 HOST_SYNC_STEPS = 8  # of the last HOST_SYNC_WINDOW steps, this many read device values on the host
@@ -262,11 +263,8 @@ class Diagnostics:
             self._signatures.add(signature)
             new_signature = True
         compiles = delta.get("compilations", 0)
-        if compiles > 0 and step > 1:
-            compiling = self._compiling
-            while compiling and compiling[0][0] <= seen - RECOMPILE_LONG_WINDOW:
-                compiling.popleft()
-            compiling.append((seen, step, compiles, new_signature))
+        if compiles > 0 and step > 1 and "recompilation" not in reported:
+            self._compiling.append((seen, step, compiles, new_signature))  # (pruned by the rule)
             if new_signature:
                 change = describe_shape_change(self._prev_signature, signature)
                 if change:
@@ -284,18 +282,19 @@ class Diagnostics:
 
         # host-sync: likewise, only on a step that read device values on the host. Records
         # whose counters were not read (counted_steps == 0) are covered by a later one.
-        if step > 1 and "device_to_host" in delta:  # the first step may count from the process's start
+        # The first step also holds the set-up before it (loading a checkpoint, a first eval).
+        if step > 1 and "device_to_host" in delta and "host-sync" not in reported:
             reads = delta["device_to_host"] - delta.get("after_step_reads", 0)
             span = max(record.counted_steps, 1)
             self._reads.append((reads, span))
             self._read_steps += span
             while self._read_steps - self._reads[0][1] >= HOST_SYNC_WINDOW:
                 self._read_steps -= self._reads.popleft()[1]
-            if reads > 0 and step >= HOST_SYNC_MIN_STEP and "host-sync" not in reported:
+            if reads > 0 and step >= HOST_SYNC_MIN_STEP:
                 self._host_sync(record)
 
         # input-bound: running sums over the window (the first step includes start-up).
-        if step > 1:
+        if step > 1 and "input-bound" not in reported:
             timing = self._timing
             if len(timing) == WINDOW:
                 old_seconds, old_wait = timing[0]
@@ -305,7 +304,7 @@ class Diagnostics:
             self._seconds_sum += record.seconds
             self._wait_sum += record.data_wait_seconds
             # The running sums only pick the steps worth an exact look (with some slack for rounding).
-            if step >= INPUT_BOUND_MIN_STEP and "input-bound" not in reported and \
+            if step >= INPUT_BOUND_MIN_STEP and \
                     self._wait_sum >= 0.999 * INPUT_BOUND_SHARE * self._seconds_sum and \
                     self._wait_sum >= 0.999 * INPUT_BOUND_MIN_WAIT * len(timing):
                 self._input_bound(record)
@@ -323,11 +322,13 @@ class Diagnostics:
         compiling = self._compiling
         while compiling and compiling[0][0] <= seen - RECOMPILE_LONG_WINDOW:
             compiling.popleft()  # (also on a step that did not compile: step 10)
-        # Every step or so (8 of the last 20), or steadily but less often (6 of the last
-        # 60): a loop with four buckets compiles at most five times after its first step.
+        # Every step or so (8 of the last 20), or steadily but less often: 6 of the last 60
+        # on batch shapes seen before (nothing new explains them), or 10 in all. A bucketed
+        # loop compiles once per bucket, each on a new shape, plus an eval or a final batch.
         recent = [c for c in compiling if c[0] > seen - WINDOW]
         if len(recent) < RECOMPILE_STEPS_IN_WINDOW:
-            if len(compiling) < RECOMPILE_STEPS_IN_LONG_WINDOW:
+            repeats = sum(1 for c in compiling if not c[3])
+            if repeats < RECOMPILE_REPEATS_IN_LONG_WINDOW and len(compiling) < RECOMPILE_STEPS_IN_LONG_WINDOW:
                 return
             recent = list(compiling)
             lookback = min(seen, RECOMPILE_LONG_WINDOW)
@@ -365,8 +366,10 @@ class Diagnostics:
         covered = self._read_steps
         if covered < HOST_SYNC_WINDOW:
             return
-        # A record covering several steps (read together) may have read in each of them.
-        syncing = sum(min(int(n), span) for n, span in self._reads if n > 0)
+        # A record covering several steps (read together) counts as one step that read: its
+        # reads may all come from one step (a checkpoint, an eval). Any read ends the quiet
+        # stretch, so a loop that keeps reading is then judged step by step.
+        syncing = sum(1 for n, _ in self._reads if n > 0)
         if syncing < HOST_SYNC_STEPS * covered / HOST_SYNC_WINDOW:
             return
         per_step = sum(n for n, _ in self._reads) / covered
@@ -435,7 +438,7 @@ class Diagnostics:
         if "graph-growth" in self._reported:
             self._graph_sizes.append(size)
             return
-        # Lazy backends report sizes only on steps that compiled (see Backend.graph_nodes), so
+        # Lazy backends report sizes only on steps that compiled (Backend.compile_facts), so
         # one earlier size is enough to compare with.
         usual = statistics.median(self._graph_sizes) if self._graph_sizes else None
         self._graph_sizes.append(size)

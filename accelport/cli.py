@@ -49,31 +49,27 @@ def build_parser() -> argparse.ArgumentParser:
         description="One PyTorch training script on TPU, Trainium, GPU and CPU.",
     )
     parser.add_argument("--version", action="version", version=f"accelport {__version__}")
-    # `accelport --json backends` means `accelport backends --json` (every subcommand has --json).
-    # Its own dest: a subcommand's default (False) would overwrite a shared one.
+    # `accelport --json backends` means `accelport backends --json` (every command has --json):
+    # main() moves it after the command. Declared here for the help text.
     parser.add_argument("--json", action="store_true", dest="json_before_command",
-                        help="machine-readable output: the same as the subcommand's --json")
+                        help="machine-readable output: the same as the command's --json")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for module in COMMANDS:
         importlib.import_module(module).register(sub)
     return parser
 
 
-def _json_before_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Apply a ``--json`` given before the subcommand as the subcommand's own ``--json``."""
-    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    command = sub.choices[args.command]
-    if not hasattr(args, "json"):
-        raise UsageError(f"--json: `accelport {args.command}` has no JSON output")
-    for group in command._mutually_exclusive_groups:  # what argparse would say after the command
-        dests = {a.dest for a in group._group_actions}
-        if "json" not in dests:
-            continue
-        for action in group._group_actions:
-            if action.dest != "json" and getattr(args, action.dest, action.default) != action.default:
-                raise UsageError(f"{args.command}: argument --json: not allowed with argument "
-                                 f"{'/'.join(action.option_strings)}")
-    args.json = True
+def _json_after_command(args: list[str]) -> list[str]:
+    """``accelport --json doctor ...`` as ``accelport doctor --json ...``: argparse then checks it
+    against the command's own options (``--markdown``) as it would after the command."""
+    i = 0
+    while i < len(args) and args[i].startswith("-") and args[i] != "--":
+        i += 1  # the top-level options before the command (--json, --version)
+    leading = args[:i]
+    if "--json" not in leading or i == len(args):
+        return args  # no command: the top-level parser answers (help, or its own errors)
+    rest = [a for a in leading if a != "--json"]
+    return [*rest, args[i], "--json", *args[i + 1:]]
 
 
 def emit_json(obj: Any) -> None:
@@ -96,12 +92,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     as_json = "--json" in args_list  # until the arguments are parsed: a usage error is JSON too
     try:
         parser = build_parser()
-        args = parser.parse_args(args_list)
-        if args.json_before_command and getattr(args, "func", None):
-            _json_before_command(parser, args)
+        args = parser.parse_args(_json_after_command(args_list))
         # Parsed, the answer is exact: `accelport launch train.py --json` passes --json to the script.
         as_json = bool(getattr(args, "json", False)) or getattr(args, "format", None) == "json"
         if not getattr(args, "func", None):
+            if args.json_before_command:  # JSON was asked for: an error in JSON, not the help text
+                commands = ", ".join(module.split(".cli_")[-1].replace("_", "-") for module in COMMANDS)
+                return _fail("usage", f"give a command: accelport --json COMMAND (one of {commands})", True, 2)
             parser.print_help()
             return 2
         with warnings.catch_warnings(record=as_json) as caught:

@@ -101,7 +101,7 @@ def test_json_before_the_command_for_errors_and_conflicts(capsys: pytest.Capture
     # The same conflict argparse reports after the command, with the same words.
     assert main(["--json", "doctor", "--markdown"]) == 2
     data = json.loads(capsys.readouterr().out)
-    assert data == {"error": "doctor: argument --json: not allowed with argument --markdown", "kind": "usage"}
+    assert data == {"error": "doctor: argument --markdown: not allowed with argument --json", "kind": "usage"}
     out = run_cli("--json", "backends")
     assert out.returncode == 0 and json.loads(out.stdout)["selected"]["name"] == "cpu", out.stderr
 
@@ -137,3 +137,11 @@ def test_a_closed_pipe_is_not_reported_as_a_bug() -> None:
     out = subprocess.run(f"'{sys.executable}' -m accelport matrix | head -n 1", shell=True, capture_output=True,
                          text=True, env=env, timeout=120)
     assert out.stdout.strip() and "BrokenPipe" not in out.stderr and "bug" not in out.stderr
+
+
+def test_json_with_no_command_is_a_json_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--json"]) == 2
+    data = json.loads(capsys.readouterr().out)
+    assert data["kind"] == "usage"
+    assert data["error"] == ("give a command: accelport --json COMMAND (one of backends, doctor, launch, "
+                             "matrix, ci-matrix, report)")

@@ -28,6 +28,7 @@ TPU_TORCH = "2.13.0"
 TORCH_TPU = "0.2.0"  # the tests check our reading of this release's metadata (torch range, libtpu)
 
 #: torch-neuronx is only on AWS's own index; `accelport ci-matrix` rows name the packages.
+#: (accelport._packages.NEURON_PACKAGE_INDEX: the noxfile runs before accelport is installed.)
 NEURON_INDEX = ("--extra-index-url", "https://pip.repos.neuron.amazonaws.com")
 
 

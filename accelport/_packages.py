@@ -16,7 +16,11 @@ import os
 import re
 import sys
 
+#: AWS's package index: torch-neuronx, libneuronxla and neuronx-cc are published only there.
+NEURON_PACKAGE_INDEX = "https://pip.repos.neuron.amazonaws.com"
+
 __all__ = [
+    "NEURON_PACKAGE_INDEX",
     "version",
     "requires_python",
     "has_module",

@@ -36,6 +36,8 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from . import _packages
+
 #: Default ``runs-on`` per platform; override with ``--runner PLATFORM=LABEL[,LABEL...]``.
 DEFAULT_RUNNERS: Mapping[str, str | list[str]] = {
     "cpu": "ubuntu-latest",
@@ -46,7 +48,7 @@ DEFAULT_RUNNERS: Mapping[str, str | list[str]] = {
 DEFAULT_STATUSES = ("recommended", "supported", "experimental")
 #: Paired packages that are not on PyPI: the index pip needs for them (``pip_args`` adds it).
 PACKAGE_INDEXES: Mapping[str, str] = {
-    "torch-neuronx": "https://pip.repos.neuron.amazonaws.com",
+    "torch-neuronx": _packages.NEURON_PACKAGE_INDEX,
 }
 _PY_MINORS = [f"3.{n}" for n in range(8, 21)]
 
@@ -177,7 +179,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, as_json: bool) -> int:
-    from accelport import _packages
     from accelport._matrix import STATUSES, parse_torch_version
     from accelport.cli import UsageError, emit_json
     from accelport.compat import current_matrix

@@ -203,13 +203,13 @@ def _no_backend_fix(ctx: DoctorContext, matrix_ok: bool) -> str:
                 "choose")
     if ctx.packages.get("torch") is None:
         return "pip install torch (the build your platform needs: see `accelport matrix`)"
-    disabled = {p.strip() for p in (ctx.environ.get("ACCELPORT_DISABLED_PLUGINS") or "").split(",")}
-    if "cpu" not in ctx.backends and "cpu" in disabled:
+    from .plugins import _disabled_names
+
+    if "cpu" not in ctx.backends and "cpu" in _disabled_names(ctx.environ):
         return "take cpu out of ACCELPORT_DISABLED_PLUGINS: it is the backend every machine can fall back to"
     if not matrix_ok:
         return "fix the compatibility matrix (the problem above): selection reads it"
     return "read each backend's reason in `accelport backends` and fix the one you mean to use"
-
 
 
 def _core_findings(ctx: DoctorContext, recommendation: Any) -> list[Finding]:

@@ -334,7 +334,8 @@ class LazyBackend(Backend):
         return int(value) if value else 0  # absent: it did not happen in this process
 
     def _samples(self, name: str) -> tuple[int, float]:
-        data = self._metric(name)
+        """(samples recorded, their total in seconds) of a torch_xla metric; zeros if absent."""
+        data = self._metric(name) if self._metric else None
         return (int(data[0]), float(data[1]) / 1e9) if data else (0, 0.0)  # accumulator is in ns
 
     def counters(self) -> dict[str, Any]:
@@ -374,11 +375,7 @@ class LazyBackend(Backend):
         fetched = self._metric("TransferFromDeviceTime") if self._metric else None
         self._to_host = fetched[0] if fetched else 0
         self._reads_seen = (self._copy_calls(), self._after_step_reads)
-        self._compiled_seen = (self._metric_total("TensorsGraphSize")[0], self._metric_total("CompileTime")[1])
-
-    def _metric_total(self, name: str) -> tuple[int, float]:
-        data = self._metric(name) if self._metric else None
-        return (int(data[0]), float(data[1])) if data else (0, 0.0)
+        self._compiled_seen = (self._samples("TensorsGraphSize")[0], self._samples("CompileTime")[1])
 
     def _copy_calls(self) -> int:
         # Every host read of an XLA tensor passes through one of these two ops: .item(),
@@ -417,9 +414,9 @@ class LazyBackend(Backend):
         if self._metric is None:
             return {}
         data = self._metric("TensorsGraphSize")
-        compiled = self._metric_total("CompileTime")
-        graphs_seen, compile_ns_seen = self._compiled_seen
-        out: dict[str, float] = {"compile_seconds": (compiled[1] - compile_ns_seen) / 1e9}
+        compiled = self._samples("CompileTime")
+        graphs_seen, compile_seconds_seen = self._compiled_seen
+        out: dict[str, float] = {"compile_seconds": compiled[1] - compile_seconds_seen}
         if data:
             total, _, samples = data
             new = int(total) - graphs_seen

@@ -24,7 +24,7 @@ from accelport.hookspecs import hookimpl
 
 #: Chips TorchNeuron runs on (Neuron 2.33 release notes: public beta, Trn2 and Trn3 only).
 NATIVE_CHIPS = frozenset({"Trainium2", "Trainium3"})
-INSTALL = ("pip install 'torch-neuronx>=2.13' --extra-index-url https://pip.repos.neuron.amazonaws.com "
+INSTALL = (f"pip install 'torch-neuronx>=2.13' --extra-index-url {_packages.NEURON_PACKAGE_INDEX} "
            "(AWS's package index)")
 
 

@@ -10,6 +10,7 @@ import os
 import shlex
 from collections.abc import Mapping
 
+from accelport import _packages
 from accelport.hookspecs import hookimpl
 from accelport.lazy import LazyBackend, Requirement, doctor_findings
 from accelport.errors import AccelportError
@@ -67,7 +68,7 @@ class NeuronXlaBackend(LazyBackend):
             specifier="<2.13",
             same_minor_as_torch=True,
             missing="pip install 'torch-neuronx<2.13' from the Neuron package index "
-                    "(pip.repos.neuron.amazonaws.com); 2.9 is its last XLA-based release",
+                    f"({_packages.NEURON_PACKAGE_INDEX.split('://')[-1]}); 2.9 is its last XLA-based release",
             outside="torch-neuronx {version} is TorchNeuron, the native backend (2.13 and newer): "
                     "use the 'neuron' backend",
         ),

@@ -45,38 +45,64 @@ _ALTERNATIVES = 3
 
 @dataclass(frozen=True)
 class BackendStatus:
-    """One backend's standing in a verdict (taken from one matrix row)."""
+    """One backend's standing in a verdict: its matrix row, narrowed to this torch and chip.
 
-    backend: str
+    ``status`` and ``message`` may differ from the row's (a chip the row does not
+    cover makes it unsupported); the row's other facts are read through as they are.
+    """
+
+    row: Row
     status: str
     message: str
-    torch: str
+    #: The paired package pinned for this torch minor (e.g. ``torch_xla==2.9.*``), if any.
     requires: str | None
-    sources: tuple[Source, ...]
-    as_of: _dt.date
-    python: tuple[str, str] | None = None
-    chips: tuple[str, ...] = ()
-    replacement: str | None = None
-    confirmed: bool = True
-    note: str | None = None
-    origin: str = ""
+
+    @property
+    def backend(self) -> str:
+        return self.row.backend
+
+    @property
+    def torch(self) -> str:
+        return self.row.torch_range
+
+    @property
+    def sources(self) -> tuple[Source, ...]:
+        return self.row.sources
+
+    @property
+    def as_of(self) -> _dt.date:
+        return self.row.as_of
+
+    @property
+    def python(self) -> tuple[str, str] | None:
+        return self.row.python
+
+    @property
+    def chips(self) -> tuple[str, ...]:
+        return self.row.chips
+
+    @property
+    def replacement(self) -> str | None:
+        return self.row.replacement
+
+    @property
+    def confirmed(self) -> bool:
+        return self.row.confirmed
+
+    @property
+    def note(self) -> str | None:
+        return self.row.note
+
+    @property
+    def origin(self) -> str:
+        return self.row.where
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "backend": self.backend,
-            "status": self.status,
-            "message": self.message,
-            "torch": self.torch,
-            "requires": self.requires,
-            "python": list(self.python) if self.python else None,
-            "chips": list(self.chips),
-            "replacement": self.replacement,
-            "confirmed": self.confirmed,
-            "note": self.note,
-            "as_of": self.as_of.isoformat(),
-            "sources": [s.to_dict() for s in self.sources],
-            "origin": self.origin,
-        }
+        out = self.row.to_dict()
+        for key in ("platform", "package", "package_version"):  # the verdict says these once
+            del out[key]
+        out.update(status=self.status, message=self.message, requires=self.requires)
+        return out
 
 
 @dataclass(frozen=True)
@@ -180,12 +206,7 @@ def _effective(row: Row, chip: str | None) -> tuple[str, str]:
 
 def _status(row: Row, m: Minor, chip: str | None) -> BackendStatus:
     status, message = _effective(row, chip)
-    return BackendStatus(
-        backend=row.backend, status=status, message=message, torch=row.torch_range,
-        requires=row.requirement(m), sources=row.sources, as_of=row.as_of, python=row.python,
-        chips=row.chips, replacement=row.replacement, confirmed=row.confirmed, note=row.note,
-        origin=row.where,
-    )
+    return BackendStatus(row, status, message, row.requirement(m))
 
 
 def _alternatives(mx: Matrix, platform: str, target: Minor, chip: str | None) -> tuple[Combination, ...]:

@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._runtime import RUNTIME as _RT
-from .contract import Backend, Metrics, Probe, StepRecord
-from .errors import (
+from accelport.runtime.state import RUNTIME as _RT
+from accelport.contract import Backend, Metrics, Probe, StepRecord
+from accelport.errors import (
     AccelportDeprecationWarning,
     AccelportError,
     BackendUnavailableError,
@@ -33,14 +33,14 @@ from .errors import (
     PluginWarning,
     UnknownBackendError,
 )
-from .hookspecs import hookimpl
-from . import data  # noqa: E402 - torch-free; ap.data.BucketCollate etc.
+from accelport.plugins.hookspecs import hookimpl
+from accelport import data  # noqa: E402 - torch-free; ap.data.BucketCollate etc.
 
 if TYPE_CHECKING:
     import torch
 
-    from ._loader import DeviceLoader
-    from .compat import Verdict
+    from accelport.device_loader import DeviceLoader
+    from accelport.compat.verdict import Verdict
 
 __version__ = "0.1.0"
 
@@ -124,11 +124,12 @@ def backends() -> list[BackendInfo]:
 
     Cheap and safe: probes read metadata and /sys only, nothing is imported.
     """
-    from .selection import resolve
+    from accelport.runtime.selection import resolve
 
     host = _RT.host()
     try:
-        selected = _RT._backend.name if _RT._backend else resolve(host, _RT.explicit, os.environ)[0].name
+        current = _RT.selected
+        selected = current.name if current else resolve(host, _RT.explicit, _RT.environ, matrix=_RT.matrix())[0].name
     except AccelportError:
         selected = None
     out = []
@@ -147,9 +148,9 @@ def recommend(platform: str | None = None, torch_version: str | None = None) -> 
     none, with the nearest working combinations), every backend's status and
     message, and the sources. See ``accelport matrix``.
     """
-    from .compat import recommend as _recommend
+    from accelport.compat.verdict import recommend as _recommend
 
-    return _recommend(platform, torch_version)
+    return _recommend(platform, torch_version, matrix=_RT.matrix(), environ=_RT.environ)
 
 
 def device(index: int | None = None) -> torch.device:
@@ -176,7 +177,7 @@ def loader(
     compilations so far and the data-wait share; it stays quiet when the output
     is not a terminal.
     """
-    from ._loader import DeviceLoader
+    from accelport.device_loader import DeviceLoader
 
     return DeviceLoader(iterable, _RT, prefetch=prefetch, shard=shard, progress=progress)
 
@@ -185,10 +186,7 @@ def optimizer_step(optimizer: Any, **kwargs: Any) -> Any:
     """Average gradients over replicas, step the optimizer, and end the step (lazy work runs)."""
     if not (callable(getattr(optimizer, "step", None)) and hasattr(optimizer, "param_groups")):
         raise TypeError(f"ap.optimizer_step needs a torch.optim.Optimizer, not {type(optimizer).__name__}")
-    b = _RT._backend or _RT.backend()  # (a call less per step once selected)
-    result = b.optimizer_step(optimizer, **kwargs)
-    _RT.tracker.step_end(b, _RT._host)
-    return result
+    return _RT.optimizer_step(optimizer, **kwargs)
 
 
 def sync() -> None:

@@ -12,14 +12,14 @@ from __future__ import annotations
 import abc
 import dataclasses
 import os
-import socket
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     import torch
+
+    from accelport.doctor.finding import DoctorContext, Finding
 
 __all__ = ["Probe", "Metrics", "StepRecord", "Backend", "COUNTER_FIELDS"]
 
@@ -260,7 +260,7 @@ class Backend(abc.ABC):
         """
         import warnings
 
-        from .errors import CompatibilityWarning
+        from accelport.errors import CompatibilityWarning
 
         warnings.warn(
             f"ap.compile_cache({os.fspath(path)!r}) does nothing on backend {self.name!r}: it has no "
@@ -295,57 +295,22 @@ class Backend(abc.ABC):
 
     # -- checkpoints ------------------------------------------------------------------
     def save(self, obj: Any, path: str | os.PathLike[str]) -> None:
-        """Write ``obj`` to ``path`` from the main process only, atomically.
+        """Write ``obj`` to ``path`` from the main process only, atomically (:func:`accelport.checkpoint.save_file`)."""
+        from accelport.checkpoint import save_file
 
-        Call it from every process or from the main one only: the others return at
-        once (there is no barrier, so ``if ap.is_main_process(): ap.save(...)`` cannot
-        hang). Tensors are copied to the host first. The bytes go to a temporary file
-        in the same directory, are flushed and fsynced, then renamed over ``path``: a
-        crash or SIGKILL mid-write leaves the previous checkpoint intact.
-        """
-        target = os.fspath(path)
-        if os.path.isdir(target):
-            from .errors import AccelportError
-
-            raise AccelportError(f"ap.save: {target!r} is a directory; give a file path such as "
-                                 f"{os.path.join(target, 'checkpoint.pt')!r}")
-        if self.rank() != 0:
-            return
-        import torch
-
-        atomic_torch_save(torch, tree_map_tensors(obj, _host_copy), target)
+        save_file(obj, path, rank=self.rank())
 
     def load(self, path: str | os.PathLike[str], map_location: Any = None, *,
              weights_only: bool = True) -> Any:
-        """Read a checkpoint written by :meth:`save` onto this backend's device.
+        """Read a checkpoint written by :meth:`save` onto this backend's device (:func:`accelport.checkpoint.load_file`)."""
+        from accelport.checkpoint import load_file
 
-        Tensors are read onto the host, then moved to ``map_location`` (default: this
-        process's device), so a checkpoint written on a TPU loads on a CPU and back.
-        ``weights_only=True`` (torch's own default) refuses arbitrary pickled objects;
-        pass False only for files you trust.
-        """
-        import torch
+        return load_file(path, map_location if map_location is not None else self.device(), weights_only=weights_only)
 
-        path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"no checkpoint at {path!r}")
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=weights_only)
-        except Exception as exc:  # a text file, a truncated copy, a pickle weights_only refuses
-            import pickle
-            import zipfile
-
-            from .errors import AccelportError
-
-            # torch.save writes a zip archive; anything else is not one of ours.
-            if weights_only and isinstance(exc, pickle.UnpicklingError) and zipfile.is_zipfile(path):
-                raise AccelportError(f"ap.load: {path!r} holds Python objects that weights_only=True refuses "
-                                     "to unpickle; pass weights_only=False only for a file you trust") from exc
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            raise AccelportError(f"ap.load: {path!r} is not a checkpoint torch can read "
-                                 f"({type(exc).__name__}: {first})") from exc
-        target = map_location if map_location is not None else self.device()
-        return tree_map_tensors(obj, lambda t: t.to(target))
+    # -- doctor -------------------------------------------------------------------------
+    def doctor_findings(self, context: DoctorContext) -> list[Finding]:
+        """This backend's own ``accelport doctor`` checks; metadata, /sys and environment only."""
+        return []
 
     def __repr__(self) -> str:
         return f"<accelport backend {self.name!r} ({self.platform})>"
@@ -386,94 +351,3 @@ def to_host(value: Any) -> Any:
         value = value.detach()
         return value.item() if value.ndim == 0 else value.to("cpu")
     return value
-
-
-def _host_copy(t: Any) -> Any:
-    """A detached host tensor holding only ``t``'s own elements.
-
-    torch.save writes a tensor's whole storage, so a view of a large tensor is
-    cloned to keep the checkpoint the size of what was asked for.
-    """
-    import torch
-
-    t = t.detach().to("cpu")
-    if t.layout is not torch.strided or t.is_quantized:
-        return t
-    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
-        t = t.clone()
-    return t
-
-
-_TMP_SUFFIX = ".accelport.tmp"
-
-
-def _tmp_prefix(path: str) -> str:
-    # Hidden, named after the target, host and process: an orphan left by a killed
-    # writer is recognisable, and only the host that wrote it ever removes it.
-    return f".{os.path.basename(path)}.{socket.gethostname()}.{os.getpid()}."
-
-
-def _remove_orphans(path: str) -> None:
-    """Delete temp files of ``path`` left by writers on this host that no longer run."""
-    directory = os.path.dirname(path)
-    head = f".{os.path.basename(path)}.{socket.gethostname()}."
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    for name in names:
-        if not (name.startswith(head) and name.endswith(_TMP_SUFFIX)):
-            continue
-        pid_text = name[len(head):].split(".", 1)[0]
-        if not pid_text.isdigit() or int(pid_text) == os.getpid() or _alive(int(pid_text)):
-            continue
-        try:
-            os.unlink(os.path.join(directory, name))
-        except OSError:
-            pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, owned by someone else
-        return True
-    return True
-
-
-def atomic_torch_save(torch: Any, obj: Any, path: str) -> None:
-    """torch.save to a temp file, fsync, rename: readers never see a half-written file.
-
-    A writer killed mid-save leaves the previous file at ``path`` untouched and a
-    hidden ``.<name>.<host>.<pid>.*.accelport.tmp`` beside it; the next save on the
-    same host removes such orphans once their writer is gone.
-    """
-    path = os.path.abspath(path)
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=_TMP_SUFFIX, dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    # Make the rename itself durable.
-    try:
-        dfd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        dfd = None
-    if dfd is not None:
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    _remove_orphans(path)

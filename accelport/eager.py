@@ -14,9 +14,10 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
-from .contract import Backend, tree_map_tensors
-from ._loader import prefetch_iter
-from .errors import BackendUnavailableError
+from accelport.contract import Backend, tree_map_tensors
+from accelport.device_loader import prefetch_iter
+from accelport.errors import BackendUnavailableError
+from accelport.settings import env_int
 
 __all__ = ["EagerBackend", "ACCELERATOR_EQUIVALENTS"]
 
@@ -33,13 +34,6 @@ ACCELERATOR_EQUIVALENTS: Mapping[str, str] = {
 #: Gradients are averaged in buckets of about this many bytes, one collective each
 #: (DistributedDataParallel's default bucket size).
 BUCKET_BYTES = 25 * 1024 * 1024
-
-
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
 
 
 class EagerBackend(Backend):
@@ -88,11 +82,11 @@ class EagerBackend(Backend):
         self._torch = torch
         self._load_device_module(torch)
         self._check_device_count(torch)
-        world = _env_int("WORLD_SIZE", 1)
+        world = env_int(os.environ, "WORLD_SIZE", 1)
         if world > 1 and self.per_process_device and self.sync_api != "none":
             set_device = self.device_api("set_device")
             if set_device is not None:
-                set_device[1](_env_int("LOCAL_RANK", 0))
+                set_device[1](env_int(os.environ, "LOCAL_RANK", 0))
         if world > 1:
             import torch.distributed as dist
 
@@ -180,7 +174,7 @@ class EagerBackend(Backend):
         if index is not None:
             dev = torch.device(self.device_type, index)
         elif self.per_process_device:
-            dev = torch.device(self.device_type, _env_int("LOCAL_RANK", 0))
+            dev = torch.device(self.device_type, env_int(os.environ, "LOCAL_RANK", 0))
         else:
             dev = torch.device(self.device_type)
         if index is None:
@@ -213,7 +207,7 @@ class EagerBackend(Backend):
         torch = self._t()
         import torch.distributed as dist
 
-        from .errors import AccelportError
+        from accelport.errors import AccelportError
 
         world = self.world_size()
         groups: dict[tuple[Any, Any], list[Any]] = {}
@@ -363,11 +357,11 @@ class EagerBackend(Backend):
 
     def world_size(self) -> int:
         dist = self._dist()
-        return dist.get_world_size() if dist is not None else _env_int("WORLD_SIZE", 1)
+        return dist.get_world_size() if dist is not None else env_int(os.environ, "WORLD_SIZE", 1)
 
     def rank(self) -> int:
         dist = self._dist()
-        return dist.get_rank() if dist is not None else _env_int("RANK", 0)
+        return dist.get_rank() if dist is not None else env_int(os.environ, "RANK", 0)
 
     def barrier(self) -> None:
         dist = self._dist()

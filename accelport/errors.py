@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import difflib
+import os
+import sys
+import warnings
 from collections.abc import Iterable
 
 __all__ = [
@@ -16,7 +19,11 @@ __all__ = [
     "CompatMatrixError",
     "UnknownPlatformError",
     "InvalidVersionError",
+    "UsageError",
     "nearest",
+    "did_you_mean",
+    "warn_user",
+    "user_stacklevel",
 ]
 
 
@@ -37,8 +44,54 @@ def nearest(name: str, known: Iterable[str]) -> str | None:
     return matches[0] if matches else None
 
 
+def did_you_mean(name: str, known: Iterable[str], *, aside: bool = False) -> str:
+    """`` Did you mean 'x'?`` (or `` (did you mean 'x'?)`` as an aside) for the nearest known name, else ``""``."""
+    guess = nearest(name, known)
+    if not guess:
+        return ""
+    return f" (did you mean {guess!r}?)" if aside else f" Did you mean {guess!r}?"
+
+
+#: Where accelport's own code lives; a source checkout maps ``accelport._backends`` to ``backends/``.
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _own_dirs() -> tuple[str, ...]:
+    dirs = [_PACKAGE_DIR]
+    backends = sys.modules.get("accelport._backends")
+    for path in getattr(backends, "__path__", ()):
+        dirs.append(os.path.abspath(path) + os.sep)
+    return tuple(dirs)
+
+
+def user_stacklevel(skip: int = 1) -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside accelport.
+
+    For a ``warnings.warn`` called ``skip`` frames above this function (1: in the
+    function that asks). Python shows a DeprecationWarning by default only when it is
+    attributed to ``__main__``: pointing at the user's line makes the warnings
+    visible in scripts without any filter set.
+    """
+    own = _own_dirs()
+    frame = sys._getframe(skip)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(own):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return level
+
+
+def warn_user(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` attributed to the user's line, whatever depth accelport called it from."""
+    warnings.warn(message, category, stacklevel=user_stacklevel())
+
+
 class AccelportError(Exception):
     """Base class of every error accelport raises on purpose."""
+
+
+class UsageError(AccelportError, ValueError):
+    """Bad command-line or call input that the user fixes by changing what they typed (CLI exit status 2)."""
 
 
 class UnknownBackendError(AccelportError, ValueError):
@@ -49,7 +102,7 @@ class UnknownBackendError(AccelportError, ValueError):
         self.known = sorted(known)
         self.suggestion = nearest(name, self.known)
         where = f" (from {source})" if source else ""
-        hint = f" Did you mean {self.suggestion!r}?" if self.suggestion else ""
+        hint = did_you_mean(name, self.known)
         super().__init__(
             f"unknown backend {name!r}{where}.{hint} "
             f"Known backends: {', '.join(self.known)}."
@@ -91,7 +144,7 @@ class UnknownPlatformError(AccelportError, ValueError):
         self.name = name
         self.known = list(known)
         self.suggestion = nearest(name, self.known)
-        hint = f" Did you mean {self.suggestion!r}?" if self.suggestion else ""
+        hint = did_you_mean(name, self.known)
         super().__init__(f"unknown platform {name!r}.{hint} Valid platforms: {', '.join(self.known)}.")
 
 

@@ -21,13 +21,16 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from . import _packages
-from .contract import Backend, Probe, to_host
-from .eager import _env_int
-from .errors import AccelportError
-from .platform import PlatformInfo, detect
+from accelport import _packages
+from accelport.contract import Backend, Probe, to_host
+from accelport.errors import AccelportError
+from accelport.platform import PlatformInfo, detect
+from accelport.settings import env_int, explicit_pjrt_device
+
+if TYPE_CHECKING:
+    from accelport.doctor.finding import DoctorContext, Finding  # noqa: F401 - Finding: annotations
 
 __all__ = ["LazyBackend", "Requirement", "pjrt_device"]
 
@@ -61,10 +64,9 @@ def pjrt_device(environ: Mapping[str, str] | None = None,
     NEURON when libneuronxla is installed; else CPU.
     """
     env = os.environ if environ is None else environ
-    explicit = env.get("PJRT_DEVICE", "").strip()
-    if explicit:
-        # torch_xla reads the part before "_" as the device type (runtime.device_type()).
-        return explicit.split("_")[0].upper(), f"PJRT_DEVICE={explicit}"
+    device = explicit_pjrt_device(env)
+    if device is not None:
+        return device, f"PJRT_DEVICE={env['PJRT_DEVICE'].strip()}"
     plat = detect(environ=env) if platform is None else platform
     if plat.name == "gcp-tpu" and _packages.has_module("libtpu"):
         return "TPU", f"libtpu and TPU chips found ({plat.describe()})"
@@ -175,11 +177,11 @@ class LazyBackend(Backend):
         device, why = pjrt_device(platform=plat)
         details["pjrt_device"] = device
         details["pjrt_device_source"] = why
-        explicit = bool(os.environ.get("PJRT_DEVICE", "").strip())
+        explicit = explicit_pjrt_device(os.environ) is not None
         count: int | None = None
         on_host = "CPU" in self.pjrt_devices
         if device == "CPU" and on_host and explicit:
-            count = _env_int("CPU_NUM_DEVICES", 1)
+            count = env_int(os.environ, "CPU_NUM_DEVICES", 1)
         else:
             if explicit and device not in self.pjrt_devices:
                 wanted = " or ".join(f"PJRT_DEVICE={d}" for d in self.pjrt_devices)
@@ -513,32 +515,31 @@ class LazyBackend(Backend):
         self.sync()
         super().save(obj, path)
 
+    def doctor_findings(self, context: DoctorContext) -> list[Finding]:
+        """``accelport doctor`` checks shared by the lazy backends; reads metadata, /sys and env only.
 
-def doctor_findings(backend: LazyBackend, context: Any) -> list[Any]:
-    """``accelport doctor`` checks shared by the lazy backends; reads metadata, /sys and env only.
+        - a paired package that is installed but does not match torch (torch_xla X.Y needs torch X.Y);
+        - ``PJRT_DEVICE`` naming this backend's hardware on a machine that does not have it.
+        """
+        from accelport.doctor.finding import Finding
 
-    - a paired package that is installed but does not match torch (torch_xla X.Y needs torch X.Y);
-    - ``PJRT_DEVICE`` naming this backend's hardware on a machine that does not have it.
-    """
-    from .doctor import Finding
-
-    env = context.environ
-    found: list[Any] = []
-    torch_version = context.packages.get("torch")
-    if torch_version:
-        for req in backend.requires:
-            installed, problem = backend._requirement_problem(req, torch_version)
-            if installed is not None and problem:
-                found.append(Finding("problem", f"{backend.name}: {problem}",
-                                     f"install a matching pair: {_install_hint(req, torch_version)}"
-                                     if req.same_minor_as_torch else problem, backend.name))
-    explicit = env.get("PJRT_DEVICE", "").strip()
-    device = explicit.split("_")[0].upper()
-    if explicit and device in backend.pjrt_devices and device != "CPU" and context.platform.name != backend.platform:
-        found.append(Finding(
-            "problem",
-            f"PJRT_DEVICE={explicit} but there are no {backend.hardware} here ({context.platform.describe()}): "
-            "torch_xla fails when it starts",
-            "unset PJRT_DEVICE (torch_xla then picks what is present), or set PJRT_DEVICE=CPU to run XLA on "
-            "the host CPU", backend.name))
-    return found
+        env = context.environ
+        found: list[Finding] = []
+        torch_version = context.packages.get("torch")
+        if torch_version:
+            for req in self.requires:
+                installed, problem = self._requirement_problem(req, torch_version)
+                if installed is not None and problem:
+                    found.append(Finding("problem", f"{self.name}: {problem}",
+                                         f"install a matching pair: {_install_hint(req, torch_version)}"
+                                         if req.same_minor_as_torch else problem, self.name))
+        device = explicit_pjrt_device(env)
+        explicit = (env.get("PJRT_DEVICE") or "").strip()
+        if device is not None and device in self.pjrt_devices and device != "CPU" and context.platform.name != self.platform:
+            found.append(Finding(
+                "problem",
+                f"PJRT_DEVICE={explicit} but there are no {self.hardware} here ({context.platform.describe()}): "
+                "torch_xla fails when it starts",
+                "unset PJRT_DEVICE (torch_xla then picks what is present), or set PJRT_DEVICE=CPU to run XLA on "
+                "the host CPU", self.name))
+        return found

@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from ._runtime import RUNTIME
-from .errors import AccelportError, UnknownBackendError, nearest
+from accelport.runtime.state import RUNTIME
+from accelport.errors import AccelportError, UnknownBackendError, did_you_mean
 
 if TYPE_CHECKING:
-    from .contract import Backend
-    from .plugins import PluginHost
+    from accelport.contract import Backend
+    from accelport.plugins.host import PluginHost
 
 __all__ = ["Need", "ap_backend"]
 
@@ -65,7 +65,7 @@ class _State:
     @property
     def host(self) -> PluginHost:
         if self._host is None:
-            from .plugins import create_manager
+            from accelport.plugins.host import create_manager
 
             self._host = create_manager()
         return self._host
@@ -78,8 +78,7 @@ class _State:
                                  f"arguments (got {marker.args!r})")
         for key in marker.kwargs:
             if key not in _MARKER_KEYWORDS:
-                guess = nearest(key, _MARKER_KEYWORDS)
-                hint = f" Did you mean {guess!r}?" if guess else ""
+                hint = did_you_mean(key, _MARKER_KEYWORDS)
                 raise AccelportError(f"{where}: unknown argument {key!r}.{hint} "
                                      f"The marker takes {', '.join(_MARKER_KEYWORDS)}.")
         raw = marker.kwargs.get("backends")
@@ -174,11 +173,11 @@ def pytest_configure(config: pytest.Config) -> None:
     name = config.getoption("accelport_backend")
     if name is None:
         return
-    from .selection import _named
+    from accelport.runtime.selection import named
 
     state = _State()
     try:
-        backend, _ = _named(state.host.backends, name, OPTION)
+        backend, _ = named(state.host.backends, name, OPTION)
     except AccelportError as exc:
         raise pytest.UsageError(str(exc)) from None
     state.session_backend = backend.name

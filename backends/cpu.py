@@ -5,7 +5,7 @@ from __future__ import annotations
 from accelport import _packages
 from accelport.eager import EagerBackend
 from accelport.contract import Probe
-from accelport.hookspecs import hookimpl
+from accelport.plugins.hookspecs import hookimpl
 
 
 class CpuBackend(EagerBackend):

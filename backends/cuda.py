@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from accelport import _packages, platform
 from accelport.contract import Probe
 from accelport.eager import EagerBackend
-from accelport.hookspecs import hookimpl
+from accelport.plugins.hookspecs import hookimpl
 
 
 def visible_gpus(spec: str | None, present: int) -> int:

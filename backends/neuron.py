@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from accelport import _packages, platform
 from accelport.contract import Probe
 from accelport.eager import EagerBackend
-from accelport.hookspecs import hookimpl
+from accelport.plugins.hookspecs import hookimpl
 
 #: Chips TorchNeuron runs on (Neuron 2.33 release notes: public beta, Trn2 and Trn3 only).
 NATIVE_CHIPS = frozenset({"Trainium2", "Trainium3"})

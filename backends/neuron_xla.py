@@ -11,8 +11,8 @@ import shlex
 from collections.abc import Mapping
 
 from accelport import _packages
-from accelport.hookspecs import hookimpl
-from accelport.lazy import LazyBackend, Requirement, doctor_findings
+from accelport.plugins.hookspecs import hookimpl
+from accelport.lazy import LazyBackend, Requirement
 from accelport.errors import AccelportError
 
 #: Neuron's compile cache when neither NEURON_CC_FLAGS --cache_dir nor NEURON_COMPILE_CACHE_URL moves it.
@@ -112,7 +112,7 @@ def accelport_register_backends(register):  # type: ignore[no-untyped-def]
 
 def cache_findings(context) -> list:  # type: ignore[no-untyped-def,type-arg]
     """The Neuron compile cache must be writable, or every run compiles from scratch."""
-    from accelport.doctor import Finding
+    from accelport.doctor.finding import Finding
 
     env = context.environ
     relevant = (context.platform.name == "aws-neuron" or context.packages.get("torch-neuronx")
@@ -134,4 +134,4 @@ def cache_findings(context) -> list:  # type: ignore[no-untyped-def,type-arg]
 
 @hookimpl
 def accelport_doctor_checks(context):  # type: ignore[no-untyped-def]
-    return doctor_findings(NeuronXlaBackend(), context) + cache_findings(context) or None
+    return NeuronXlaBackend().doctor_findings(context) + cache_findings(context) or None

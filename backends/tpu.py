@@ -22,8 +22,8 @@ from typing import Any
 from accelport import _packages, platform
 from accelport.contract import Probe
 from accelport.eager import EagerBackend
-from accelport.doctor import Finding
-from accelport.hookspecs import hookimpl
+from accelport.doctor.finding import DoctorContext, Finding
+from accelport.plugins.hookspecs import hookimpl
 
 AUTOLOAD_VARIABLE = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 SKIP_METADATA_VARIABLE = "TPU_SKIP_MDS_QUERY"
@@ -128,7 +128,7 @@ def probe_tpu(root: str | None = None, environ: Mapping[str, str] | None = None)
                        f"libtpu {facts.libtpu}, torch {facts.torch}", plat.device_count, details)
 
 
-def doctor_findings(root: str | None = None, environ: Mapping[str, str] | None = None) -> list[Finding]:
+def tpu_findings(root: str | None = None, environ: Mapping[str, str] | None = None) -> list[Finding]:
     """Findings for ``accelport doctor`` (never imports torch or torch_tpu)."""
     facts = TpuFacts.gather(root, environ)
     if facts.torch_tpu is None:
@@ -205,6 +205,9 @@ class TpuBackend(EagerBackend):
     def _probe(self) -> Probe:
         return probe_tpu()
 
+    def doctor_findings(self, context: DoctorContext) -> list[Finding]:
+        return tpu_findings(environ=context.environ)
+
     def device_counters(self) -> dict[str, Any]:
         # Private API (torch.tpu._get_cache_stats: num_compilations, num_cache_hits,
         # num_cache_reqs); absent or changed, the fields stay None.
@@ -233,4 +236,4 @@ def accelport_register_backends(register):  # type: ignore[no-untyped-def]
 
 @hookimpl
 def accelport_doctor_checks(context):  # type: ignore[no-untyped-def]
-    return doctor_findings(environ=context.environ) or None
+    return TpuBackend().doctor_findings(context) or None

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from accelport.hookspecs import hookimpl
-from accelport.lazy import LazyBackend, doctor_findings
+from accelport.plugins.hookspecs import hookimpl
+from accelport.lazy import LazyBackend
 
 
 class XlaBackend(LazyBackend):
@@ -25,4 +25,4 @@ def accelport_register_backends(register):  # type: ignore[no-untyped-def]
 
 @hookimpl
 def accelport_doctor_checks(context):  # type: ignore[no-untyped-def]
-    return doctor_findings(XlaBackend(), context) or None
+    return XlaBackend().doctor_findings(context) or None

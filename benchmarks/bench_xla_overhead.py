@@ -37,8 +37,8 @@ import torch_xla.core.xla_model as xm  # noqa: E402
 from torch_xla.distributed.parallel_loader import MpDeviceLoader  # noqa: E402
 
 import accelport as ap  # noqa: E402
-from accelport._loader import signature  # noqa: E402
-from accelport._runtime import RUNTIME  # noqa: E402
+from accelport.device_loader import signature  # noqa: E402
+from accelport.runtime.state import RUNTIME  # noqa: E402
 
 
 def make_model(device: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -11,7 +11,7 @@ import pytest
 
 import accelport
 from accelport import _packages
-from accelport._runtime import RUNTIME
+from accelport.runtime.state import RUNTIME
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if name is None:
             continue
         if lazy is None:
-            from accelport.plugins import create_manager
+            from accelport.plugins.host import create_manager
 
             lazy = {n: b.lazy for n, b in create_manager().backends.items()}
         if lazy.get(name):
@@ -69,7 +69,7 @@ def install_plugin(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
 
 def builtin_backends() -> list[str]:
     """Names of the backends the built-in plugins register, in registration order."""
-    from accelport.plugins import create_manager
+    from accelport.plugins.host import create_manager
 
     return list(create_manager({"ACCELPORT_DISABLE_PLUGIN_AUTOLOAD": "1"}).backends)
 

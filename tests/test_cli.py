@@ -111,7 +111,7 @@ def test_no_command_prints_help_and_exits_2(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_unexpected_exception_becomes_one_line_and_valid_json(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
-    import accelport.cli_backends as cb
+    import accelport.cli.backends as cb
 
     monkeypatch.setattr(cb, "run", lambda args: 1 / 0)
     assert main(["backends", "--json"]) == 1

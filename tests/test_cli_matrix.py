@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 from accelport.cli import main
-from accelport.compat import recommend
+from accelport.compat.verdict import recommend
 
 WIDTH = 80
 

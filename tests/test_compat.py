@@ -14,9 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import accelport as ap
-from accelport import _matrix
-from accelport._matrix import STATUSES, Matrix, Row, Source, parse_torch_version
-from accelport.compat import recommend
+from accelport.compat import load, schema
+from accelport.compat.load import Matrix
+from accelport.compat.schema import STATUSES, Row, Source, parse_torch_version
+from accelport.compat.verdict import recommend
 from accelport.errors import InvalidVersionError, UnknownPlatformError
 
 FAST = settings(max_examples=150, deadline=None)
@@ -313,4 +314,4 @@ def test_ranking_is_by_status_then_matrix_order() -> None:
 
 
 def test_shipped_matrix_is_parsed_once() -> None:
-    assert _matrix.shipped() is _matrix.shipped()
+    assert load.shipped() is load.shipped()

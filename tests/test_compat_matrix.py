@@ -9,10 +9,11 @@ import warnings
 import pytest
 
 import accelport as ap
-from accelport import _matrix
-from accelport._matrix import STATUSES, WORKING, minor_str
-from accelport._runtime import RUNTIME
-from accelport.compat import current_matrix, recommend
+from accelport.compat import load, schema
+from accelport.compat.schema import STATUSES, WORKING, minor_str
+from accelport.runtime.state import RUNTIME
+from accelport.compat.verdict import recommend
+from accelport.runtime.state import RUNTIME
 from accelport.platform import PLATFORMS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -23,6 +24,7 @@ COVER = [(2, n) for n in range(1, 16)]  # torch 2.1 to 2.15
 def quiet(platform: str, torch: str, **kw: object):  # type: ignore[no-untyped-def]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ap.CompatibilityWarning)
+        kw.setdefault("matrix", RUNTIME.matrix())  # the matrix in effect: shipped, plugin rows, overrides
         return recommend(platform, torch, **kw)  # type: ignore[arg-type]
 
 
@@ -30,7 +32,7 @@ def quiet(platform: str, torch: str, **kw: object):  # type: ignore[no-untyped-d
 
 
 def test_every_registered_backend_appears_on_its_platform() -> None:
-    mx = _matrix.build()
+    mx = load.build()
     registered = RUNTIME.host().backends
     assert registered, "no backend registered"
     for name, backend in registered.items():
@@ -38,13 +40,13 @@ def test_every_registered_backend_appears_on_its_platform() -> None:
 
 
 def test_the_six_backends_all_have_rows() -> None:
-    mx = _matrix.build()
+    mx = load.build()
     with_rows = {r.backend for r in mx.rows}
     assert set(SIX) <= with_rows
 
 
 def test_every_row_has_a_source_with_a_url_and_a_date() -> None:
-    for row in _matrix.shipped().rows:
+    for row in load.shipped().rows:
         assert row.sources, row.where
         assert all(s.title and s.url.startswith("https://") for s in row.sources), row.where
         assert row.as_of.year >= 2026, row.where
@@ -53,7 +55,7 @@ def test_every_row_has_a_source_with_a_url_and_a_date() -> None:
 
 
 def test_every_platform_covers_torch_2_1_to_2_15_for_each_of_its_backends() -> None:
-    mx = _matrix.build()
+    mx = load.build()
     for platform in PLATFORMS:
         backends = mx.backends(platform)
         assert backends, f"{platform} has no rows"
@@ -63,7 +65,7 @@ def test_every_platform_covers_torch_2_1_to_2_15_for_each_of_its_backends() -> N
 
 
 def test_at_most_one_recommended_backend_per_platform_and_torch() -> None:
-    mx = _matrix.build()
+    mx = load.build()
     for platform in PLATFORMS:
         for m in COVER:
             rec = [b for b in mx.backends(platform) if (r := mx.lookup(platform, b, m)) and r.status == "recommended"]
@@ -71,26 +73,26 @@ def test_at_most_one_recommended_backend_per_platform_and_torch() -> None:
 
 
 def test_every_deprecated_row_names_a_replacement_that_has_rows() -> None:
-    mx = _matrix.build()
+    mx = load.build()
     for row in mx.rows:
         if row.status == "deprecated":
             assert row.replacement in {r.backend for r in mx.rows}, row.where
 
 
 def test_torch_table_covers_the_matrix() -> None:
-    mx = _matrix.build()
+    mx = load.build()
     assert set(COVER) <= set(mx.torch)
 
 
 def test_unconfirmed_facts_are_marked_and_explained() -> None:
-    unconfirmed = [r for r in _matrix.shipped().rows if not r.confirmed]
+    unconfirmed = [r for r in load.shipped().rows if not r.confirmed]
     assert unconfirmed, "the data marks its unconfirmed facts"
     assert all(r.note and len(r.note) > 20 for r in unconfirmed)
 
 
 def test_every_schema_key_is_documented() -> None:
     doc = (ROOT / "docs" / "compat-matrix.md").read_text()
-    for key in _matrix._ROW_KEYS + _matrix._TORCH_KEYS + _matrix._ENV_KEYS + _matrix._FILE_KEYS:
+    for key in schema.ROW_KEYS + schema.TORCH_KEYS + schema.ENV_KEYS + schema.FILE_KEYS:
         assert f"`{key}`" in doc, key
     for status in STATUSES:
         assert f"`{status}`" in doc, status
@@ -118,13 +120,13 @@ def write(tmp_path: pathlib.Path, text: str, name: str = "m.toml") -> pathlib.Pa
 
 def load_error(path: pathlib.Path) -> ap.CompatMatrixError:
     with pytest.raises(ap.CompatMatrixError) as info:
-        _matrix.load_file(path)
+        load.load_file(path)
     assert str(path) in str(info.value)
     return info.value
 
 
 def test_good_file_loads(tmp_path: pathlib.Path) -> None:
-    parsed = _matrix.load_file(write(tmp_path, GOOD_ROW))
+    parsed = load.load_file(write(tmp_path, GOOD_ROW))
     assert [r.backend for r in parsed.rows] == ["mychip"]
 
 
@@ -187,7 +189,7 @@ def test_missing_file_names_the_file(tmp_path: pathlib.Path) -> None:
 def test_shipped_source_ids_can_be_cited_from_a_user_file(tmp_path: pathlib.Path) -> None:
     text = GOOD_ROW.replace('sources = [{ title = "a test stand-in source", url = "https://example.org/" }]',
                             'sources = ["pytorch-release-matrix"]')
-    parsed = _matrix.load_file(write(tmp_path, text))
+    parsed = load.load_file(write(tmp_path, text))
     assert "RELEASE.md" in parsed.rows[0].sources[0].title
 
 
@@ -251,7 +253,7 @@ def test_plugin_rows_join_the_matrix(install_plugin) -> None:  # type: ignore[no
     assert v.status("mychip") == "experimental"
     assert v.backends["mychip"].origin == "plugin 'mychip' rows[0]"
     assert v.ranked == ("cpu", "mychip")
-    assert any(r.backend == "mychip" for r in current_matrix().rows)
+    assert any(r.backend == "mychip" for r in RUNTIME.matrix().rows)
 
 
 def test_invalid_plugin_row_names_the_plugin_and_is_ignored(install_plugin) -> None:  # type: ignore[no-untyped-def]

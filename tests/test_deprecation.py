@@ -13,7 +13,7 @@ import warnings
 import pytest
 
 import accelport as ap
-from accelport.compat import deprecation_messages, target_platform, warn_deprecations
+from accelport.compat.deprecations import deprecation_messages, target_platform, warn_deprecations
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,7 @@ import pytest
 
 import accelport as ap
 from accelport.contract import StepRecord
-from accelport.diagnosis import Diagnostics, describe_shape_change
+from accelport.diagnose.rules import Diagnostics, describe_shape_change
 
 
 def rec(step: int, *, compiles: int = 0, d2h: int | None = None, sig: tuple | None = None,  # type: ignore[type-arg]
@@ -316,10 +316,10 @@ def test_observers_get_every_step_in_order_even_when_counters_are_read_in_blocks
         install_plugin) -> None:  # type: ignore[no-untyped-def]
     import torch
 
-    from accelport._runtime import RUNTIME, StepTracker
+    from accelport.runtime.state import RUNTIME, StepTracker
 
     install_plugin("arrivals", "accelport_test_arrivals",
-                   "import accelport as ap\nfrom accelport._runtime import RUNTIME\nSEEN = []\n"
+                   "import accelport as ap\nfrom accelport.runtime.state import RUNTIME\nSEEN = []\n"
                    "@ap.hookimpl\ndef accelport_step_end(record):\n"
                    "    SEEN.append((record.step, RUNTIME.tracker.steps, dict(record.delta), record.counted_steps))\n")
     import accelport_test_arrivals as arrivals
@@ -343,7 +343,7 @@ def test_observers_get_every_step_in_order_even_when_counters_are_read_in_blocks
 def test_diagnostics_hands_over_the_steps_not_read_yet() -> None:
     import torch
 
-    from accelport._runtime import RUNTIME, StepTracker
+    from accelport.runtime.state import RUNTIME, StepTracker
 
     ap.use("cpu")
     model = torch.nn.Linear(8, 1)

@@ -12,7 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from accelport.cli import main
-from accelport.doctor import Finding, exit_status, gather, redact, render_markdown, render_text
+from accelport.doctor.finding import Finding
+from accelport.doctor.gather import gather
+from accelport.doctor.render import exit_status, render_markdown, render_text
+from accelport.redact import redact
 
 REPORT_KEYS = {"platform", "packages", "backends", "selected", "recommendation", "environment", "caches",
                "plugins", "findings"}
@@ -112,7 +115,7 @@ def test_plugins_contribute_checks_and_malformed_ones_are_reported(install_plugi
     install_plugin(
         "sitecheck", "site_doctor_checks",
         "import accelport as ap\n"
-        "from accelport.doctor import Finding\n"
+        "from accelport.doctor.finding import Finding\n"
         "@ap.hookimpl\n"
         "def accelport_doctor_checks(context):\n"
         "    assert context.platform.name == 'cpu' and 'cpu' in context.probes\n"
@@ -129,7 +132,7 @@ def test_plugin_findings_carry_their_plugin_name(install_plugin) -> None:  # typ
     install_plugin(
         "sitecheck2", "site_doctor_checks2",
         "import accelport as ap\n"
-        "from accelport.doctor import Finding\n"
+        "from accelport.doctor.finding import Finding\n"
         "@ap.hookimpl\n"
         "def accelport_doctor_checks(context):\n"
         "    return [Finding('problem', 'scratch disk missing', 'mount /scratch'), {'title': 'dict form'}]\n",

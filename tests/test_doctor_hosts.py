@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from accelport.doctor import exit_status, gather
+from accelport.doctor.gather import gather
+from accelport.doctor.render import exit_status
 from tests import fakes
 
 

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 
 import accelport as ap
-from accelport._launch import LaunchError, Rendezvous, build_plan, engine_for, parent_launch_env
-from accelport._loader import shard_batches
+from accelport.launch.plan import LaunchError, Rendezvous, build_plan, engine_for
+from accelport.launch.run import parent_launch_env
+from accelport.device_loader import shard_batches
 from accelport.cli import UsageError, main
 from accelport.contract import Probe
 from accelport.eager import EagerBackend
@@ -64,7 +65,7 @@ class TorchTpuStandIn(EagerBackend):
 
 
 def cpu() -> Any:
-    from accelport._runtime import RUNTIME
+    from accelport.runtime.state import RUNTIME
 
     return RUNTIME.host().backends["cpu"]
 
@@ -79,7 +80,7 @@ def test_cpu_plan_runs_torchrun_standalone_with_the_backend_in_the_environment(s
     assert "--standalone" in plan.command  # one host: a free port, never a clash on 29500
     i = plan.command.index("--nproc-per-node")
     assert plan.command[i + 1] == "2"
-    assert plan.command[-5:] == ["-m", "accelport._worker", script, "--epochs", "3"]
+    assert plan.command[-5:] == ["-m", "accelport.launch.worker", script, "--epochs", "3"]
     assert plan.env == {"ACCELPORT_BACKEND": "cpu"}
     assert plan.parent_env_function is None
 
@@ -96,7 +97,7 @@ def test_the_printed_command_is_what_torchrun_parses(script: str) -> None:
     args = parse_args(plan.command[3:])
     assert (args.nproc_per_node, args.nnodes, args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id) == \
         ("3", "2", "c10d", "10.0.0.1:29400", "job7")
-    assert args.module and args.training_script == "accelport._worker"
+    assert args.module and args.training_script == "accelport.launch.worker"
     assert args.training_script_args == [script, "--lr", "0.1"]
 
 
@@ -143,7 +144,7 @@ def test_the_rendezvous_wait_is_bounded_with_options_this_torchrun_reads(script:
     from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import create_rdzv_handler
     from torch.distributed.run import config_from_args, parse_args
 
-    from accelport._launch import RDZV_TIMEOUT_S
+    from accelport.launch.plan import RDZV_TIMEOUT_S
 
     c10d = build_plan(cpu(), script, nprocs=1, rdzv=Rendezvous(nnodes="2", rdzv_endpoint="h0:29400"))
     config, _, _ = config_from_args(parse_args(c10d.command[3:]))
@@ -167,7 +168,7 @@ def test_xla_family_launches_through_torch_xla(script: str) -> None:
     assert engine_for(backend) == "xla"
     plan = build_plan(backend, script, ["a"], environ={}, platform="gcp-tpu")
     assert plan.engine == "xla" and plan.nprocs is None  # every chip torch_xla finds
-    assert plan.command[1:] == ["-m", "accelport._worker", "--engine", "xla", script, "a"]
+    assert plan.command[1:] == ["-m", "accelport.launch.worker", "--engine", "xla", script, "a"]
     assert plan.env == {"ACCELPORT_BACKEND": "xla", "PJRT_DEVICE": "TPU"}
     assert not plan.available and "stand-in" in plan.reason
     assert any("not been verified" in n for n in plan.notes)
@@ -228,7 +229,7 @@ def test_real_set_tpu_launch_env_without_a_tpu_fails_before_any_worker() -> None
 
 def test_tpu_launch_plan_names_torchtpus_launch_environment(script: str) -> None:
     from accelport._backends.tpu import TpuBackend
-    from accelport._launch import build_plan
+    from accelport.launch.plan import build_plan
 
     plan = build_plan(TpuBackend(), script, nprocs=2)
     assert plan.parent_env_function == "torch.tpu.distributed:set_tpu_launch_env"
@@ -514,7 +515,7 @@ def test_a_worker_that_raises_ends_the_job_and_is_named() -> None:
 
 @pytest.mark.xla
 def test_xla_launch_runs_the_script_under_torch_xla_and_names_a_failure(tmp_path: Path) -> None:
-    from accelport._launch import WorkerFailedError, run_plan
+    from accelport.launch.run import WorkerFailedError, run_plan
 
     class XlaHere(XlaStandIn):
         """The stand-in made available: the script below uses torch_xla only, not this backend."""
@@ -554,7 +555,7 @@ def test_world_size_one_reduces_nothing(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_the_first_failure_is_the_cause_not_a_peer_that_lost_its_connection() -> None:
-    from accelport._launch import WorkerFailure, _failure_from, _first
+    from accelport.launch.run import WorkerFailure, _failure_from, _first
 
     raised = _failure_from(1, 1, {"rank": 1, "error": "ValueError: bad batch", "traceback": "tb", "time": 10.5})
     peer = _failure_from(0, 1, {"rank": 0, "error": "RuntimeError: Connection closed by peer",

@@ -8,7 +8,7 @@ import time
 import pytest
 
 import accelport as ap
-from accelport._loader import prefetch_iter, signature
+from accelport.device_loader import prefetch_iter, signature
 
 
 def test_signature_reads_shapes_and_dtypes_of_nested_batches() -> None:
@@ -90,7 +90,7 @@ def test_len_passes_through_and_each_iteration_is_a_new_epoch() -> None:
 def test_end_of_batch_runs_between_batches_outside_the_data_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     import types
 
-    from accelport import _loader
+    from accelport import device_loader as _loader
 
     backend = ap.use("cpu")
     now = [0.0]
@@ -112,7 +112,7 @@ def test_progress_bar_counts_steps_and_shows_compilations_and_data_wait(monkeypa
 
     import tqdm.auto
 
-    import accelport._loader as loader_mod
+    import accelport.device_loader as loader_mod
 
     stream = io.StringIO()
     real = tqdm.auto.tqdm

@@ -6,7 +6,7 @@ import inspect
 import pathlib
 import re
 
-from accelport import hookspecs
+from accelport.plugins import hookspecs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HOOKS = sorted(n for n, f in inspect.getmembers(hookspecs, inspect.isfunction) if n.startswith("accelport_"))

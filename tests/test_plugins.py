@@ -7,8 +7,8 @@ import warnings
 import pytest
 
 import accelport as ap
-from accelport._runtime import RUNTIME
-from accelport.plugins import BUILTIN_PLUGINS, create_manager
+from accelport.runtime.state import RUNTIME
+from accelport.plugins.host import BUILTIN_PLUGINS, create_manager
 from tests.conftest import builtin_backends
 
 # The built-in backends, in registration order (a new built-in must not break these tests).
@@ -182,7 +182,7 @@ def test_collect_all_hooks_gather_every_plugin_and_isolate_failures(install_plug
         "def accelport_doctor_checks(context):\n"
         "    return [('note', context.extra['who'])]\n",
     )
-    from accelport.doctor import DoctorContext
+    from accelport.doctor.finding import DoctorContext
     from accelport.platform import detect
 
     def context(**extra: str) -> DoctorContext:

@@ -20,7 +20,7 @@ import accelport as ap
 from accelport import _packages
 from accelport._backends.cuda import probe_cuda, visible_gpus
 from accelport._backends.neuron import probe_neuron
-from accelport._backends.tpu import NO_CHIPS, doctor_findings, keep_tpu_runtime_from_waiting, probe_tpu
+from accelport._backends.tpu import NO_CHIPS, tpu_findings, keep_tpu_runtime_from_waiting, probe_tpu
 from tests import fakes
 
 TORCH_TPU_REQUIRES = ("numpy>=2", "libtpu>=0.0.50", "torch>=2.11.0,<=2.15.0")
@@ -133,7 +133,7 @@ def test_torch_tpu_without_libtpu_warns_that_import_torch_aborts(tmp_path: Path,
     assert ("torch-tpu 0.2.0 is installed but libtpu is not, so `import torch` aborts the process "
             "('libtpu not found.'): pip install 'libtpu>=0.0.50'") in probe.reason
     assert "libtpu not found" in probe.details["warning"]
-    (finding,) = [f for f in doctor_findings(str(tmp_path / "host"), {}) if f.check == "tpu: libtpu"]
+    (finding,) = [f for f in tpu_findings(str(tmp_path / "host"), {}) if f.check == "tpu: libtpu"]
     assert finding.severity == "problem" and finding.fix.startswith("pip install 'libtpu>=0.0.50'")
 
 
@@ -159,7 +159,7 @@ def test_torch_outside_torch_tpus_range_comes_from_its_metadata(tmp_path: Path, 
     torch_v = _packages.version("torch")
     probe = probe_tpu(str(tmp_path / "host"), {})
     assert f"torch {torch_v} is outside torch-tpu 0.2.0's supported range torch>=2.14,<2.16" in probe.reason
-    assert [f.check for f in doctor_findings(str(tmp_path / "host"), {})] == ["tpu: torch version"]
+    assert [f.check for f in tpu_findings(str(tmp_path / "host"), {})] == ["tpu: torch version"]
 
 
 def test_a_torch_newer_than_the_range(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, site: Path) -> None:
@@ -183,8 +183,8 @@ def test_autoload_note_on_a_machine_without_a_tpu(monkeypatch: pytest.MonkeyPatc
                                                   tmp_path: Path) -> None:
     fakes.bare_cpu_host(tmp_path / "host")
     torch_tpu_installed(monkeypatch, site)
-    assert [f.severity for f in doctor_findings(str(tmp_path / "host"), {})] == ["warning"]
-    assert doctor_findings(str(tmp_path / "host"), {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}) == []
+    assert [f.severity for f in tpu_findings(str(tmp_path / "host"), {})] == ["warning"]
+    assert tpu_findings(str(tmp_path / "host"), {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}) == []
     probe = probe_tpu(str(tmp_path / "host"), {})
     assert probe.reason == NO_CHIPS and "torch.backends" in probe.details["autoload"]
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 import accelport as ap
-from accelport._runtime import RUNTIME
+from accelport.runtime.state import RUNTIME
 
 pytest_plugins = ["pytester"]
 
@@ -54,7 +54,7 @@ def test_the_plugin_is_registered_under_pytest11() -> None:
 
 def test_importing_the_plugin_loads_neither_torch_nor_the_plugin_manager() -> None:
     code = ("import sys, json, accelport.pytest_plugin\n"
-            "print(json.dumps(sorted(m for m in ('torch', 'accelport.plugins', 'accelport.selection') "
+            "print(json.dumps(sorted(m for m in ('torch', 'accelport.plugins.host', 'accelport.runtime.selection') "
             "if m in sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []
@@ -66,7 +66,7 @@ def test_a_suite_that_does_not_use_it_sees_no_change(pytester: pytest.Pytester) 
         """
         import os, sys
         def test_untouched():
-            assert "accelport.plugins" not in sys.modules
+            assert "accelport.plugins.host" not in sys.modules
             assert "torch" not in sys.modules
             assert "ACCELPORT_BACKEND" not in os.environ
         """
@@ -95,7 +95,7 @@ def test_marker_runs_the_test_on_the_first_listed_backend_available(pytester: py
         """
         import pytest
         import accelport as ap
-        from accelport._runtime import RUNTIME
+        from accelport.runtime.state import RUNTIME
 
         @pytest.fixture
         def device():
@@ -258,7 +258,7 @@ def test_fixture_puts_the_previous_runtime_state_back(pytester: pytest.Pytester)
     pytester.makepyfile(
         """
         import accelport as ap
-        from accelport._runtime import RUNTIME
+        from accelport.runtime.state import RUNTIME
 
         def test_uses(ap_backend):
             assert RUNTIME.explicit == "cpu"

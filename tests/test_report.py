@@ -12,7 +12,7 @@ import tempfile
 import pytest
 
 from accelport.cli import main
-from accelport.report import ReportError, breakdown, diagnose, load_records, render_html, write_report
+from accelport.diagnose.report import ReportError, breakdown, diagnose, load_records, render_html, write_report
 
 
 def write_jsonl(path, records) -> None:  # type: ignore[no-untyped-def]
@@ -68,7 +68,7 @@ def test_bad_files_give_errors_naming_the_line(tmp_path) -> None:  # type: ignor
 
 def test_records_read_together_round_trip_through_the_file() -> None:
     from accelport.contract import StepRecord
-    from accelport.metrics_log import record_from_dict, record_to_dict
+    from accelport.diagnose.metrics_log import record_from_dict, record_to_dict
 
     unread = StepRecord(5, "xla", True, 0.01, 0.0, None, {}, 1.0, {}, 0)
     block = StepRecord(6, "xla", True, 0.01, 0.0, None, {"compilations": 0, "device_to_host": 4}, 1.0, {}, 16)

@@ -105,7 +105,7 @@ def test_disabling_the_default_policy_falls_back_to_cpu(monkeypatch: pytest.Monk
 
 
 def test_no_backend_at_all_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from accelport.plugins import BUILTIN_PLUGINS
+    from accelport.plugins.host import BUILTIN_PLUGINS
 
     monkeypatch.setenv("ACCELPORT_DISABLED_PLUGINS", ",".join(n for n, _ in BUILTIN_PLUGINS))
     with pytest.raises(ap.AccelportError, match="no backend is registered"):
@@ -145,8 +145,8 @@ class AvailableStandIn:
 
 
 def _select(names: list[str], torch_version: str) -> tuple[str, str] | None:
-    from accelport.compat import recommend
-    from accelport.selection import accelport_select_backend
+    from accelport.compat.verdict import recommend
+    from accelport.runtime.selection import accelport_select_backend
 
     candidates = [AvailableStandIn(n, "cpu" if n == "cpu" else "gcp-tpu") for n in ["cpu", *names]]
     chosen = accelport_select_backend(candidates=candidates, platform="gcp-tpu",

@@ -25,7 +25,7 @@ import accelport as ap
 from accelport._backends.cuda import CudaBackend
 from accelport._backends.neuron import NeuronBackend
 from accelport._backends.tpu import TpuBackend
-from accelport._runtime import RUNTIME
+from accelport.runtime.state import RUNTIME
 from accelport.contract import Probe
 from accelport.eager import EagerBackend
 from tests.conftest import train_tiny

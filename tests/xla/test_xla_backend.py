@@ -255,7 +255,7 @@ def test_compile_cache_before_the_first_computation_is_used(tmp_path: pathlib.Pa
 # -- neuron-xla: the same lazy code path with only the constants swapped ---------------------
 
 STAND_IN = """
-from accelport.hookspecs import hookimpl
+from accelport.plugins.hookspecs import hookimpl
 from accelport.lazy import Requirement
 from accelport._backends.neuron_xla import NeuronXlaBackend
 
@@ -362,7 +362,7 @@ def test_the_step_graph_compiles_and_runs_in_end_of_batch(monkeypatch: pytest.Mo
 
 
 TWO_REPLICAS = """
-from accelport.hookspecs import hookimpl
+from accelport.plugins.hookspecs import hookimpl
 from accelport._backends.xla import XlaBackend
 
 

@@ -276,7 +276,7 @@ def test_cpu_fallbacks_count_from_the_backend_selection() -> None:
     ap.use("xla")
     x = torch.randn(8, device=ap.device())
     torch.nonzero(x > 0)  # a fallback before the run we diagnose
-    from accelport._runtime import RUNTIME
+    from accelport.runtime.state import RUNTIME
 
     RUNTIME.reset()  # a new run in the same process: torch_xla still counts the nonzero
     ap.use("xla")

@@ -1,6 +1,6 @@
 """What ``accelport launch`` runs in each worker: the user's script, as ``python script.py`` would.
 
-    python -m accelport._worker [--engine torchrun|xla] [--single-process] SCRIPT [ARGS ...]
+    python -m accelport.launch.worker [--engine torchrun|xla] [--single-process] SCRIPT [ARGS ...]
 
 With ``--engine torchrun`` (the default) torchrun has already started one
 process per replica and this module runs the script in it. With ``--engine
@@ -82,21 +82,21 @@ def main(argv: list[str] | None = None) -> None:
         elif flag == "--single-process":
             single = True
         else:
-            raise SystemExit(f"accelport._worker: unknown option {flag!r}")
+            raise SystemExit(f"accelport.launch.worker: unknown option {flag!r}")
     if not argv:
-        raise SystemExit("usage: python -m accelport._worker [--engine torchrun|xla] SCRIPT [ARGS ...]")
+        raise SystemExit("usage: python -m accelport.launch.worker [--engine torchrun|xla] SCRIPT [ARGS ...]")
     script, args = argv[0], argv[1:]
     if engine == "xla":
         import torch_xla  # only here, in the launched job: never to detect anything
 
         # By its importable name: spawned replicas unpickle it from there, not from __main__.
-        from accelport._worker import _xla_replica as replica
+        from accelport.launch.worker import _xla_replica as replica
 
         torch_xla.launch(replica, args=(script, args), debug_single_process=single)
     elif engine == "torchrun":
         run_script(int(os.environ.get("RANK", "0")), script, args)
     else:
-        raise SystemExit(f"accelport._worker: unknown engine {engine!r} (torchrun or xla)")
+        raise SystemExit(f"accelport.launch.worker: unknown engine {engine!r} (torchrun or xla)")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from . import _packages
+from accelport import _packages
 
 #: Default ``runs-on`` per platform; override with ``--runner PLATFORM=LABEL[,LABEL...]``.
 DEFAULT_RUNNERS: Mapping[str, str | list[str]] = {
@@ -54,7 +54,7 @@ _PY_MINORS = [f"3.{n}" for n in range(8, 21)]
 
 
 def register(sub: Any) -> None:
-    from accelport._matrix import STATUSES
+    from accelport.compat.schema import STATUSES
     from accelport.platform import PLATFORMS
 
     p = sub.add_parser(
@@ -83,7 +83,7 @@ def _split(values: Iterable[str] | None) -> list[str]:
 
 
 def _runners(specs: Sequence[str]) -> dict[str, str | list[str]]:
-    from accelport.cli import UsageError
+    from accelport.errors import UsageError
     from accelport.errors import UnknownPlatformError
     from accelport.platform import PLATFORMS
 
@@ -133,7 +133,7 @@ def include(mx: Any, platforms: Sequence[str], minors: Sequence[tuple[int, int]]
             statuses: Sequence[str], runners: Mapping[str, Any],
             requires_python: str | None) -> tuple[list[dict[str, Any]], list[str]]:
     """The ``include`` entries and a note for each combination left out for want of a Python."""
-    from accelport._matrix import minor_str
+    from accelport.compat.schema import minor_str
 
     entries: list[dict[str, Any]] = []
     skipped: list[str] = []
@@ -160,29 +160,16 @@ def include(mx: Any, platforms: Sequence[str], minors: Sequence[tuple[int, int]]
 
 
 def run(args: argparse.Namespace) -> int:
-    from accelport.cli import UsageError, emit_json
-    from accelport.errors import AccelportError
-
-    as_json = args.json or args.format == "json"
-    try:
-        return _run(args, as_json)
-    except UsageError as exc:
-        if not as_json:
-            raise
-        emit_json({"error": str(exc), "kind": "usage"})
-        return 2
-    except AccelportError as exc:
-        if not as_json:
-            raise
-        emit_json({"error": str(exc), "kind": type(exc).__name__})
-        return 1
+    # Errors reach the CLI's one error path, which answers in JSON for --json and --format json alike.
+    return _run(args, args.json or args.format == "json")
 
 
 def _run(args: argparse.Namespace, as_json: bool) -> int:
-    from accelport._matrix import STATUSES, parse_torch_version
-    from accelport.cli import UsageError, emit_json
-    from accelport.compat import current_matrix
-    from accelport.errors import AccelportError, InvalidVersionError, UnknownPlatformError, nearest
+    from accelport.compat.schema import STATUSES, parse_torch_version
+    from accelport.cli import emit_json
+    from accelport.errors import UsageError
+    from accelport.runtime.state import RUNTIME
+    from accelport.errors import AccelportError, InvalidVersionError, UnknownPlatformError, did_you_mean
     from accelport.platform import PLATFORMS
 
     platforms = _split(args.platform) or list(PLATFORMS)
@@ -192,10 +179,9 @@ def _run(args: argparse.Namespace, as_json: bool) -> int:
     statuses = _split(args.status) or list(DEFAULT_STATUSES)
     for s in statuses:
         if s not in STATUSES:
-            hint = nearest(s, STATUSES)
-            did = f" Did you mean {hint!r}?" if hint else ""
+            did = did_you_mean(s, STATUSES)
             raise UsageError(f"--status: unknown status {s!r}.{did} Valid statuses: {', '.join(STATUSES)}.")
-    mx = current_matrix()
+    mx = RUNTIME.matrix()
     minors = None
     if args.torch_versions:
         try:

@@ -1,4 +1,4 @@
-"""Load and validate the compatibility matrix: shipped TOML, plugin rows, user override files.
+"""The compatibility matrix's schema: its row types and the checks every row passes.
 
 The schema is documented in ``docs/compat-matrix.md``. Every check here raises
 :class:`~accelport.errors.CompatMatrixError` naming the file (or plugin) and
@@ -21,8 +21,8 @@ from typing import Any
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.version import InvalidVersion, Version
 
-from .errors import CompatMatrixError, InvalidVersionError, PluginWarning, nearest
-from .platform import PLATFORMS
+from accelport.errors import CompatMatrixError, InvalidVersionError, did_you_mean
+from accelport.platform import PLATFORMS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -36,12 +36,8 @@ __all__ = [
     "Row",
     "TorchInfo",
     "EnvDeprecation",
-    "Matrix",
     "parse_torch_version",
     "minor_str",
-    "load_file",
-    "shipped",
-    "build",
     "OVERRIDE_ENV",
 ]
 
@@ -57,12 +53,12 @@ Minor = tuple[int, int]
 _MINOR_RE = re.compile(r"^(\d+)\.(\d+)$")
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 _ENV_RE = re.compile(r"^[A-Z_][A-Z0-9_]*$")
-_FILE_KEYS = ("schema", "platform", "as_of", "sources", "rows", "torch", "env")
-_ROW_KEYS = ("platform", "backend", "torch", "status", "message", "package", "package_version",
+FILE_KEYS = ("schema", "platform", "as_of", "sources", "rows", "torch", "env")
+ROW_KEYS = ("platform", "backend", "torch", "status", "message", "package", "package_version",
              "python", "chips", "replacement", "as_of", "sources", "confirmed", "note")
-_TORCH_KEYS = ("version", "python", "as_of", "sources", "confirmed", "note")
-_ENV_KEYS = ("name", "message", "replacement", "backends", "as_of", "sources")
-_SOURCE_KEYS = ("title", "url", "note")
+TORCH_KEYS = ("version", "python", "as_of", "sources", "confirmed", "note")
+ENV_KEYS = ("name", "message", "replacement", "backends", "as_of", "sources")
+SOURCE_KEYS = ("title", "url", "note")
 
 
 def minor_str(m: Minor) -> str:
@@ -183,7 +179,7 @@ class EnvDeprecation:
 
 
 @dataclass
-class _Parsed:
+class Parsed:
     """What one file (or one plugin's rows) contributed."""
 
     origin: str
@@ -196,7 +192,7 @@ class _Parsed:
 # -- validation helpers ------------------------------------------------------------------
 
 
-class _Checker:
+class Checker:
     def __init__(self, origin: str, known_sources: Mapping[str, Source]) -> None:
         self.origin = origin
         self.known_sources = known_sources
@@ -209,8 +205,7 @@ class _Checker:
             raise self.fail(key, f"expected a table, got {type(table).__name__}")
         for k in table:
             if k not in allowed:
-                hint = nearest(str(k), allowed)
-                did = f" (did you mean {hint!r}?)" if hint else ""
+                did = did_you_mean(str(k), allowed, aside=True)
                 raise self.fail(f"{key}.{k}" if key else str(k),
                                 f"unknown key{did}; allowed keys: {', '.join(allowed)}")
         return table
@@ -237,8 +232,7 @@ class _Checker:
         text = self.string(value, key)
         assert text is not None
         if text not in PLATFORMS:
-            hint = nearest(text, PLATFORMS)
-            did = f" (did you mean {hint!r}?)" if hint else ""
+            did = did_you_mean(text, PLATFORMS, aside=True)
             raise self.fail(key, f"unknown platform {text!r}{did}; valid platforms: {', '.join(PLATFORMS)}")
         return text
 
@@ -302,11 +296,10 @@ class _Checker:
         if isinstance(value, str):
             if value in self.known_sources:
                 return self.known_sources[value]
-            hint = nearest(value, self.known_sources)
-            did = f" (did you mean {hint!r}?)" if hint else ""
+            did = did_you_mean(value, self.known_sources, aside=True)
             raise self.fail(key, f"unknown source id {value!r}{did}; define it in a [sources] table "
                                  "or give an inline table {title = ..., url = ...}")
-        table = self.keys(value, _SOURCE_KEYS, key)
+        table = self.keys(value, SOURCE_KEYS, key)
         title = self.string(table.get("title"), f"{key}.title")
         url = self.string(table.get("url"), f"{key}.url")
         assert title is not None and url is not None
@@ -322,8 +315,8 @@ class _Checker:
         return tuple(self.source(v, f"{key}[{i}]") for i, v in enumerate(value))
 
 
-def _row(c: _Checker, raw: Any, key: str, platform: str | None, as_of: _dt.date | None) -> Row:
-    t = c.keys(raw, _ROW_KEYS, key)
+def parse_row(c: Checker, raw: Any, key: str, platform: str | None, as_of: _dt.date | None) -> Row:
+    t = c.keys(raw, ROW_KEYS, key)
     plat = c.platform(t.get("platform", platform), f"{key}.platform")
     backend = c.name(t.get("backend"), f"{key}.backend")
     if "torch" not in t:
@@ -332,8 +325,7 @@ def _row(c: _Checker, raw: Any, key: str, platform: str | None, as_of: _dt.date 
     status = c.string(t.get("status"), f"{key}.status")
     assert status is not None
     if status not in STATUSES:
-        hint = nearest(status, STATUSES)
-        did = f" (did you mean {hint!r}?)" if hint else ""
+        did = did_you_mean(status, STATUSES, aside=True)
         raise c.fail(f"{key}.status", f"{status!r} is not a status{did}; expected one of {', '.join(STATUSES)}")
     message = c.string(t.get("message"), f"{key}.message")
     package = c.string(t.get("package"), f"{key}.package", required=False)
@@ -366,8 +358,8 @@ def _row(c: _Checker, raw: Any, key: str, platform: str | None, as_of: _dt.date 
     )
 
 
-def _torch_info(c: _Checker, raw: Any, key: str) -> TorchInfo:
-    t = c.keys(raw, _TORCH_KEYS, key)
+def _torch_info(c: Checker, raw: Any, key: str) -> TorchInfo:
+    t = c.keys(raw, TORCH_KEYS, key)
     version = c.minor(t.get("version"), f"{key}.version")
     python = c.python(t.get("python"), f"{key}.python")
     if python is None:
@@ -379,8 +371,8 @@ def _torch_info(c: _Checker, raw: Any, key: str) -> TorchInfo:
     return TorchInfo(version, python, c.sources(t.get("sources"), f"{key}.sources"), confirmed, note)
 
 
-def _env(c: _Checker, raw: Any, key: str, as_of: _dt.date | None) -> EnvDeprecation:
-    t = c.keys(raw, _ENV_KEYS, key)
+def _env(c: Checker, raw: Any, key: str, as_of: _dt.date | None) -> EnvDeprecation:
+    t = c.keys(raw, ENV_KEYS, key)
     name = c.string(t.get("name"), f"{key}.name")
     assert name is not None
     if not _ENV_RE.match(name):
@@ -394,7 +386,7 @@ def _env(c: _Checker, raw: Any, key: str, as_of: _dt.date | None) -> EnvDeprecat
     )
 
 
-def _check_overlaps(rows: Iterable[Row], against: Iterable[Row] = (), *, adding: bool = False) -> None:
+def check_overlaps(rows: Iterable[Row], against: Iterable[Row] = (), *, adding: bool = False) -> None:
     """Two rows for the same platform and backend may not cover the same torch minor."""
     seen: dict[tuple[str, str], list[Row]] = {}
     for row in against:
@@ -412,13 +404,13 @@ def _check_overlaps(rows: Iterable[Row], against: Iterable[Row] = (), *, adding:
         seen.setdefault((row.platform, row.backend), []).append(row)
 
 
-def _parse(data: Mapping[str, Any], origin: str, known_sources: Mapping[str, Source]) -> _Parsed:
-    c = _Checker(origin, known_sources)
-    c.keys(data, _FILE_KEYS, "")
+def parse_tables(data: Mapping[str, Any], origin: str, known_sources: Mapping[str, Source]) -> Parsed:
+    c = Checker(origin, known_sources)
+    c.keys(data, FILE_KEYS, "")
     schema = data.get("schema", 1)
     if schema != 1:
         raise c.fail("schema", f"unsupported schema {schema!r}; this accelport reads schema 1")
-    out = _Parsed(origin)
+    out = Parsed(origin)
     raw_sources = data.get("sources", {})
     if not isinstance(raw_sources, Mapping):
         raise c.fail("sources", "must be a table of id = {title = ..., url = ...}")
@@ -432,180 +424,12 @@ def _parse(data: Mapping[str, Any], origin: str, known_sources: Mapping[str, Sou
     for name, kind in (("rows", list), ("torch", list), ("env", list)):
         if name in data and not isinstance(data[name], kind):
             raise c.fail(name, f"must be an array of tables ([[{name}]])")
-    out.rows = [_row(c, r, f"rows[{i}]", platform, as_of) for i, r in enumerate(data.get("rows", []))]
+    out.rows = [parse_row(c, r, f"rows[{i}]", platform, as_of) for i, r in enumerate(data.get("rows", []))]
     out.torch = [_torch_info(c, t, f"torch[{i}]") for i, t in enumerate(data.get("torch", []))]
     out.env = [_env(c, e, f"env[{i}]", as_of) for i, e in enumerate(data.get("env", []))]
-    _check_overlaps(out.rows)
+    check_overlaps(out.rows)
     versions = [t.version for t in out.torch]
     for i, v in enumerate(versions):
         if v in versions[:i]:
             raise c.fail(f"torch[{i}].version", f"torch {minor_str(v)} is listed twice")
     return out
-
-
-def _read_toml(path: str) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except OSError as exc:
-        raise CompatMatrixError(path, "", f"cannot read the file ({exc.strerror or exc})") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise CompatMatrixError(path, "", f"not valid TOML: {exc}") from None
-
-
-def load_file(path: str | os.PathLike[str], known_sources: Mapping[str, Source] | None = None) -> _Parsed:
-    """Read and validate one matrix file (shipped ids in ``known_sources`` may be cited)."""
-    p = os.fspath(path)
-    if known_sources is None:
-        known_sources = shipped().sources
-    return _parse(_read_toml(p), p, known_sources)
-
-
-@functools.lru_cache(maxsize=1)
-def shipped() -> _Parsed:
-    """The data shipped in ``accelport.compat_matrix`` (read once per process)."""
-    from importlib.resources import files
-
-    folder = files("accelport.compat_matrix")
-    entries = sorted((e for e in folder.iterdir() if e.name.endswith(".toml")), key=lambda e: e.name)
-    raw = []
-    for entry in entries:
-        origin = str(entry)
-        try:
-            raw.append((origin, tomllib.loads(entry.read_text(encoding="utf-8"))))
-        except tomllib.TOMLDecodeError as exc:
-            raise CompatMatrixError(origin, "", f"not valid TOML: {exc}") from None
-    # Source ids are shared by every shipped file: collect them all before any row cites one.
-    pooled: dict[str, Source] = {}
-    for origin, data in raw:
-        srcs = data.get("sources", {})
-        if isinstance(srcs, Mapping):
-            checker = _Checker(origin, {})
-            for sid, s in srcs.items():
-                if sid in pooled:
-                    raise CompatMatrixError(origin, f"sources.{sid}", "source id already defined in another file")
-                pooled[sid] = checker.source(s, f"sources.{sid}")
-    total = _Parsed("accelport.compat_matrix", sources=pooled)
-    for origin, data in raw:
-        part = _parse(data, origin, pooled)
-        _check_overlaps(part.rows, total.rows)
-        total.rows += part.rows
-        total.torch += part.torch
-        total.env += part.env
-    return total
-
-
-def _plugin_rows(host: Any) -> list[Row]:
-    """Rows from ``accelport_compat_rows``; an invalid plugin's rows are dropped with a PluginWarning."""
-    cache = _PLUGIN_CACHE.get(host)
-    if cache is not None:
-        return cache
-    base = shipped()
-    accepted: list[Row] = list(base.rows)
-    mine: list[Row] = []
-    for impl in host._impls("accelport_compat_rows"):
-        plugin = impl.plugin_name
-        origin = f"plugin {plugin!r}"
-        try:
-            result = impl.function()
-            if result is None:
-                continue
-            if isinstance(result, (str, bytes, Mapping)) or not isinstance(result, Sequence):
-                raise CompatMatrixError(origin, "", "accelport_compat_rows must return a list of row tables")
-            c = _Checker(origin, base.sources)
-            rows = [_row(c, r, f"rows[{i}]", None, None) for i, r in enumerate(result)]
-            _check_overlaps(rows)
-            _check_overlaps(rows, accepted, adding=True)
-        except Exception as exc:
-            from .plugins import FailedPlugin
-
-            host.failed.append(FailedPlugin(plugin, "hook accelport_compat_rows", f"{type(exc).__name__}: {exc}"))
-            warnings.warn(f"accelport plugin {plugin!r}: its compatibility rows were ignored: {exc}",
-                          PluginWarning, stacklevel=2)
-            continue
-        accepted += rows
-        mine += rows
-    _PLUGIN_CACHE[host] = mine
-    return mine
-
-
-_PLUGIN_CACHE: weakref.WeakKeyDictionary[Any, list[Row]] = weakref.WeakKeyDictionary()
-
-
-class Matrix:
-    """The merged matrix: shipped rows and plugin rows, under the user's override files.
-
-    Lookups take the first matching layer: later override files win over
-    earlier ones, and any override file wins over the shipped and plugin rows.
-    """
-
-    def __init__(self, base: Sequence[Row], overrides: Sequence[Sequence[Row]] = (),
-                 torch: Iterable[TorchInfo] = (), env: Iterable[EnvDeprecation] = (),
-                 origins: Sequence[str] = ()) -> None:
-        self.layers: list[list[Row]] = [list(layer) for layer in reversed(overrides)] + [list(base)]
-        self.torch: dict[Minor, TorchInfo] = {}
-        for info in torch:
-            self.torch[info.version] = info  # later entries (overrides) replace earlier ones
-        self.env: dict[str, EnvDeprecation] = {}
-        for e in env:
-            self.env[e.name] = e
-        self.origins = list(origins)
-
-    @property
-    def rows(self) -> list[Row]:
-        return [row for layer in self.layers for row in layer]
-
-    def backends(self, platform: str) -> list[str]:
-        """Backends with rows on ``platform``, in the order the data lists them."""
-        seen: dict[str, None] = {}
-        for layer in reversed(self.layers):
-            for row in layer:
-                if row.platform == platform:
-                    seen.setdefault(row.backend, None)
-        return list(seen)
-
-    def minors(self, platform: str | None = None) -> list[Minor]:
-        """Every torch minor some row covers (on ``platform``), ascending."""
-        found: set[Minor] = set()
-        for row in self.rows:
-            if platform is None or row.platform == platform:
-                found.update((row.torch_min[0], n) for n in range(row.torch_min[1], row.torch_max[1] + 1))
-        return sorted(found)
-
-    def lookup(self, platform: str, backend: str, m: Minor) -> Row | None:
-        for layer in self.layers:
-            for row in layer:
-                if row.platform == platform and row.backend == backend and row.covers(m):
-                    return row
-        return None
-
-    @property
-    def as_of(self) -> _dt.date | None:
-        dates = [row.as_of for row in self.rows]
-        return max(dates) if dates else None
-
-    def covered(self, platform: str | None = None) -> str:
-        ms = self.minors(platform)
-        return f"{minor_str(ms[0])} to {minor_str(ms[-1])}" if ms else "nothing"
-
-
-def build(host: Any = None, environ: Mapping[str, str] | None = None) -> Matrix:
-    """The matrix in effect: shipped data, ``host``'s plugin rows, then ``ACCELPORT_COMPAT_MATRIX`` files."""
-    env = os.environ if environ is None else environ
-    base = shipped()
-    rows = list(base.rows)
-    origins = [base.origin]
-    if host is not None:
-        extra = _plugin_rows(host)
-        rows += extra
-        origins += sorted({r.origin for r in extra})
-    overrides: list[list[Row]] = []
-    torch = list(base.torch)
-    envs = list(base.env)
-    for path in (p for p in env.get(OVERRIDE_ENV, "").split(os.pathsep) if p.strip()):
-        part = load_file(path.strip(), base.sources)
-        overrides.append(part.rows)
-        torch += part.torch
-        envs += part.env
-        origins.append(part.origin)
-    return Matrix(rows, overrides, torch, envs, origins)

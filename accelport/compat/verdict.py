@@ -1,7 +1,7 @@
 """The compatibility verdict: which backend to use on a platform with a torch version, and why.
 
 The facts live in ``compat_matrix/*.toml`` (schema: ``docs/compat-matrix.md``),
-loaded and validated by :mod:`accelport._matrix`, extended by plugins through
+loaded and validated by :mod:`accelport.compat.schema`, extended by plugins through
 ``accelport_compat_rows`` and by the user through ``ACCELPORT_COMPAT_MATRIX``.
 This module turns them into a :class:`Verdict` and into the deprecation
 warnings emitted when a backend is selected. It never imports torch: the
@@ -18,25 +18,28 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _matrix, _packages
-from ._matrix import STATUSES, WORKING, Matrix, Minor, Row, Source, minor_str, parse_torch_version
-from .errors import (
-    AccelportDeprecationWarning,
-    CompatibilityWarning,
-    InvalidVersionError,
-    UnknownPlatformError,
+from accelport import _packages
+from accelport.compat.load import Matrix, build
+from accelport.compat.schema import (
+    OVERRIDE_ENV,
+    STATUSES,
+    WORKING,
+    Minor,
+    Row,
+    Source,
+    minor_str,
+    parse_torch_version,
 )
-from .platform import PLATFORMS
+from accelport.errors import CompatibilityWarning, InvalidVersionError, UnknownPlatformError, warn_user
+from accelport.platform import PLATFORMS
 
 __all__ = [
     "Verdict",
     "BackendStatus",
     "Combination",
     "recommend",
+    "default_matrix",
     "parse_torch_version",
-    "deprecation_messages",
-    "warn_deprecations",
-    "target_platform",
     "STATUSES",
 ]
 
@@ -185,15 +188,13 @@ class Verdict:
 # -- building a verdict --------------------------------------------------------------------
 
 
-def _host() -> Any:
-    from ._runtime import RUNTIME
+def default_matrix(environ: Mapping[str, str] | None = None) -> Matrix:
+    """The matrix without a plugin host: shipped rows under ``environ``'s ``ACCELPORT_COMPAT_MATRIX`` files.
 
-    return RUNTIME.host()
-
-
-def current_matrix(environ: Mapping[str, str] | None = None) -> Matrix:
-    """The matrix in effect for this process: shipped, plugin rows, ``ACCELPORT_COMPAT_MATRIX``."""
-    return _matrix.build(_host(), environ)
+    Callers that have a plugin host (the runtime, doctor, the CLI) build theirs with
+    :func:`accelport.compat.load.build` and pass it as ``matrix=``.
+    """
+    return build(None, os.environ if environ is None else environ)
 
 
 def _effective(row: Row, chip: str | None) -> tuple[str, str]:
@@ -229,35 +230,13 @@ def _alternatives(mx: Matrix, platform: str, target: Minor, chip: str | None) ->
     return tuple(c for _, c in sorted(best.values(), key=lambda kc: kc[0]))[:_ALTERNATIVES]
 
 
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside accelport.
-
-    Python shows a DeprecationWarning by default only when it is attributed to
-    ``__main__``: pointing at the user's line makes these warnings visible in
-    scripts without any filter set.
-    """
-    prefixes = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
-    backends = sys.modules.get("accelport._backends")
-    for path in getattr(backends, "__path__", ()):
-        prefixes.append(os.path.abspath(path) + os.sep)
-    frame = sys._getframe(2)  # the caller of the function that calls warnings.warn
-    level = 2
-    while frame is not None and frame.f_code.co_filename.startswith(tuple(prefixes)):
-        frame = frame.f_back  # type: ignore[assignment]
-        level += 1
-    return level
-
-
-def _warn(message: str, category: type[Warning]) -> None:
-    warnings.warn(message, category, stacklevel=_user_stacklevel())
-
-
 def recommend(
     platform: str | None = None,
     torch_version: str | None = None,
     *,
     chip: str | None = None,
     matrix: Matrix | None = None,
+    environ: Mapping[str, str] | None = None,
     warn: bool = True,
 ) -> Verdict:
     """The verdict for ``platform`` and ``torch_version``.
@@ -267,15 +246,16 @@ def recommend(
     unknown platform and InvalidVersionError for a ``torch_version`` that is
     not PEP 440. A torch newer than every row is judged by the newest row, the
     verdict is marked ``unverified`` and a CompatibilityWarning says so.
+    ``matrix`` defaults to :func:`default_matrix` of ``environ`` (default: the process's).
     """
     if platform is None:
-        from .platform import detect
+        from accelport.platform import detect
 
-        found = detect()
+        found = detect(environ=environ)
         platform, chip = found.name, chip or found.chip
     elif platform not in PLATFORMS:
         raise UnknownPlatformError(str(platform), PLATFORMS)
-    mx = matrix if matrix is not None else current_matrix()
+    mx = matrix if matrix is not None else default_matrix(environ)
     explicit = torch_version is not None
     tv = torch_version if explicit else _packages.version("torch")
     covered = mx.covered(platform)
@@ -303,10 +283,10 @@ def recommend(
     if wanted > minors[-1]:
         row_minor, unverified = minors[-1], True
         if warn:
-            _warn(f"torch {tv} is newer than every row of the compatibility matrix for {platform} "
+            warn_user(f"torch {tv} is newer than every row of the compatibility matrix for {platform} "
                   f"(newest: {minor_str(minors[-1])}); accelport uses the {minor_str(minors[-1])} row, "
                   "which is unverified for this torch. Check the vendors' release notes, or add rows with "
-                  f"{_matrix.OVERRIDE_ENV}=/path/file.toml.", CompatibilityWarning)
+                  f"{OVERRIDE_ENV}=/path/file.toml.", CompatibilityWarning)
     backends: dict[str, BackendStatus] = {}
     for backend in mx.backends(platform):
         row = mx.lookup(platform, backend, row_minor)
@@ -333,121 +313,3 @@ def recommend(
 
 def _join(combos: tuple[Combination, ...]) -> str:
     return ", ".join(c.describe() for c in combos) or "none"
-
-
-# -- deprecation warnings at selection time -----------------------------------------------
-
-_PJRT_PLATFORM = {"CPU": "cpu", "TPU": "gcp-tpu", "CUDA": "nvidia-gpu", "GPU": "nvidia-gpu", "NEURON": "aws-neuron"}
-_FALSY = {"", "0", "false", "no", "off"}
-
-
-def target_platform(backend: Any, environ: Mapping[str, str] | None = None, detected: str | None = None) -> str:
-    """The platform a backend actually drives here, which picks the matrix rows that judge it.
-
-    A backend may say so itself (``target_platform()``). An XLA (lazy) backend
-    follows ``PJRT_DEVICE``; unset, torch_xla picks TPU or Neuron when present
-    and otherwise the CPU (never CUDA on its own). Any other backend drives its
-    declared ``platform``.
-    """
-    env = os.environ if environ is None else environ
-    own = getattr(backend, "target_platform", None)
-    if callable(own):
-        try:
-            value = own()
-        except Exception:  # a backend's hint must never break selection
-            value = None
-        if value in PLATFORMS:
-            return str(value)
-    if getattr(backend, "lazy", False):
-        pjrt = env.get("PJRT_DEVICE", "").strip().upper()
-        if pjrt in _PJRT_PLATFORM:
-            return _PJRT_PLATFORM[pjrt]
-        if detected is None:
-            from .platform import detect
-
-            detected = detect().name
-        return "cpu" if detected == "nvidia-gpu" else detected
-    return str(getattr(backend, "platform", "cpu"))
-
-
-def _cite(sources: tuple[Source, ...]) -> str:
-    if not sources:
-        return ""
-    s = sources[0]
-    return f" Source: {s.title} <{s.url}>."
-
-
-def deprecation_messages(
-    backend: str,
-    platform: str,
-    torch_version: str | None,
-    environ: Mapping[str, str] | None = None,
-    *,
-    chip: str | None = None,
-    matrix: Matrix | None = None,
-) -> list[str]:
-    """Why ``backend`` on ``platform`` with ``torch_version`` deserves a deprecation warning, if it does.
-
-    One message when the matrix marks the combination deprecated (or
-    unsupported), naming the replacement and the source; one per deprecated
-    environment variable that is set. Pure: emits nothing.
-    """
-    env = os.environ if environ is None else environ
-    mx = matrix if matrix is not None else current_matrix()
-    out: list[str] = []
-    if torch_version is not None:
-        try:
-            verdict = recommend(platform, torch_version, chip=chip, matrix=mx, warn=False)
-        except InvalidVersionError:
-            verdict = None
-        st = verdict.backends.get(backend) if verdict is not None else None
-        if st is not None and st.status in ("deprecated", "unsupported"):
-            what = "deprecated" if st.status == "deprecated" else "not supported"
-            instead = f"; use the {st.replacement} backend instead" if st.replacement else ""
-            out.append(f"accelport: {backend} is {what} on {platform} with torch {torch_version}{instead}. "
-                       f"{st.message}{_cite(st.sources)}")
-    for name, message in deprecated_settings(env, backend=backend, matrix=mx):
-        out.append(f"accelport: {message}")
-    return out
-
-
-def deprecated_settings(
-    environ: Mapping[str, str], backend: str | None = None, matrix: Matrix | None = None,
-    *, in_effect_only: bool = False,
-) -> list[tuple[str, str]]:
-    """(variable, message) for each deprecated environment variable set, from the matrix's env rows.
-
-    With ``in_effect_only``, only those that act on ``backend`` (a setting read by
-    torch_xla does nothing on cpu).
-    """
-    mx = matrix if matrix is not None else current_matrix()
-    out = []
-    for name, dep in mx.env.items():
-        value = environ.get(name)
-        if value is None or value.strip().lower() in _FALSY:
-            continue
-        if in_effect_only and backend and dep.backends and backend not in dep.backends:
-            continue
-        effect = (f" It has no effect on the {backend} backend." if backend and dep.backends
-                  and backend not in dep.backends else "")
-        out.append((name, f"{name}={value} is set. {dep.message} Instead use {dep.replacement}.{effect}"
-                          f"{_cite(dep.sources)}"))
-    return out
-
-
-def warn_deprecations(backend: Any, environ: Mapping[str, str] | None = None) -> list[str]:
-    """Emit one AccelportDeprecationWarning per problem with the selected ``backend``; return the messages.
-
-    Called once, where the backend is first selected. The warning points at
-    the user's code, so Python shows it by default in a script.
-    """
-    env = os.environ if environ is None else environ
-    from .platform import detect
-
-    found = detect()
-    platform = target_platform(backend, env, found.name)
-    chip = found.chip if platform == found.name else None
-    messages = deprecation_messages(backend.name, platform, _packages.version("torch"), env, chip=chip)
-    for message in messages:
-        _warn(message, AccelportDeprecationWarning)
-    return messages

@@ -20,11 +20,15 @@ import warnings
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .contract import StepRecord
-from .errors import DiagnosticWarning
-from .hookspecs import hookimpl
+from accelport.contract import StepRecord
+from accelport.errors import DiagnosticWarning, user_stacklevel
+from accelport.diagnose.tracer import HostSyncSites
+from accelport.plugins.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from accelport.runtime.state import Runtime
 
 __all__ = [
     "Diagnosis",
@@ -92,79 +96,6 @@ FALLBACK_CHECK_STEPS = frozenset({1, 2, 5, 10, 20, 50, 100, 200, 500})  # then e
 FALLBACK_CHECK_EVERY = 1000
 
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _caller_level() -> int:
-    """The stacklevel that makes a warning point at the training script, not at accelport.
-
-    Steps reach the rules from ap.optimizer_step, the end of an ap.loader loop or
-    ap.diagnostics(), each at another depth.
-    """
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-class HostSyncTracer:
-    """Opt-in (``ACCELPORT_DIAGNOSTICS=trace``): where the step reads device values on the host.
-
-    Wraps the ``torch.Tensor`` methods that copy a device tensor to the host
-    (``print(tensor)`` goes through ``__repr__``; ``.cpu()`` and ``.to("cpu")``
-    copy) and counts the first caller outside torch itself. It costs a Python
-    call per wrapped method call, so it is off by default.
-    """
-
-    METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__format__", "__repr__", "numpy")
-    #: Methods that read the host only when their result is on the CPU.
-    COPIES = ("cpu", "to")
-    _installed = False
-    sites: Counter[str] = Counter()
-
-    @classmethod
-    def install(cls) -> None:
-        if cls._installed:
-            return
-        import torch
-
-        torch_dir = os.path.dirname(torch.__file__)
-        here = os.path.abspath(__file__)
-
-        def note() -> None:
-            frame = sys._getframe(2)
-            while frame is not None and (frame.f_code.co_filename.startswith(torch_dir)
-                                         or frame.f_code.co_filename == here):
-                frame = frame.f_back
-            if frame is not None:
-                cls.sites[f"{frame.f_code.co_filename}:{frame.f_lineno}"] += 1
-
-        def wrap(original: Any) -> Any:
-            def traced(self: Any, *args: Any, **kwargs: Any) -> Any:
-                if self.device.type != "cpu":
-                    note()
-                return original(self, *args, **kwargs)
-
-            traced.__wrapped__ = original  # type: ignore[attr-defined]
-            return traced
-
-        def wrap_copy(original: Any) -> Any:
-            def traced(self: Any, *args: Any, **kwargs: Any) -> Any:
-                out = original(self, *args, **kwargs)
-                if self.device.type != "cpu" and getattr(getattr(out, "device", None), "type", None) == "cpu":
-                    note()
-                return out
-
-            traced.__wrapped__ = original  # type: ignore[attr-defined]
-            return traced
-
-        for name in cls.METHODS:
-            setattr(torch.Tensor, name, wrap(getattr(torch.Tensor, name)))
-        for name in cls.COPIES:
-            setattr(torch.Tensor, name, wrap_copy(getattr(torch.Tensor, name)))
-        cls._installed = True
-
-
 @dataclass(frozen=True)
 class Diagnosis:
     """One finding: what was seen (``evidence``), and the cause and fix (``message``)."""
@@ -207,12 +138,14 @@ class Diagnostics:
     the same findings, at the same steps, as evaluating every rule every step.
     """
 
-    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(self, environ: Mapping[str, str] | None = None, runtime: Runtime | None = None) -> None:
         self.findings: list[Diagnosis] = []
+        #: The run being watched; None when records are replayed (``accelport report``).
+        self._runtime = runtime
         self._reported: set[str] = set()
         self._env = os.environ if environ is None else environ
         self._trace = (self._env.get("ACCELPORT_DIAGNOSTICS") or "").strip().lower() == "trace"
-        HostSyncTracer.sites.clear()
+        self._sites = HostSyncSites()
         self._restart()
 
     def _restart(self) -> None:
@@ -241,7 +174,7 @@ class Diagnostics:
         self._reported.add(kind)
         diagnosis = Diagnosis(kind, message, step, evidence)
         self.findings.append(diagnosis)
-        warnings.warn(f"[{kind}] {message}", KINDS.get(kind, DiagnosticWarning), stacklevel=_caller_level())
+        warnings.warn(f"[{kind}] {message}", KINDS.get(kind, DiagnosticWarning), stacklevel=user_stacklevel())
 
     # -- the hook --------------------------------------------------------------------------
     @hookimpl
@@ -273,7 +206,7 @@ class Diagnostics:
         if seen == 1:
             self._deprecated_config(record)
             if self._trace:
-                HostSyncTracer.install()
+                self._sites.listen()
 
         # recompilation: the count of compiling steps in the window only rises on a step that compiled.
         if step >= RECOMPILE_MIN_STEP and "recompilation" not in reported and \
@@ -373,7 +306,7 @@ class Diagnostics:
         if syncing < HOST_SYNC_STEPS * covered / HOST_SYNC_WINDOW:
             return
         per_step = sum(n for n, _ in self._reads) / covered
-        sites = [site for site, _ in HostSyncTracer.sites.most_common(3)]
+        sites = self._sites.most_common(3)
         if sites:
             where = f" It happens at {', '.join(sites)}."
         elif self._trace:
@@ -460,13 +393,12 @@ class Diagnostics:
         )
 
     def _cpu_fallback(self, record: StepRecord) -> None:
-        from ._runtime import RUNTIME
-
-        backend = RUNTIME._backend
-        if backend is None or backend.name != record.backend:
+        runtime = self._runtime
+        backend = runtime.selected if runtime is not None else None
+        if runtime is None or backend is None or backend.name != record.backend:
             return
         # Since the backend was selected: torch_xla's counters are process-wide.
-        ops = RUNTIME.since_selected().get("cpu_fallback") or {}
+        ops = runtime.since_selected().get("cpu_fallback") or {}
         ops = {op: n for op, n in ops.items() if op != "aten::_local_scalar_dense"}  # that is .item()
         if not ops:
             return
@@ -481,7 +413,7 @@ class Diagnostics:
         )
 
     def _deprecated_config(self, record: StepRecord) -> None:
-        from .compat import deprecated_settings
+        from accelport.compat.deprecations import deprecated_settings
 
         found = deprecated_settings(self._env, backend=record.backend, in_effect_only=True)
         if found:
@@ -489,6 +421,6 @@ class Diagnostics:
                         settings=[name for name, _ in found])
 
 
-def create_plugin() -> Diagnostics:
+def create_plugin(environ: Mapping[str, str], runtime: Runtime | None) -> Diagnostics:
     """The plugin object the plugin host registers (a fresh one per host, so per run)."""
-    return Diagnostics()
+    return Diagnostics(environ, runtime)

@@ -38,11 +38,12 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from accelport.cli import UsageError, emit_json
-    from accelport.compat import current_matrix, recommend
-    from accelport.errors import InvalidVersionError, UnknownPlatformError
+    from accelport.cli import emit_json
+    from accelport.compat.verdict import recommend
+    from accelport.errors import InvalidVersionError, UnknownPlatformError, UsageError
+    from accelport.runtime.state import RUNTIME
 
-    mx = current_matrix()
+    mx = RUNTIME.matrix()
     if args.markdown:
         if args.platform is not None or args.torch_version is not None:
             raise UsageError("--markdown prints the whole matrix: drop --platform and --torch")
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def matrix_dict(mx: Any) -> dict[str, Any]:
-    from accelport._matrix import minor_str
+    from accelport.compat.schema import minor_str
 
     return {
         "as_of": mx.as_of.isoformat() if mx.as_of else None,
@@ -96,7 +97,7 @@ def _chunks(names: Sequence[str], first: int, col: int) -> list[list[str]]:
 
 def render_table(mx: Any, here: Any = None) -> str:
     """Every platform's statuses by torch range; consecutive torch minors that agree share a line."""
-    from accelport._matrix import minor_str
+    from accelport.compat.schema import minor_str
     from accelport.platform import PLATFORMS
 
     as_of = mx.as_of.isoformat() if mx.as_of else "unknown"
@@ -137,7 +138,7 @@ def render_table(mx: Any, here: Any = None) -> str:
 
 def render_markdown(mx: Any) -> str:
     """The whole matrix as Markdown: per platform, torch versions by backends, then the sources."""
-    from accelport._matrix import minor_str
+    from accelport.compat.schema import minor_str
     from accelport.platform import PLATFORMS
 
     as_of = mx.as_of.isoformat() if mx.as_of else "unknown"
@@ -203,7 +204,7 @@ def render_verdict(v: Any) -> str:
     sources: list[Any] = []
     if v.backends:
         lines.append("")
-    from accelport._matrix import STATUSES
+    from accelport.compat.schema import STATUSES
 
     order = list(v.backends)
     for name in sorted(order, key=lambda b: (STATUSES.index(v.backends[b].status), order.index(b))):
@@ -242,7 +243,7 @@ def render_verdict(v: Any) -> str:
 
 
 def _minor_of(text: str | None) -> str | None:
-    from accelport._matrix import minor_str, parse_torch_version
+    from accelport.compat.schema import minor_str, parse_torch_version
 
     try:
         return minor_str(parse_torch_version(text)) if text else None

@@ -51,16 +51,15 @@ def register(sub: Any) -> None:
 
 
 def _backend(name: str | None, dry_run: bool) -> Any:
-    from accelport._runtime import RUNTIME
-    from accelport.cli import UsageError
-    from accelport.errors import BackendUnavailableError, UnknownBackendError
-    from accelport.selection import _named, resolve
+    from accelport.runtime.state import RUNTIME
+    from accelport.errors import BackendUnavailableError, UnknownBackendError, UsageError
+    from accelport.runtime.selection import named, resolve
 
     host = RUNTIME.host()
     try:
         if name is not None:
-            return _named(host.backends, name, f"--backend {name}")[0]
-        return resolve(host, None, os.environ)[0]
+            return named(host.backends, name, f"--backend {name}")[0]
+        return resolve(host, None, RUNTIME.environ, matrix=RUNTIME.matrix())[0]
     except UnknownBackendError as exc:
         raise UsageError(str(exc)) from None  # a typo on the command line: exit 2
     except BackendUnavailableError as exc:
@@ -71,7 +70,8 @@ def _backend(name: str | None, dry_run: bool) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from accelport._launch import Rendezvous, WorkerFailedError, build_plan, run_plan
+    from accelport.launch.plan import Rendezvous, build_plan
+    from accelport.launch.run import WorkerFailedError, run_plan
     from accelport.cli import emit_json
 
     rdzv = Rendezvous(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,

@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from .contract import Backend, StepRecord
+    from accelport.compat.verdict import Verdict
+    from accelport.contract import Backend, StepRecord
+    from accelport.doctor.finding import DoctorContext, Finding
 
 PROJECT = "accelport"
 
@@ -47,8 +49,8 @@ def accelport_register_backends(register: Callable[[type[Backend]], None]) -> No
 def accelport_select_backend(
     candidates: Sequence[Backend],
     platform: str,
-    recommendation: Any,
-) -> Backend | None:
+    recommendation: Verdict,
+) -> Backend | tuple[Backend, str] | None:
     """Choose the backend to use when neither ``ap.use()`` nor ``ACCELPORT_BACKEND`` did.
 
     ``candidates`` are the registered backends whose probe says available, in
@@ -56,8 +58,9 @@ def accelport_select_backend(
     ``nvidia-gpu``, ``gcp-tpu``, ``aws-neuron``); ``recommendation`` is the
     compatibility matrix's verdict for this platform and torch version.
 
-    Return the chosen backend (one of ``candidates``) or None to defer.
-    Stops at the first non-None result. The built-in default is ``trylast``, so
+    Return the chosen backend (one of ``candidates``), or ``(backend, reason)`` with
+    the sentence a user reads, or None to defer. Any other answer disables the
+    plugin with a warning, and the next one is asked. Stops at the first valid result. The built-in default is ``trylast``, so
     a site policy plugin is asked before it.
     """
 
@@ -78,12 +81,12 @@ def accelport_compat_rows() -> Sequence[Mapping[str, Any]] | None:
 
 
 @hookspec
-def accelport_doctor_checks(context: Any) -> Sequence[Any] | None:
+def accelport_doctor_checks(context: DoctorContext) -> Sequence[Finding | Mapping[str, str]] | None:
     """Return findings for ``accelport doctor``.
 
     ``context`` gives read-only facts already gathered (platform, installed
-    package versions, environment, probes). Return a list of findings (see
-    :mod:`accelport.doctor`). Collect-all. Must never import a vendor runtime
+    package versions, environment, probes). Return a list of findings
+    (:class:`accelport.doctor.finding.Finding`, or dicts with ``severity``, ``title``, ``fix``). Collect-all. Must never import a vendor runtime
     or touch a device: a training job may hold it.
     """
 

@@ -12,36 +12,23 @@ import importlib
 import importlib.metadata as md
 import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from . import hookspecs
-from .contract import Backend
-from .errors import PluginWarning
-from .platform import PLATFORMS
+from accelport.contract import Backend
+from accelport.errors import PluginWarning
+from accelport.settings import is_off, is_true
+from accelport.platform import PLATFORMS
+from accelport.plugins import hookspecs
+from accelport.plugins.builtin import BUILTIN_PLUGINS, ENTRY_POINT_GROUP
+
+if TYPE_CHECKING:
+    from accelport.runtime.state import Runtime
 
 __all__ = ["BUILTIN_PLUGINS", "ENTRY_POINT_GROUP", "PluginHost", "FailedPlugin", "create_manager"]
-
-ENTRY_POINT_GROUP = "accelport"
-
-#: Built-in plugins: (name, "module" or "module:factory"), loaded like entry points
-#: (a factory is called for a fresh plugin object); disable any of them by name
-#: with ACCELPORT_DISABLED_PLUGINS.
-BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
-    ("cpu", "accelport._backends.cpu"),
-    ("cuda", "accelport._backends.cuda"),
-    ("xla", "accelport._backends.xla"),
-    ("tpu", "accelport._backends.tpu"),
-    ("neuron", "accelport._backends.neuron"),
-    ("neuron-xla", "accelport._backends.neuron_xla"),
-    ("default-selection", "accelport.selection"),
-    ("diagnostics", "accelport.diagnosis:create_plugin"),
-    ("metrics-file", "accelport.metrics_log:create_plugin"),
-)
-
 
 @dataclass(frozen=True)
 class PluginInfo:
@@ -60,22 +47,21 @@ class FailedPlugin:
     error: str
 
 
-def _disabled_names(env: Mapping[str, str]) -> set[str]:
+def disabled_names(env: Mapping[str, str]) -> set[str]:
+    """The plugins the environment turns off: ``ACCELPORT_DISABLED_PLUGINS``, and diagnostics when it is off."""
     raw = env.get("ACCELPORT_DISABLED_PLUGINS", "")
     names = {part.strip() for part in raw.split(",") if part.strip()}
-    if (env.get("ACCELPORT_DIAGNOSTICS") or "").strip().lower() in {"0", "false", "no", "off"}:
+    diagnostics = env.get("ACCELPORT_DIAGNOSTICS")
+    if diagnostics is not None and is_off(diagnostics) and diagnostics.strip():
         names.add("diagnostics")
     return names
 
 
-def _load_builtin(spec: str) -> Any:
+def _load_builtin(spec: str, environ: Mapping[str, str], runtime: Runtime | None) -> Any:
+    """A built-in plugin: the module itself, or what its factory makes for this host's environment and runtime."""
     module, _, factory = spec.partition(":")
     obj = importlib.import_module(module)
-    return getattr(obj, factory)() if factory else obj
-
-
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().lower() in {"1", "true", "yes", "on"}
+    return getattr(obj, factory)(environ, runtime) if factory else obj
 
 
 class PluginHost:
@@ -145,6 +131,10 @@ class PluginHost:
             stacklevel=3,
         )
 
+    def note_failure(self, name: str, stage: str, error: str) -> None:
+        """Record that plugin ``name`` gave something unusable at ``stage``, without disabling it."""
+        self.failed.append(FailedPlugin(name, stage, error))
+
     # -- calling hooks -------------------------------------------------------------------
     def _impls(self, hook: str) -> list[Any]:
         caller = getattr(self.pm.hook, hook)
@@ -173,6 +163,25 @@ class PluginHost:
         """Call implementations in pluggy's order (tryfirst .. trylast); first non-None wins."""
         first = next(self._results(reversed(self._impls(hook)), hook, kwargs), None)
         return first[1] if first is not None else None
+
+    def select_backend(self, candidates: Sequence[Backend], platform: str,
+                       recommendation: Any) -> tuple[Backend, str] | None:
+        """``accelport_select_backend`` in pluggy's order, each answer checked: the first valid one wins.
+
+        A plugin may answer a candidate or ``(candidate, reason)``; any other answer
+        (a backend that is not a candidate, a 3-tuple, a string) disables that plugin
+        with a PluginWarning saying what it returned, and the next plugin is asked.
+        """
+        kwargs = {"candidates": candidates, "platform": platform, "recommendation": recommendation}
+        for plugin, answer in self._results(reversed(self._impls("accelport_select_backend")),
+                                            "accelport_select_backend", kwargs):
+            backend, reason = answer if isinstance(answer, tuple) and len(answer) == 2 else (answer, "")
+            if isinstance(backend, Backend) and any(backend is c for c in candidates) and isinstance(reason, str):
+                return backend, reason
+            self._fail(plugin, "hook accelport_select_backend", TypeError(
+                f"returned {_describe(answer)}; expected one of the candidates ({', '.join(c.name for c in candidates) or 'none'}), "
+                "a (candidate, reason) pair, or None"))
+        return None
 
     def step_end(self, record: Any) -> None:
         """The hot-path hook: a cached list of implementations, each isolated."""
@@ -228,6 +237,11 @@ class PluginHost:
         self.backend_plugin[cls.name] = plugin
 
 
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _entry_points() -> list[tuple[Any, Any]]:
     """(distribution, entry point) for the accelport group, each distribution once (pluggy's way)."""
     seen: set[str] = set()
@@ -244,21 +258,23 @@ def _entry_points() -> list[tuple[Any, Any]]:
     return found
 
 
-def create_manager(environ: Mapping[str, str] | None = None) -> PluginHost:
+def create_manager(environ: Mapping[str, str] | None = None, *, runtime: Runtime | None = None) -> PluginHost:
     """Build a fresh plugin host: built-ins, then third-party entry points, then backends.
 
     ``ACCELPORT_DISABLED_PLUGINS=a,b`` skips plugins by name (built-in or third
     party); ``ACCELPORT_DISABLE_PLUGIN_AUTOLOAD=1`` loads no entry points.
+    ``runtime`` is the runtime the host serves, handed to the built-in observers
+    (doctor's host serves none).
     """
     env = os.environ if environ is None else environ
     host = PluginHost()
-    disabled = _disabled_names(env)
+    disabled = disabled_names(env)
     for name, module in BUILTIN_PLUGINS:
         if name in disabled:
             host.disabled.append(name)
             continue
-        host.load(name, lambda m=module: _load_builtin(m), module=module, builtin=True)
-    if not _truthy(env.get("ACCELPORT_DISABLE_PLUGIN_AUTOLOAD")):
+        host.load(name, lambda m=module: _load_builtin(m, env, runtime), module=module, builtin=True)
+    if not is_true(env.get("ACCELPORT_DISABLE_PLUGIN_AUTOLOAD")):
         try:
             entry_points = _entry_points()
         except Exception as exc:  # broken metadata on disk

@@ -13,17 +13,15 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
-
     import accelport as ap
-    from accelport._runtime import RUNTIME
+    from accelport.runtime.state import RUNTIME
     from accelport.errors import AccelportError
-    from accelport.selection import resolve
+    from accelport.runtime.selection import resolve
 
     infos = ap.backends()
     host = RUNTIME.host()
     try:
-        selected, reason = resolve(host, RUNTIME.explicit, os.environ)
+        selected, reason = resolve(host, RUNTIME.explicit, RUNTIME.environ, matrix=RUNTIME.matrix())
         selection: dict[str, Any] = {"name": selected.name, "reason": reason}
     except AccelportError as exc:
         selection = {"name": None, "reason": str(exc)}

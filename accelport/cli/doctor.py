@@ -21,7 +21,8 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from accelport.cli import emit_json
-    from accelport.doctor import exit_status, gather, render_markdown, render_text
+    from accelport.doctor.gather import gather
+    from accelport.doctor.render import exit_status, render_markdown, render_text
 
     report = gather()
     if args.json:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
-from .contract import StepRecord
-from .hookspecs import hookimpl
+from accelport.contract import StepRecord
+from accelport.plugins.hookspecs import hookimpl
 
 __all__ = ["MetricsFile", "create_plugin", "record_to_dict", "record_from_dict"]
 
@@ -97,6 +98,7 @@ class _Off:
     """Registered when ACCELPORT_METRICS_FILE is unset: implements no hook, costs nothing."""
 
 
-def create_plugin() -> Any:
-    path = os.environ.get("ACCELPORT_METRICS_FILE", "").strip()
+def create_plugin(environ: Mapping[str, str], runtime: object = None) -> Any:
+    """A MetricsFile when ``ACCELPORT_METRICS_FILE`` names a file, else a plugin that implements nothing."""
+    path = (environ.get("ACCELPORT_METRICS_FILE") or "").strip()
     return MetricsFile(path) if path else _Off()

@@ -9,13 +9,18 @@ can be asked first, or this default can be disabled by name.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .contract import Backend
-from .errors import AccelportError, BackendUnavailableError, UnknownBackendError
-from .hookspecs import hookimpl
+from accelport.contract import Backend
+from accelport.errors import AccelportError, BackendUnavailableError, UnknownBackendError
+from accelport.plugins.hookspecs import hookimpl
 
-__all__ = ["resolve", "accelport_select_backend"]
+if TYPE_CHECKING:
+    from accelport.compat.load import Matrix
+    from accelport.platform import PlatformInfo
+    from accelport.plugins.host import PluginHost
+
+__all__ = ["resolve", "named", "accelport_select_backend"]
 
 
 @hookimpl(trylast=True)
@@ -49,7 +54,7 @@ def accelport_select_backend(
     return None
 
 
-def _named(known: Mapping[str, Backend], name: str, source: str) -> tuple[Backend, str]:
+def named(known: Mapping[str, Backend], name: str, source: str) -> tuple[Backend, str]:
     key = name.strip().lower()
     if key not in known:
         raise UnknownBackendError(name, known, source)
@@ -60,30 +65,36 @@ def _named(known: Mapping[str, Backend], name: str, source: str) -> tuple[Backen
     return backend, f"{key} was chosen by {source}; {probe.reason}"
 
 
-def resolve(host: Any, explicit: str | None, environ: Mapping[str, str]) -> tuple[Backend, str]:
-    """Pick the backend; return it with the reason. Raises a specific error on bad input."""
+def resolve(host: PluginHost, explicit: str | None, environ: Mapping[str, str], *,
+            matrix: Matrix | None = None, found: PlatformInfo | None = None) -> tuple[Backend, str]:
+    """Pick the backend; return it with the reason. Raises a specific error on bad input.
+
+    ``matrix`` (default: built from ``host`` and ``environ``) ranks the candidates for
+    the platform ``found`` (default: detected under ``environ``).
+    """
     known: Mapping[str, Backend] = host.backends
     if explicit is not None:
         if not isinstance(explicit, str) or not explicit.strip():
             raise UnknownBackendError(str(explicit), known, "ap.use()")
-        return _named(known, explicit, f"ap.use({explicit.strip()!r})")
+        return named(known, explicit, f"ap.use({explicit.strip()!r})")
     forced = environ.get("ACCELPORT_BACKEND", "").strip()
     if forced:
-        return _named(known, forced, f"ACCELPORT_BACKEND={forced}")
+        return named(known, forced, f"ACCELPORT_BACKEND={forced}")
 
-    from .compat import recommend
-    from .platform import detect
+    from accelport.compat.load import build
+    from accelport.compat.verdict import recommend
+    from accelport.platform import detect
 
-    plat = detect()
+    plat = detect(environ=environ) if found is None else found
+    mx = build(host, environ) if matrix is None else matrix
     candidates = [b for b in known.values() if b.probe().available]
-    chosen = host.call_first(
-        "accelport_select_backend", candidates=candidates, platform=plat.name,
-        recommendation=recommend(plat.name, chip=plat.chip),
+    chosen = host.select_backend(
+        candidates=candidates, platform=plat.name,
+        recommendation=recommend(plat.name, chip=plat.chip, matrix=mx, environ=environ),
     )
     if chosen is not None:
-        backend, reason = chosen if isinstance(chosen, tuple) else (chosen, "")
-        if backend in candidates:
-            return backend, reason or f"{backend.name} was chosen by a selection plugin"
+        backend, reason = chosen
+        return backend, reason or f"{backend.name} was chosen by a selection plugin"
     cpu = known.get("cpu")
     if cpu is not None and cpu.probe().available:
         return cpu, f"cpu: no accelerator backend is available on this machine ({plat.describe()})"

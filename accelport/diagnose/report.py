@@ -17,8 +17,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import AccelportError
-from .metrics_log import record_from_dict
+from accelport.errors import AccelportError
+from accelport.diagnose.metrics_log import record_from_dict
 
 __all__ = ["ReportError", "load_records", "diagnose", "breakdown", "render_html", "write_report"]
 
@@ -85,7 +85,7 @@ def load_records(path: str) -> list[dict[str, Any]]:
 
 def diagnose(records: Sequence[dict[str, Any]]) -> list[Any]:
     """Run the live diagnosis rules over recorded steps (those that need the live backend are skipped)."""
-    from .diagnosis import Diagnostics
+    from accelport.diagnose.rules import Diagnostics
 
     rules = Diagnostics(environ={})
     with warnings.catch_warnings():

@@ -21,7 +21,7 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from accelport.cli import emit_json
-    from accelport.report import write_report
+    from accelport.diagnose.report import write_report
 
     path, findings = write_report(args.metrics_file, args.output)
     if args.json:

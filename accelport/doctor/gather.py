@@ -10,29 +10,20 @@ from __future__ import annotations
 
 import os
 import platform as _pyplatform
-import re
 import sys
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import _packages
+from accelport import _packages
+from accelport.doctor.finding import SEVERITIES, DoctorContext, Finding, as_finding
+from accelport.redact import redact
 
-__all__ = [
-    "SEVERITIES",
-    "Finding",
-    "DoctorContext",
-    "PACKAGES",
-    "ENVIRONMENT",
-    "redact",
-    "gather",
-    "render_text",
-    "render_markdown",
-    "exit_status",
-]
+if TYPE_CHECKING:
+    from accelport.compat.load import Matrix
+    from accelport.compat.verdict import Verdict
 
-SEVERITIES = ("ok", "note", "warning", "problem")
+__all__ = ["PACKAGES", "ENVIRONMENT", "gather"]
 
 #: Distributions whose versions matter, in the order shown.
 PACKAGES: tuple[str, ...] = (
@@ -69,59 +60,6 @@ ENVIRONMENT_PREFIXES: Mapping[str, str] = {
     "TPU_": "Cloud TPU VM setting",
     "TORCH_TPU_": "TorchTPU setting",
 }
-_SECRET_NAME = re.compile(r"(?i)(secret|token|password|passwd|credential|api[_-]?key|private)")
-_SECRET_VALUE = [
-    re.compile(r"(?i)\b(token|secret|password|passwd|apikey|api_key|key|credential)(\s*[=:]\s*)([^\s,;&]+)"),
-    re.compile(r"\bAKIA[0-9A-Z]{16}\b"),
-    re.compile(r"\b(?:gh[pousr]_|xox[abp]-|ya29\.)[A-Za-z0-9_\-.]{10,}"),
-    re.compile(r"(?<![A-Za-z0-9/])(?=[A-Za-z0-9+/_\-]*\d)(?=[A-Za-z0-9+/_\-]*[A-Za-z])[A-Za-z0-9+/_\-]{32,}={0,2}"),
-]
-REDACTED = "<redacted>"
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One result of a check: ``severity`` (ok, note, warning, problem), what was seen, and the fix."""
-
-    severity: str
-    title: str
-    fix: str = ""
-    check: str = ""  # which plugin produced it
-
-    def __post_init__(self) -> None:
-        if self.severity not in SEVERITIES:
-            raise ValueError(f"severity must be one of {', '.join(SEVERITIES)}, not {self.severity!r}")
-
-    def to_dict(self) -> dict[str, str]:
-        return {"severity": self.severity, "title": self.title, "fix": self.fix, "check": self.check}
-
-
-@dataclass
-class DoctorContext:
-    """Read-only facts gathered before the checks run (what ``accelport_doctor_checks`` receives)."""
-
-    environ: Mapping[str, str]
-    platform: Any
-    packages: Mapping[str, str | None]
-    probes: Mapping[str, Any]
-    backends: Mapping[str, Any]
-    selected: str | None
-    selection_reason: str
-    cpu_count: int
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def redact(name: str, value: str) -> str:
-    """The value to show for variable ``name``; anything that looks like a credential is redacted."""
-    if _SECRET_NAME.search(name):
-        return REDACTED
-    out = value
-    for pattern in _SECRET_VALUE:
-        if pattern.groups >= 3:
-            out = pattern.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", out)
-        else:
-            out = pattern.sub(REDACTED, out)
-    return out
 
 
 def _environment(environ: Mapping[str, str]) -> list[dict[str, str]]:
@@ -187,14 +125,6 @@ def _safe(fn: Any, default: Any = None) -> Any:
         return default
 
 
-def _as_finding(item: Any, check: str) -> Finding:
-    if isinstance(item, Finding):
-        return item if item.check else Finding(item.severity, item.title, item.fix, check)
-    if isinstance(item, Mapping):
-        return Finding(str(item.get("severity", "note")), str(item["title"]), str(item.get("fix", "")), check)
-    raise TypeError(f"got {type(item).__name__}; expected accelport.doctor.Finding or a dict with a title")
-
-
 def _no_backend_fix(ctx: DoctorContext, matrix_ok: bool) -> str:
     """The fix for "no backend can be used", from what actually stands in the way."""
     forced = (ctx.environ.get("ACCELPORT_BACKEND") or "").strip()
@@ -203,26 +133,23 @@ def _no_backend_fix(ctx: DoctorContext, matrix_ok: bool) -> str:
                 "choose")
     if ctx.packages.get("torch") is None:
         return "pip install torch (the build your platform needs: see `accelport matrix`)"
-    from .plugins import _disabled_names
+    from accelport.plugins.host import disabled_names
 
-    if "cpu" not in ctx.backends and "cpu" in _disabled_names(ctx.environ):
+    if "cpu" not in ctx.backends and "cpu" in disabled_names(ctx.environ):
         return "take cpu out of ACCELPORT_DISABLED_PLUGINS: it is the backend every machine can fall back to"
     if not matrix_ok:
         return "fix the compatibility matrix (the problem above): selection reads it"
     return "read each backend's reason in `accelport backends` and fix the one you mean to use"
 
 
-def _core_findings(ctx: DoctorContext, recommendation: Any) -> list[Finding]:
-    from .compat import current_matrix, deprecated_settings, deprecation_messages, target_platform
-    from .errors import CompatMatrixError
+def _core_findings(ctx: DoctorContext, recommendation: Verdict | None, matrix: Matrix | None,
+                   matrix_error: str | None) -> list[Finding]:
+    from accelport.compat.deprecations import deprecated_settings, deprecation_messages, target_platform
 
     findings: list[Finding] = []
-    try:
-        current_matrix(ctx.environ)
-        matrix_ok = True
-    except CompatMatrixError as exc:  # a bad ACCELPORT_COMPAT_MATRIX file or plugin rows
-        matrix_ok = False
-        findings.append(Finding("problem", f"the compatibility matrix cannot be loaded: {exc}",
+    matrix_ok = matrix is not None
+    if matrix_error is not None:  # a bad ACCELPORT_COMPAT_MATRIX file or plugin rows
+        findings.append(Finding("problem", f"the compatibility matrix cannot be loaded: {matrix_error}",
                                 "fix the file and key named above, or unset ACCELPORT_COMPAT_MATRIX", "core"))
     if ctx.packages.get("torch") is None:
         findings.append(Finding("problem", "torch is not installed", "pip install torch (the build your platform "
@@ -231,8 +158,10 @@ def _core_findings(ctx: DoctorContext, recommendation: Any) -> list[Finding]:
         findings.append(Finding("ok", f"backend {ctx.selected} will be used: {ctx.selection_reason}", "", "core"))
         backend = ctx.backends[ctx.selected]
         platform = target_platform(backend, ctx.environ, ctx.platform.name)
-        for message in [] if not matrix_ok else deprecation_messages(ctx.selected, platform, ctx.packages.get("torch"), {},
-                                            chip=ctx.platform.chip if platform == ctx.platform.name else None):
+        chip = ctx.platform.chip if platform == ctx.platform.name else None
+        # {}: the deprecated variables are findings of their own, below.
+        for message in [] if matrix is None else deprecation_messages(
+                ctx.selected, platform, ctx.packages.get("torch"), {}, chip=chip, matrix=matrix):
             findings.append(Finding("warning", f"the selected path is deprecated or unsupported: {ctx.selected} "
                                     f"on {platform} with torch {ctx.packages.get('torch')}", message, "core"))
     else:
@@ -249,7 +178,7 @@ def _core_findings(ctx: DoctorContext, recommendation: Any) -> list[Finding]:
             findings.append(Finding(
                 "warning", f"{recommended} is recommended for {ctx.platform.name} but unavailable: {probe.reason}",
                 f"fix what the reason says to run on {recommended}", "core"))
-    for name, message in deprecated_settings(ctx.environ) if matrix_ok else []:
+    for name, message in [] if matrix is None else deprecated_settings(ctx.environ, matrix=matrix):
         findings.append(Finding("warning", f"{name} is set: it is deprecated", message, "core"))
     cpus = ctx.cpu_count
     upper = max(1, cpus - 1)
@@ -263,32 +192,42 @@ def _core_findings(ctx: DoctorContext, recommendation: Any) -> list[Finding]:
 
 def gather(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Collect the whole report as plain data (the ``--json`` output)."""
-    from . import __version__
-    from .compat import recommend
-    from .errors import AccelportError
-    from .platform import detect
-    from .plugins import create_manager
-    from .selection import resolve
+    from accelport import __version__
+    from accelport.compat.load import build
+    from accelport.compat.verdict import recommend
+    from accelport.errors import AccelportError, CompatMatrixError
+    from accelport.platform import detect
+    from accelport.plugins.host import create_manager
+    from accelport.runtime.selection import resolve
 
     env = dict(os.environ if environ is None else environ)
-    host = create_manager(env)  # a private host: doctor never changes the process's selection
+    # Its own host and matrix, from ``env`` alone: doctor never changes the process's selection,
+    # and every answer below (selection, recommendation, deprecations) reads the same ones.
+    host = create_manager(env)
     plat = detect(environ=env)
+    matrix: Matrix | None
+    matrix_error: str | None = None
+    try:
+        matrix = build(host, env)
+    except CompatMatrixError as exc:
+        matrix, matrix_error = None, str(exc)
     packages = {name: _packages.version(name) for name in PACKAGES}
     probes = {name: b.probe() for name, b in host.backends.items()}
     try:
-        chosen, reason = resolve(host, None, env)
+        chosen, reason = resolve(host, None, env, matrix=matrix, found=plat)
         selected: str | None = chosen.name
     except AccelportError as exc:
         selected, reason = None, str(exc)
-    recommendation = _safe(lambda: recommend(plat.name, chip=plat.chip, warn=False))
+    recommendation = None if matrix is None else _safe(
+        lambda: recommend(plat.name, chip=plat.chip, matrix=matrix, environ=env, warn=False))
     cpus = os.cpu_count() or 1
     ctx = DoctorContext(env, plat, packages, probes, dict(host.backends), selected, reason, cpus)
 
-    findings = _core_findings(ctx, recommendation)
+    findings = _core_findings(ctx, recommendation, matrix, matrix_error)
     for plugin, result in host.call_each("accelport_doctor_checks", context=ctx):
         for item in result if isinstance(result, (list, tuple)) else [result]:
             try:
-                findings.append(_as_finding(item, plugin))
+                findings.append(as_finding(item, plugin))
             except (TypeError, ValueError, KeyError) as exc:
                 findings.append(Finding("warning", f"plugin {plugin} returned a malformed finding: {exc}",
                                         "report it to the plugin's authors", "core"))
@@ -338,71 +277,3 @@ def _recommendation_dict(verdict: Any) -> dict[str, Any] | None:
             "ranked": list(verdict.ranked)}
 
 
-def exit_status(report: Mapping[str, Any]) -> int:
-    """0: no problem; 1: at least one finding of severity problem."""
-    return 1 if any(f["severity"] == "problem" for f in report["findings"]) else 0
-
-
-_ICON = {"ok": "ok  ", "note": "note", "warning": "WARN", "problem": "FAIL"}
-
-
-def _size(n: int | None) -> str:
-    if n is None:
-        return "size unknown"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return ""
-
-
-def render_text(report: Mapping[str, Any]) -> str:
-    """The human report (about 40 lines)."""
-    s, p = report["system"], report["platform"]
-    lines = [
-        f"accelport {report['accelport']}  Python {s['python']}  {s['os']} {s['machine']}  {s['cpu_count']} CPUs",
-        f"platform: {p['name']}" + (f" ({p['chip']})" if p["chip"] else "")
-        + (f", {p['device_count']} device(s)" if p["device_count"] else "")
-        + (f"  [{'; '.join(p['evidence'])}]" if p["evidence"] else ""),
-        "",
-        "packages:",
-    ]
-    lines += [f"  {name:<14} {ver or '-'}" for name, ver in report["packages"].items() if ver] or ["  (none)"]
-    missing = [name for name, ver in report["packages"].items() if not ver]
-    if missing:
-        lines.append(f"  not installed: {', '.join(missing)}")
-    lines += ["", "backends:"]
-    sel = report["selected"]["name"]
-    for b in report["backends"]:
-        mark = "*" if b["name"] == sel else " "
-        lines.append(f" {mark}{b['name']:<11} {'available' if b['available'] else 'unavailable':<11} {b['reason']}")
-    lines.append(f"  selected: {sel or 'none'}: {report['selected']['reason']}")
-    rec = report.get("recommendation") or {}
-    if rec:
-        lines.append(f"  recommended for {rec.get('platform')} with torch {rec.get('torch_version')}: "
-                     f"{rec.get('recommended') or 'none'}")
-    if report["environment"]:
-        lines += ["", "environment:"]
-        lines += [f"  {e['name']}={e['value']}  ({e['meaning']})" for e in report["environment"]]
-    if report["caches"]:
-        lines += ["", "compile caches:"]
-        for c in report["caches"]:
-            where = "remote" if c.get("remote") else (_size(c["bytes"]) if c["exists"] else "not created yet")
-            lines.append(f"  {c['owner']}: {c['path']} ({where})")
-    lines += ["", "plugins: " + ", ".join(
-        f"{p['name']}" + (f" {p['version']}" if p.get("version") else "") + (" (FAILED)" if p.get("failed") else "")
-        for p in report["plugins"])]
-    lines += ["", "findings:"]
-    for f in report["findings"]:
-        lines.append(f"  [{_ICON[f['severity']]}] {f['title']}")
-        if f["fix"] and f["severity"] != "ok":
-            lines.append(f"         fix: {f['fix']}")
-    problems = sum(f["severity"] == "problem" for f in report["findings"])
-    warns = sum(f["severity"] == "warning" for f in report["findings"])
-    lines += ["", f"{problems} problem(s), {warns} warning(s)"]
-    return "\n".join(lines)
-
-
-def render_markdown(report: Mapping[str, Any]) -> str:
-    """A block to paste into a bug report."""
-    return "<details><summary>accelport doctor</summary>\n\n```\n" + render_text(report) + "\n```\n</details>"

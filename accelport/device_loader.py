@@ -17,9 +17,12 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .errors import DiagnosticWarning
+from accelport.errors import DiagnosticWarning
+
+if TYPE_CHECKING:
+    from accelport.runtime.state import Runtime
 
 __all__ = ["DeviceLoader", "prefetch_iter", "shard_batches", "signature"]
 
@@ -146,7 +149,7 @@ def _tqdm() -> Any:
     try:
         from tqdm.auto import tqdm
     except ImportError:
-        from .errors import AccelportError
+        from accelport.errors import AccelportError
 
         raise AccelportError("ap.loader(progress=True) needs tqdm: pip install tqdm") from None
     return tqdm
@@ -215,7 +218,7 @@ class DeviceLoader:
     ``len()`` is the wrapped loader's length (this replica's share with ``shard=True``).
     """
 
-    def __init__(self, iterable: Iterable[Any], runtime: Any, prefetch: int | None = None,
+    def __init__(self, iterable: Iterable[Any], runtime: Runtime, prefetch: int | None = None,
                  shard: bool | None = None, progress: bool = False) -> None:
         if not hasattr(iterable, "__iter__"):
             raise TypeError(
@@ -290,7 +293,7 @@ class DeviceLoader:
                     return
                 tracker.batch_arrived(clock() - t0, next_signature())
                 if bar is not None:
-                    _advance(bar, tracker, backend, runtime._baseline.get("compilations"))
+                    _advance(bar, tracker, backend, runtime.baseline.get("compilations"))
                 yield batch
         finally:
             # The observers get every step of this loop now (see StepTracker).

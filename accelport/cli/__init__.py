@@ -15,34 +15,32 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["main", "COMMANDS", "UsageError", "emit_json"]
+from accelport.errors import UsageError
+
+__all__ = ["main", "COMMANDS", "UsageError", "emit_json", "fail"]
 
 #: Subcommand modules; each defines ``register(subparsers)`` that adds its parser
 #: and sets ``func(args) -> int`` as the default.
 COMMANDS: tuple[str, ...] = (
-    "accelport.cli_backends",
-    "accelport.cli_doctor",
-    "accelport.cli_launch",
-    "accelport.cli_matrix",
-    "accelport.cli_ci_matrix",
-    "accelport.cli_report",
+    "accelport.cli.backends",
+    "accelport.cli.doctor",
+    "accelport.cli.launch",
+    "accelport.cli.matrix",
+    "accelport.cli.ci_matrix",
+    "accelport.cli.report",
 )
-
-
-class UsageError(Exception):
-    """Bad command-line input (exit status 2)."""
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:  # argparse would print and exit; we decide the format
-        # _fail() prints "accelport: error: "; a subcommand's parser adds its own name
+        # fail() prints "accelport: error: "; a subcommand's parser adds its own name
         # ("ci-matrix: argument --format: ..."), the top-level parser nothing more.
         command = self.prog.partition(" ")[2]
         raise UsageError(f"{command}: {message}" if command else message)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from accelport import __version__
 
     parser = _Parser(
         prog="accelport",
@@ -77,7 +75,8 @@ def emit_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2, sort_keys=False, default=str))
 
 
-def _fail(kind: str, message: str, as_json: bool, code: int) -> int:
+def fail(kind: str, message: str, as_json: bool, code: int) -> int:
+    """Say an error once, as JSON (``{"error", "kind"}`` on stdout) or as text on stderr; return ``code``."""
     if as_json:
         emit_json({"error": message, "kind": kind})
     else:
@@ -86,7 +85,7 @@ def _fail(kind: str, message: str, as_json: bool, code: int) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .errors import AccelportError
+    from accelport.errors import AccelportError
 
     args_list = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in args_list  # until the arguments are parsed: a usage error is JSON too
@@ -97,8 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         as_json = bool(getattr(args, "json", False)) or getattr(args, "format", None) == "json"
         if not getattr(args, "func", None):
             if args.json_before_command:  # JSON was asked for: an error in JSON, not the help text
-                commands = ", ".join(module.split(".cli_")[-1].replace("_", "-") for module in COMMANDS)
-                return _fail("usage", f"give a command: accelport --json COMMAND (one of {commands})", True, 2)
+                commands = ", ".join(module.rsplit(".", 1)[-1].replace("_", "-") for module in COMMANDS)
+                return fail("usage", f"give a command: accelport --json COMMAND (one of {commands})", True, 2)
             parser.print_help()
             return 2
         with warnings.catch_warnings(record=as_json) as caught:
@@ -107,12 +106,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             code = int(args.func(args) or 0)
         del caught
         return code
-    except UsageError as exc:
-        return _fail("usage", str(exc), as_json, 2)
+    except UsageError as exc:  # before AccelportError, of which it is one
+        return fail("usage", str(exc), as_json, 2)
     except AccelportError as exc:
-        return _fail(type(exc).__name__, str(exc), as_json, 1)
+        return fail(type(exc).__name__, str(exc), as_json, 1)
     except KeyboardInterrupt:
-        return _fail("interrupted", "interrupted", as_json, 130)
+        return fail("interrupted", "interrupted", as_json, 130)
     except BrokenPipeError:
         # The reader went away (`accelport matrix | head`): not an error of ours. Point
         # stdout at devnull so the interpreter's final flush does not complain either.
@@ -121,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except Exception as exc:  # the last line of defence: never a traceback
-        return _fail(
+        return fail(
             "internal",
             f"unexpected {type(exc).__name__}: {exc} (this is a bug in accelport; please report it "
             "with the output of `accelport doctor --markdown`)",

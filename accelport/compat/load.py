@@ -1,0 +1,205 @@
+"""Load the compatibility matrix: shipped TOML, plugin rows, user override files, merged.
+
+The schema and its checks live in :mod:`accelport.compat.schema`; this module
+reads the files and layers them. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+import os
+import sys
+import warnings
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from accelport.compat.schema import (
+    OVERRIDE_ENV,
+    Checker,
+    EnvDeprecation,
+    Minor,
+    Parsed,
+    Row,
+    Source,
+    TorchInfo,
+    check_overlaps,
+    minor_str,
+    parse_row,
+    parse_tables,
+)
+from accelport.errors import CompatMatrixError, PluginWarning
+
+if TYPE_CHECKING:
+    from accelport.plugins.host import PluginHost
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+__all__ = ["Matrix", "load_file", "shipped", "build"]
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise CompatMatrixError(path, "", f"cannot read the file ({exc.strerror or exc})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise CompatMatrixError(path, "", f"not valid TOML: {exc}") from None
+
+
+def load_file(path: str | os.PathLike[str], known_sources: Mapping[str, Source] | None = None) -> Parsed:
+    """Read and validate one matrix file (shipped ids in ``known_sources`` may be cited)."""
+    p = os.fspath(path)
+    if known_sources is None:
+        known_sources = shipped().sources
+    return parse_tables(_read_toml(p), p, known_sources)
+
+
+@functools.lru_cache(maxsize=1)
+def shipped() -> Parsed:
+    """The data shipped in ``accelport.compat_matrix`` (read once per process)."""
+    from importlib.resources import files
+
+    folder = files("accelport.compat_matrix")
+    entries = sorted((e for e in folder.iterdir() if e.name.endswith(".toml")), key=lambda e: e.name)
+    raw = []
+    for entry in entries:
+        origin = str(entry)
+        try:
+            raw.append((origin, tomllib.loads(entry.read_text(encoding="utf-8"))))
+        except tomllib.TOMLDecodeError as exc:
+            raise CompatMatrixError(origin, "", f"not valid TOML: {exc}") from None
+    # Source ids are shared by every shipped file: collect them all before any row cites one.
+    pooled: dict[str, Source] = {}
+    for origin, data in raw:
+        srcs = data.get("sources", {})
+        if isinstance(srcs, Mapping):
+            checker = Checker(origin, {})
+            for sid, s in srcs.items():
+                if sid in pooled:
+                    raise CompatMatrixError(origin, f"sources.{sid}", "source id already defined in another file")
+                pooled[sid] = checker.source(s, f"sources.{sid}")
+    total = Parsed("accelport.compat_matrix", sources=pooled)
+    for origin, data in raw:
+        part = parse_tables(data, origin, pooled)
+        check_overlaps(part.rows, total.rows)
+        total.rows += part.rows
+        total.torch += part.torch
+        total.env += part.env
+    return total
+
+
+def _plugin_rows(host: PluginHost) -> list[Row]:
+    """Rows from ``accelport_compat_rows``; an invalid plugin's rows are dropped with a PluginWarning."""
+    cache = _PLUGIN_CACHE.get(host)
+    if cache is not None:
+        return cache
+    base = shipped()
+    accepted: list[Row] = list(base.rows)
+    mine: list[Row] = []
+    # The host calls each plugin isolated; what a plugin returned is checked here, against the schema.
+    for plugin, result in host.call_each("accelport_compat_rows"):
+        origin = f"plugin {plugin!r}"
+        try:
+            if isinstance(result, (str, bytes, Mapping)) or not isinstance(result, Sequence):
+                raise CompatMatrixError(origin, "", "accelport_compat_rows must return a list of row tables")
+            c = Checker(origin, base.sources)
+            rows = [parse_row(c, r, f"rows[{i}]", None, None) for i, r in enumerate(result)]
+            check_overlaps(rows)
+            check_overlaps(rows, accepted, adding=True)
+        except CompatMatrixError as exc:
+            host.note_failure(plugin, "hook accelport_compat_rows", f"{type(exc).__name__}: {exc}")
+            warnings.warn(f"accelport plugin {plugin!r}: its compatibility rows were ignored: {exc}",
+                          PluginWarning, stacklevel=2)
+            continue
+        accepted += rows
+        mine += rows
+    _PLUGIN_CACHE[host] = mine
+    return mine
+
+
+_PLUGIN_CACHE: weakref.WeakKeyDictionary[PluginHost, list[Row]] = weakref.WeakKeyDictionary()
+
+
+class Matrix:
+    """The merged matrix: shipped rows and plugin rows, under the user's override files.
+
+    Lookups take the first matching layer: later override files win over
+    earlier ones, and any override file wins over the shipped and plugin rows.
+    """
+
+    def __init__(self, base: Sequence[Row], overrides: Sequence[Sequence[Row]] = (),
+                 torch: Iterable[TorchInfo] = (), env: Iterable[EnvDeprecation] = (),
+                 origins: Sequence[str] = ()) -> None:
+        self.layers: list[list[Row]] = [list(layer) for layer in reversed(overrides)] + [list(base)]
+        self.torch: dict[Minor, TorchInfo] = {}
+        for info in torch:
+            self.torch[info.version] = info  # later entries (overrides) replace earlier ones
+        self.env: dict[str, EnvDeprecation] = {}
+        for e in env:
+            self.env[e.name] = e
+        self.origins = list(origins)
+
+    @property
+    def rows(self) -> list[Row]:
+        return [row for layer in self.layers for row in layer]
+
+    def backends(self, platform: str) -> list[str]:
+        """Backends with rows on ``platform``, in the order the data lists them."""
+        seen: dict[str, None] = {}
+        for layer in reversed(self.layers):
+            for row in layer:
+                if row.platform == platform:
+                    seen.setdefault(row.backend, None)
+        return list(seen)
+
+    def minors(self, platform: str | None = None) -> list[Minor]:
+        """Every torch minor some row covers (on ``platform``), ascending."""
+        found: set[Minor] = set()
+        for row in self.rows:
+            if platform is None or row.platform == platform:
+                found.update((row.torch_min[0], n) for n in range(row.torch_min[1], row.torch_max[1] + 1))
+        return sorted(found)
+
+    def lookup(self, platform: str, backend: str, m: Minor) -> Row | None:
+        for layer in self.layers:
+            for row in layer:
+                if row.platform == platform and row.backend == backend and row.covers(m):
+                    return row
+        return None
+
+    @property
+    def as_of(self) -> _dt.date | None:
+        dates = [row.as_of for row in self.rows]
+        return max(dates) if dates else None
+
+    def covered(self, platform: str | None = None) -> str:
+        ms = self.minors(platform)
+        return f"{minor_str(ms[0])} to {minor_str(ms[-1])}" if ms else "nothing"
+
+
+def build(host: PluginHost | None = None, environ: Mapping[str, str] | None = None) -> Matrix:
+    """The matrix in effect: shipped data, ``host``'s plugin rows, then ``ACCELPORT_COMPAT_MATRIX`` files."""
+    env = os.environ if environ is None else environ
+    base = shipped()
+    rows = list(base.rows)
+    origins = [base.origin]
+    if host is not None:
+        extra = _plugin_rows(host)
+        rows += extra
+        origins += sorted({r.origin for r in extra})
+    overrides: list[list[Row]] = []
+    torch = list(base.torch)
+    envs = list(base.env)
+    for path in (p for p in env.get(OVERRIDE_ENV, "").split(os.pathsep) if p.strip()):
+        part = load_file(path.strip(), base.sources)
+        overrides.append(part.rows)
+        torch += part.torch
+        envs += part.env
+        origins.append(part.origin)
+    return Matrix(rows, overrides, torch, envs, origins)

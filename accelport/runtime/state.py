@@ -1,0 +1,186 @@
+"""The state behind the public API: the plugin host, the matrix, the selected backend, step tracking.
+
+A :class:`Runtime` owns them and hands them to whoever needs them (selection,
+the diagnostics plugin, the loader); ``RUNTIME`` is the process's one, which the
+``ap.*`` functions use. Nothing below this module reads it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from accelport.contract import COUNTER_FIELDS, LEVEL_FIELDS, Backend, Metrics
+from accelport.runtime.tracker import StepTracker
+
+if TYPE_CHECKING:
+    from accelport.compat.load import Matrix
+    from accelport.plugins.host import PluginHost
+
+__all__ = ["Runtime", "RUNTIME"]
+
+
+class Runtime:
+    """Holds the plugin host, the matrix and the selected backend, built once and passed on.
+
+    ``environ`` is the environment it reads (default: the process's, read when used).
+    """
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        self._lock = threading.RLock()
+        self._environ = environ
+        self._host: PluginHost | None = None
+        self._matrix: Matrix | None = None
+        self._backend: Backend | None = None
+        self.reason = ""
+        self.explicit: str | None = None
+        self.tracker = StepTracker()
+        self._baseline: dict[str, Any] = {}
+        #: Keys of the warnings already given in this process (each is given once).
+        self.warned: set[str] = set()
+
+    @property
+    def environ(self) -> Mapping[str, str]:
+        return os.environ if self._environ is None else self._environ
+
+    def host(self) -> PluginHost:
+        if self._host is None:
+            with self._lock:
+                if self._host is None:
+                    from accelport.plugins.host import create_manager
+
+                    self._host = create_manager(self.environ, runtime=self)
+        return self._host
+
+    def matrix(self) -> Matrix:
+        """The matrix in effect for this runtime: shipped, its plugins' rows, ``ACCELPORT_COMPAT_MATRIX``."""
+        if self._matrix is None:
+            with self._lock:
+                if self._matrix is None:
+                    from accelport.compat.load import build
+
+                    self._matrix = build(self.host(), self.environ)
+        return self._matrix
+
+    @property
+    def baseline(self) -> Mapping[str, Any]:
+        """The backend's counters as they were when it was selected (``since_selected`` counts from them)."""
+        return self._baseline
+
+    @property
+    def selected(self) -> Backend | None:
+        """The backend in use, or None before the first ``ap.*`` call selects one (selects nothing)."""
+        return self._backend
+
+    def backend(self) -> Backend:
+        if self._backend is None:
+            with self._lock:
+                if self._backend is None:
+                    from accelport.compat.deprecations import warn_deprecations
+                    from accelport.platform import detect
+                    from accelport.runtime.selection import resolve
+
+                    env, found = self.environ, detect(environ=self.environ)
+                    backend, reason = resolve(self.host(), self.explicit, env, matrix=self.matrix(), found=found)
+                    # Vendor deprecations are announced where the backend is first chosen.
+                    warn_deprecations(backend, env, matrix=self.matrix(), found=found)
+                    backend.prepare()
+                    backend.reason = reason
+                    self._baseline = backend.counters()
+                    backend.step_delta()  # per-step changes count from here, not from the process start
+                    self.tracker = StepTracker()
+                    self._backend, self.reason = backend, reason
+        return self._backend
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Step ``optimizer`` on the backend and end the step: the hot path of ``ap.optimizer_step``."""
+        backend = self._backend or self.backend()  # (a call less per step once selected)
+        result = backend.optimizer_step(optimizer, **kwargs)
+        self.tracker.step_end(backend, self._host)
+        return result
+
+    def use(self, name: str) -> Backend:
+        self.tracker.flush()  # the steps so far belong to the backend in use until now
+        with self._lock:
+            from accelport.runtime.selection import resolve
+
+            backend, reason = resolve(self.host(), name, self.environ)
+            self.explicit = name
+            self._backend = None
+            self.reason = reason
+        return self.backend()
+
+    def reset(self) -> None:
+        """Forget plugins, selection and counters (tests; a fresh start after env changes)."""
+        self.tracker.flush()  # the observers get every step of the run that ends here
+        with self._lock:
+            self.__init__(self._environ)  # type: ignore[misc]
+
+    @contextlib.contextmanager
+    def scoped(self) -> Iterator[Runtime]:
+        """Run a block whose backend choice and counters are its own; the state before comes back after.
+
+        The pytest plugin runs each test on its backend inside one, so a test's
+        ``ap.use`` (or ``reset``) never leaks into the next test.
+        """
+        with self._lock:
+            saved = {key: value for key, value in vars(self).items() if key != "_lock"}
+        try:
+            yield self
+        finally:
+            self.tracker.flush()
+            with self._lock:
+                vars(self).update(saved)
+
+    def since_selected(self) -> dict[str, Any]:
+        """Every counter field, counted since the backend was selected (None: not measured).
+
+        torch_xla's counters are process-wide: a second run in the same process
+        (another ``ap.use``, a test) must not see the first one's compilations or fallbacks.
+        """
+        now = self.backend().counters()
+        values: dict[str, Any] = {}
+        for key in COUNTER_FIELDS:
+            if key not in now:
+                values[key] = None
+                continue
+            value, base = now[key], self._baseline.get(key)
+            if key in LEVEL_FIELDS or base is None:
+                values[key] = value
+            elif isinstance(value, dict):
+                diff = {op: n - base.get(op, 0) for op, n in value.items()}
+                values[key] = {op: n for op, n in diff.items() if n}
+            else:
+                values[key] = value - base
+        return values
+
+    def metrics(self) -> Metrics:
+        backend = self.backend()
+        values = self.since_selected()
+        t = self.tracker
+        return Metrics(
+            backend=backend.name,
+            steps=t.steps,
+            data_wait_seconds=t.data_wait,
+            step_seconds=t.step_seconds,
+            batch_signatures=len(t.signatures),
+            compile_cache_dir=backend.compile_cache_dir(),
+            **values,
+        )
+
+
+RUNTIME = Runtime()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    # Steps a loop without ap.loader left unread (ap.loader hands them over as it ends).
+    try:
+        RUNTIME.tracker.flush()
+    except Exception:  # noqa: BLE001 - the interpreter is going away; never fail there
+        pass

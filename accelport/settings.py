@@ -1,0 +1,44 @@
+"""Reading accelport's and the runtimes' environment variables: one parser per kind of value.
+
+Every flag, count and device name read from the environment goes through here,
+so ``ACCELPORT_DIAGNOSTICS=Off`` and ``ACCELPORT_DISABLE_PLUGIN_AUTOLOAD=yes`` mean
+what they say everywhere, and ``PJRT_DEVICE`` is parsed the way torch_xla parses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+__all__ = ["TRUE_VALUES", "FALSE_VALUES", "is_true", "is_off", "env_int", "explicit_pjrt_device"]
+
+#: Spellings of a set flag and of an unset one (compared stripped and lower-cased).
+TRUE_VALUES = frozenset({"1", "true", "yes", "on"})
+FALSE_VALUES = frozenset({"", "0", "false", "no", "off"})
+
+
+def is_true(value: str | None) -> bool:
+    """Whether ``value`` turns a flag on (``1``, ``true``, ``yes``, ``on``)."""
+    return (value or "").strip().lower() in TRUE_VALUES
+
+
+def is_off(value: str | None) -> bool:
+    """Whether ``value`` leaves a setting off: unset, empty, ``0``, ``false``, ``no``, ``off``."""
+    return (value or "").strip().lower() in FALSE_VALUES
+
+
+def env_int(environ: Mapping[str, str], name: str, default: int) -> int:
+    """``environ[name]`` as an int; ``default`` when it is unset or not a whole number."""
+    try:
+        return int(environ.get(name, default))
+    except (TypeError, ValueError):
+        return default
+
+
+def explicit_pjrt_device(environ: Mapping[str, str]) -> str | None:
+    """The device type ``PJRT_DEVICE`` names (``CPU``, ``TPU``, ``NEURON``, ``CUDA``), or None when unset.
+
+    torch_xla reads the part before ``_`` as the device type (``runtime.device_type()``),
+    so ``PJRT_DEVICE=TPU_C_API`` is ``TPU``.
+    """
+    raw = (environ.get("PJRT_DEVICE") or "").strip()
+    return raw.split("_")[0].upper() if raw else None

@@ -1,11 +1,15 @@
-"""Generated documentation stays in step with the data it is generated from."""
+"""Generated documentation stays in step with the data it is generated from, and the links
+between README.md and docs/*.md lead somewhere."""
 
 from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -44,3 +48,54 @@ def test_the_torch_xla_guides_after_script_runs_unchanged_on_cpu(tmp_path: pathl
     assert (tmp_path / "model.pt").is_file()
     assert "does nothing on backend 'cpu'" in out.stderr  # said once, not an error
     assert "loss" in out.stdout and "Metrics(" in out.stdout
+
+
+# -- links between the pages ----------------------------------------------------------------
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+_LINK = re.compile(r"!?\[[^\]]*\]\(<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\)")
+
+
+def _prose(text: str) -> str:
+    """The page without its fenced code blocks and inline code, where nothing is a link."""
+    text = re.sub(r"^(```|~~~).*?^\1[^\n]*$", "", text, flags=re.S | re.M)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def _anchors(path: pathlib.Path) -> set[str]:
+    """The ids GitHub gives the headings of a page: lower case, punctuation dropped, spaces to
+    hyphens, a repeated id numbered -1, -2 ..."""
+    seen: dict[str, int] = {}
+    found = set()
+    text = re.sub(r"^(```|~~~).*?^\1[^\n]*$", "", path.read_text(), flags=re.S | re.M)
+    for heading in re.findall(r"^#{1,6}\s+(.+?)\s*#*\s*$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        found.add(slug if n == 0 else f"{slug}-{n}")
+    return found
+
+
+def _relative_links(page: pathlib.Path) -> list[str]:
+    return [t for t in _LINK.findall(_prose(page.read_text()))
+            if not re.match(r"[a-z][a-z0-9+.-]*:", t, flags=re.I)]  # http:, https:, mailto: ...
+
+
+def test_the_pages_have_relative_links() -> None:
+    # The check below can see links: the README links every docs page.
+    linked = {t.split("#")[0] for t in _relative_links(ROOT / "README.md")}
+    docs = {f"docs/{p.name}" for p in PAGES if p.parent.name == "docs"}
+    assert docs <= linked, f"docs pages the README does not link: {sorted(docs - linked)}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_relative_link_points_at_an_existing_file(page: pathlib.Path) -> None:
+    broken = []
+    for target in _relative_links(page):
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            broken.append(f"{target}: no {dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest}")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            broken.append(f"{target}: no heading #{anchor} in {dest.relative_to(ROOT)}")
+    assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)

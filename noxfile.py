@@ -85,7 +85,7 @@ def hardware(session: nox.Session) -> None:
     session.run("accelport", "backends")
     # -m "": pyproject's addopts deselect the xla-marked tests (the default environment
     # has no torch_xla), which here are exactly the contract tests of xla and neuron-xla.
-    _pytest(session, "tests/test_contract.py", f"--accelport-backend={backend}", "-m", "")
+    _pytest(session, "tests/backends/test_contract.py", f"--accelport-backend={backend}", "-m", "")
 
 
 @nox.session

@@ -1,4 +1,4 @@
-"""Rank 1 raises at step 3 while rank 0 waits in the gradient all-reduce (tests/test_launch.py)."""
+"""Rank 1 raises at step 3 while rank 0 waits in the gradient all-reduce (tests/launch/test_launch.py)."""
 
 import torch
 

@@ -1,4 +1,4 @@
-"""A 2-process data-parallel job for tests/test_launch.py (run by `accelport launch --nprocs 2`).
+"""A 2-process data-parallel job for tests/launch/test_launch.py (run by `accelport launch --nprocs 2`).
 
 Writes what each rank saw and holds to OUT_DIR/rank<r>.pt; the test compares the
 ranks with each other and with one process training on the combined batches.

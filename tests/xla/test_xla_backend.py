@@ -331,7 +331,7 @@ def test_neuron_xla_compile_cache_follows_neuron_rules(neuron_stand_in: ap.Backe
 
 
 def test_the_step_graph_compiles_and_runs_in_end_of_batch(monkeypatch: pytest.MonkeyPatch) -> None:
-    # ap.loader calls end_of_batch outside the data-wait clock (tests/test_loader.py), so
+    # ap.loader calls end_of_batch outside the data-wait clock (tests/runtime/test_loader.py), so
     # a step's compile and dispatch never read as waiting for data.
     import torch_xla.debug.metrics as met
 

@@ -15,7 +15,7 @@ import pytest
 import accelport as ap
 from accelport.compat.deprecations import deprecation_messages, target_platform, warn_deprecations
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def stand_in(name: str, platform: str, lazy: bool = False, **extra: object) -> types.SimpleNamespace:

@@ -8,7 +8,7 @@ import re
 
 from accelport.plugins import hookspecs
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 HOOKS = sorted(n for n, f in inspect.getmembers(hookspecs, inspect.isfunction) if n.startswith("accelport_"))
 
 

@@ -16,7 +16,7 @@ from accelport.compat.verdict import recommend
 from accelport.runtime.state import RUNTIME
 from accelport.platform import PLATFORMS
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SIX = ("cpu", "cuda", "xla", "tpu", "neuron", "neuron-xla")
 COVER = [(2, n) for n in range(1, 16)]  # torch 2.1 to 2.15
 

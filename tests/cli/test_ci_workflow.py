@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORKFLOW = ROOT / ".github" / "workflows" / "ci.yml"
 RECIPE = ROOT / "docs" / "ci.md"
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

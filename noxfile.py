@@ -38,10 +38,16 @@ def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None)
     session.run("pytest", *args, *session.posargs, env=env or {})
 
 
+#: The linters, pinned: a new release with new rules must not turn a green main red overnight.
+LINT = ("ruff==0.17.6", "mypy==2.4.1")
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The whole suite on the default environment: latest torch CPU build."""
-    session.install(f"torch=={TORCH}", "numpy", "-e", ".[test]")
+    """The whole suite on the default environment: latest torch CPU build, then ruff and mypy."""
+    session.install(f"torch=={TORCH}", "numpy", "-e", ".[test]", *LINT)
+    session.run("ruff", "check", "accelport", "backends", "tests/test_structure.py")
+    session.run("mypy")  # [tool.mypy] in pyproject.toml: the package and backends/
     _pytest(session, "-m", "not xla and not tpu_pkg")
 
 

@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from accelport.runtime.state import RUNTIME as _RT
-from accelport.contract import Backend, Metrics, Probe, StepRecord
 from accelport.errors import (
     AccelportDeprecationWarning,
     AccelportError,
@@ -33,14 +30,16 @@ from accelport.errors import (
     PluginWarning,
     UnknownBackendError,
 )
-from accelport.plugins.hookspecs import hookimpl
-from accelport import data  # noqa: E402 - torch-free; ap.data.BucketCollate etc.
 
 if TYPE_CHECKING:
     import torch
 
-    from accelport.device_loader import DeviceLoader
+    from accelport import data
     from accelport.compat.verdict import Verdict
+    from accelport.contract import Backend, BackendInfo, Metrics, Probe, StepRecord
+    from accelport.device_loader import DeviceLoader
+    from accelport.plugins.hookspecs import hookimpl
+    from accelport.runtime.state import Runtime
 
 __version__ = "0.1.0"
 
@@ -85,27 +84,43 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class BackendInfo:
-    """One registered backend as ``ap.backends()`` lists it."""
+#: Public names defined elsewhere, imported on first use so that ``import accelport`` stays
+#: light (no pluggy, dataclasses or the runtime until something asks for them).
+_LAZY = {
+    "Backend": "accelport.contract",
+    "BackendInfo": "accelport.contract",
+    "Metrics": "accelport.contract",
+    "Probe": "accelport.contract",
+    "StepRecord": "accelport.contract",
+    "hookimpl": "accelport.plugins.hookspecs",
+}
 
-    name: str
-    platform: str
-    lazy: bool
-    available: bool
-    reason: str
-    device_count: int | None
-    plugin: str
-    selected: bool
-    description: str
 
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+def __getattr__(name: str) -> Any:
+    if name == "data":  # a submodule: importing it binds it on the package
+        import accelport.data
+
+        return accelport.data
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'accelport' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def _rt() -> Runtime:
+    """The process's runtime (imported on first use)."""
+    from accelport.runtime.state import RUNTIME
+
+    return RUNTIME
 
 
 def backend() -> Backend:
     """The selected backend (chosen on first call). Its ``reason`` says why it was chosen."""
-    return _RT.backend()
+    return _rt().backend()
 
 
 def use(name: str) -> Backend:
@@ -115,8 +130,8 @@ def use(name: str) -> Backend:
     :class:`BackendUnavailableError` (with the probe's reason).
     """
     if not isinstance(name, str):
-        raise UnknownBackendError(repr(name), _RT.host().backends, "ap.use()")
-    return _RT.use(name)
+        raise UnknownBackendError(repr(name), _rt().host().backends, "ap.use()")
+    return _rt().use(name)
 
 
 def backends() -> list[BackendInfo]:
@@ -124,12 +139,14 @@ def backends() -> list[BackendInfo]:
 
     Cheap and safe: probes read metadata and /sys only, nothing is imported.
     """
+    from accelport.contract import BackendInfo
     from accelport.runtime.selection import resolve
 
-    host = _RT.host()
+    rt = _rt()
+    host = rt.host()
     try:
-        current = _RT.selected
-        selected = current.name if current else resolve(host, _RT.explicit, _RT.environ, matrix=_RT.matrix())[0].name
+        current = rt.selected
+        selected = current.name if current else resolve(host, rt.explicit, rt.environ, matrix=rt.matrix())[0].name
     except AccelportError:
         selected = None
     out = []
@@ -150,14 +167,15 @@ def recommend(platform: str | None = None, torch_version: str | None = None) -> 
     """
     from accelport.compat.verdict import recommend as _recommend
 
-    return _recommend(platform, torch_version, matrix=_RT.matrix(), environ=_RT.environ)
+    rt = _rt()
+    return _recommend(platform, torch_version, matrix=rt.matrix(), environ=rt.environ)
 
 
 def device(index: int | None = None) -> torch.device:
     """The device to put the model and data on (this process's device when several run)."""
     if index is not None and (isinstance(index, bool) or not isinstance(index, int) or index < 0):
         raise ValueError(f"ap.device(index) takes a device number (0, 1, ...) or nothing, not {index!r}")
-    return _RT.backend().device(index)
+    return _rt().backend().device(index)
 
 
 def loader(
@@ -179,24 +197,24 @@ def loader(
     """
     from accelport.device_loader import DeviceLoader
 
-    return DeviceLoader(iterable, _RT, prefetch=prefetch, shard=shard, progress=progress)
+    return DeviceLoader(iterable, _rt(), prefetch=prefetch, shard=shard, progress=progress)
 
 
 def optimizer_step(optimizer: Any, **kwargs: Any) -> Any:
     """Average gradients over replicas, step the optimizer, and end the step (lazy work runs)."""
     if not (callable(getattr(optimizer, "step", None)) and hasattr(optimizer, "param_groups")):
         raise TypeError(f"ap.optimizer_step needs a torch.optim.Optimizer, not {type(optimizer).__name__}")
-    return _RT.optimizer_step(optimizer, **kwargs)
+    return _rt().optimizer_step(optimizer, **kwargs)
 
 
 def sync() -> None:
     """Wait for all queued device work (eager) or execute the pending graph (lazy)."""
-    _RT.backend().sync()
+    _rt().backend().sync()
 
 
 def metrics() -> Metrics:
     """A snapshot: steps, compilations, compile time, transfers, CPU fallbacks, data wait."""
-    return _RT.metrics()
+    return _rt().metrics()
 
 
 def compile_cache(path: str | os.PathLike[str]) -> str | None:
@@ -209,14 +227,14 @@ def compile_cache(path: str | os.PathLike[str]) -> str | None:
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"ap.compile_cache needs a directory path (str or os.PathLike), not {type(path).__name__}")
-    return _RT.backend().enable_compile_cache(path)
+    return _rt().backend().enable_compile_cache(path)
 
 
 def after_step(fn: Callable[..., Any], *tensors: Any) -> None:
     """Call ``fn`` with host values of ``tensors`` without forcing an extra device round trip."""
     if not callable(fn):
         raise TypeError(f"after_step needs a callable first, not {type(fn).__name__}")
-    _RT.backend().after_step(fn, tensors)
+    _rt().backend().after_step(fn, tensors)
 
 
 def diagnostics() -> list[Any]:
@@ -226,8 +244,9 @@ def diagnostics() -> list[Any]:
     cpu-fallback, deprecated-config), ``message`` (cause and fix), ``step`` and
     ``evidence``. Empty when diagnostics are disabled (``ACCELPORT_DIAGNOSTICS=0``).
     """
-    _RT.tracker.flush()  # steps not yet handed to the observers (see StepRecord)
-    plugin = _RT.host().pm.get_plugin("diagnostics")
+    rt = _rt()
+    rt.tracker.flush()  # steps not yet handed to the observers (see StepRecord)
+    plugin = rt.host().pm.get_plugin("diagnostics")
     return list(getattr(plugin, "findings", []))
 
 
@@ -239,12 +258,12 @@ def compile(model: Any, **kwargs: Any) -> Any:  # noqa: A001 - the torch.compile
     """
     if not callable(model):
         raise TypeError(f"ap.compile needs a model or function to compile, not {type(model).__name__}")
-    return _RT.backend().compile(model, **kwargs)
+    return _rt().backend().compile(model, **kwargs)
 
 
 def autocast(dtype: Any = None, **kwargs: Any) -> Any:
     """A ``torch.autocast`` context for the selected device (``dtype`` None: torch's default)."""
-    b = _RT.backend()
+    b = _rt().backend()
     import torch
 
     if dtype is not None and not isinstance(dtype, torch.dtype):
@@ -254,22 +273,22 @@ def autocast(dtype: Any = None, **kwargs: Any) -> Any:
 
 def rank() -> int:
     """This process's rank among all replicas (0 when alone)."""
-    return _RT.backend().rank()
+    return _rt().backend().rank()
 
 
 def world_size() -> int:
     """How many replicas train together (1 when alone)."""
-    return _RT.backend().world_size()
+    return _rt().backend().world_size()
 
 
 def is_main_process() -> bool:
     """True on rank 0: the process that logs and writes checkpoints."""
-    return _RT.backend().rank() == 0
+    return _rt().backend().rank() == 0
 
 
 def barrier() -> None:
     """Wait until every replica reaches this point (no-op when alone)."""
-    _RT.backend().barrier()
+    _rt().backend().barrier()
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -278,7 +297,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     Checked the same way at every world size and on every backend, so a script
     that works alone works on many.
     """
-    b = _RT.backend()
+    b = _rt().backend()
     import torch
 
     if not isinstance(tensor, torch.Tensor):
@@ -298,7 +317,7 @@ def print(*values: Any, sep: str = " ", end: str = "\n", file: Any = None, flush
     lazy backend the print waits for the step's sync), and the other processes
     return at once without touching their tensors.
     """
-    b = _RT.backend()
+    b = _rt().backend()
     if b.rank() != 0:
         return
     import builtins
@@ -311,7 +330,7 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
 
     Call it on every process or on the main one only; it never waits for the others.
     """
-    _RT.backend().save(obj, path)
+    _rt().backend().save(obj, path)
 
 
 def load(path: str | os.PathLike[str], map_location: Any = None, *, weights_only: bool = True) -> Any:
@@ -319,4 +338,4 @@ def load(path: str | os.PathLike[str], map_location: Any = None, *, weights_only
 
     ``weights_only=False`` allows arbitrary pickled objects: only for files you trust.
     """
-    return _RT.backend().load(path, map_location, weights_only=weights_only)
+    return _rt().backend().load(path, map_location, weights_only=weights_only)

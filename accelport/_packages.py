@@ -50,7 +50,7 @@ def version(distribution: str) -> str | None:
 def requires_python(distribution: str) -> str | None:
     """The ``Requires-Python`` specifier of an installed distribution (e.g. ">=3.10"), or None."""
     try:
-        return md.metadata(distribution).get("Requires-Python")
+        return md.metadata(distribution)["Requires-Python"]  # None when the field is absent
     except Exception:  # not installed, or broken metadata
         return None
 

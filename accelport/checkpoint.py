@@ -7,8 +7,8 @@ import socket
 import tempfile
 from typing import Any
 
-from accelport.contract import tree_map_tensors
 from accelport.errors import AccelportError
+from accelport.tensors import tree_map_tensors
 
 __all__ = ["save_file", "load_file", "atomic_torch_save"]
 

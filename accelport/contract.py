@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from accelport.doctor.finding import DoctorContext, Finding
 
-__all__ = ["Probe", "Metrics", "StepRecord", "Backend", "COUNTER_FIELDS"]
+__all__ = ["Probe", "Metrics", "StepRecord", "Backend", "BackendInfo", "COUNTER_FIELDS"]
 
 
 @dataclass(frozen=True)
@@ -291,6 +291,8 @@ class Backend(abc.ABC):
 
         Eager backends run it right away; lazy ones defer it to the next sync.
         """
+        from accelport.tensors import to_host
+
         fn(*(to_host(t) for t in tensors))
 
     # -- checkpoints ------------------------------------------------------------------
@@ -302,7 +304,7 @@ class Backend(abc.ABC):
 
     def load(self, path: str | os.PathLike[str], map_location: Any = None, *,
              weights_only: bool = True) -> Any:
-        """Read a checkpoint written by :meth:`save` onto this backend's device (:func:`accelport.checkpoint.load_file`)."""
+        """Read a checkpoint written by :meth:`save` onto this backend's device (see :mod:`accelport.checkpoint`)."""
         from accelport.checkpoint import load_file
 
         return load_file(path, map_location if map_location is not None else self.device(), weights_only=weights_only)
@@ -316,38 +318,19 @@ class Backend(abc.ABC):
         return f"<accelport backend {self.name!r} ({self.platform})>"
 
 
-# -- helpers shared by both families ---------------------------------------------------
+@dataclass(frozen=True)
+class BackendInfo:
+    """One registered backend as ``ap.backends()`` lists it."""
 
+    name: str
+    platform: str
+    lazy: bool
+    available: bool
+    reason: str
+    device_count: int | None
+    plugin: str
+    selected: bool
+    description: str
 
-def tree_map_tensors(obj: Any, fn: Callable[[Any], Any]) -> Any:
-    """Apply ``fn`` to every tensor inside nested dicts, lists, tuples and namedtuples."""
-    import torch
-
-    def walk(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return fn(x)
-        if isinstance(x, dict):
-            out = type(x)((k, walk(v)) for k, v in x.items())
-            # A module's state_dict carries version metadata that load_state_dict reads.
-            if hasattr(x, "_metadata"):
-                out._metadata = x._metadata  # type: ignore[attr-defined]
-            return out
-        if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
-            return type(x)(*(walk(v) for v in x))
-        if isinstance(x, (list, tuple)):
-            return type(x)(walk(v) for v in x)
-        return x
-
-    return walk(obj)
-
-
-def to_host(value: Any) -> Any:
-    """A tensor as a Python number (0-d) or a CPU tensor; anything else unchanged."""
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is always present when tensors are
-        return value
-    if isinstance(value, torch.Tensor):
-        value = value.detach()
-        return value.item() if value.ndim == 0 else value.to("cpu")
-    return value
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import random
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["pad_to", "BucketCollate", "LengthGroupedBatchSampler", "masked_mean", "masked_sum"]
 
@@ -125,7 +125,7 @@ class BucketCollate:
             return pv.get(key, 0)
         if isinstance(pv, (tuple, list)):
             return pv[key] if isinstance(key, int) and key < len(pv) else 0
-        return pv
+        return cast(float, pv)  # a single value (a number, or a scalar of the user's array library)
 
     def __call__(self, samples: Sequence[Any]) -> Any:
         import torch

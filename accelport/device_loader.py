@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any
 from accelport.errors import DiagnosticWarning
 
 if TYPE_CHECKING:
+    from accelport.contract import Backend
     from accelport.runtime.state import Runtime
+    from accelport.runtime.tracker import StepTracker
 
 __all__ = ["DeviceLoader", "prefetch_iter", "shard_batches", "signature"]
 
@@ -161,7 +163,7 @@ def _progress_bar(iterable: Any) -> Any:
     return _tqdm()(total=total, unit="step", disable=None, dynamic_ncols=True)
 
 
-def _advance(bar: Any, tracker: Any, backend: Any, base: Any) -> None:
+def _advance(bar: Any, tracker: StepTracker, backend: Backend, base: Any) -> None:
     bar.update(1)
     if bar.n % 10 == 1 and not bar.disable:  # postfix formatting costs more than the update itself
         total = tracker.step_seconds or 1e-9
@@ -246,7 +248,7 @@ class DeviceLoader:
             n //= self._runtime.backend().world_size()
         return n
 
-    def _source(self, backend: Any) -> Iterable[Any]:
+    def _source(self, backend: Backend) -> Iterable[Any]:
         world = backend.world_size()
         if world == 1:
             return self.iterable

@@ -14,10 +14,11 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
-from accelport.contract import Backend, tree_map_tensors
+from accelport.contract import Backend
 from accelport.device_loader import prefetch_iter
 from accelport.errors import BackendUnavailableError
 from accelport.settings import env_int
+from accelport.tensors import tree_map_tensors
 
 __all__ = ["EagerBackend", "ACCELERATOR_EQUIVALENTS"]
 

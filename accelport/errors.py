@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import os
 import sys
 import warnings
@@ -33,6 +32,8 @@ def nearest(name: str, known: Iterable[str]) -> str | None:
     A name that is one hyphen-separated part of exactly one known name wins
     ("tpu" -> "gcp-tpu", "gpu" -> "nvidia-gpu"); otherwise the closest spelling.
     """
+    import difflib
+
     names = list(known)
     lowered = name.lower()
     if lowered in names:

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from accelport import _packages
-from accelport.contract import Backend, Probe, to_host
+from accelport.contract import Backend, Probe
 from accelport.errors import AccelportError
 from accelport.platform import PlatformInfo, detect
 from accelport.settings import env_int, explicit_pjrt_device
+from accelport.tensors import to_host
 
 if TYPE_CHECKING:
     from accelport.doctor.finding import DoctorContext, Finding  # noqa: F401 - Finding: annotations
@@ -332,7 +333,8 @@ class LazyBackend(Backend):
 
     # -- metrics -----------------------------------------------------------------------
     def _count(self, name: str) -> int:
-        value = self._counter(name)
+        counter = self._counter
+        value = counter(name) if counter is not None else None
         return int(value) if value else 0  # absent: it did not happen in this process
 
     def _samples(self, name: str) -> tuple[int, float]:
@@ -535,7 +537,8 @@ class LazyBackend(Backend):
                                          if req.same_minor_as_torch else problem, self.name))
         device = explicit_pjrt_device(env)
         explicit = (env.get("PJRT_DEVICE") or "").strip()
-        if device is not None and device in self.pjrt_devices and device != "CPU" and context.platform.name != self.platform:
+        elsewhere = context.platform.name != self.platform
+        if device is not None and device in self.pjrt_devices and device != "CPU" and elsewhere:
             found.append(Finding(
                 "problem",
                 f"PJRT_DEVICE={explicit} but there are no {self.hardware} here ({context.platform.describe()}): "

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from accelport.runtime.state import RUNTIME
 from accelport.errors import AccelportError, UnknownBackendError, did_you_mean
+from accelport.runtime.state import RUNTIME
 
 if TYPE_CHECKING:
     from accelport.contract import Backend
@@ -122,8 +122,8 @@ class _State:
         if need is not None:
             return [(name, self.why_not(name, need.min_devices)) for name in need.backends]
         names = [self.session_backend] if self.session_backend else list(self.host.backends)
-        found = [(name, self.why_not(name, 1)) for name in names]
-        runnable = [(name, reason) for name, reason in found if reason is None]
+        found: list[tuple[str, str | None]] = [(name, self.why_not(name, 1)) for name in names]
+        runnable: list[tuple[str, str | None]] = [(name, reason) for name, reason in found if reason is None]
         return runnable or found
 
 

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from accelport import _packages
-from accelport.eager import EagerBackend
 from accelport.contract import Probe
+from accelport.eager import EagerBackend
 from accelport.plugins.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from accelport.contract import Backend
 
 
 class CpuBackend(EagerBackend):
@@ -28,5 +35,5 @@ class CpuBackend(EagerBackend):
 
 
 @hookimpl
-def accelport_register_backends(register):  # type: ignore[no-untyped-def]
+def accelport_register_backends(register: Callable[[type[Backend]], None]) -> None:
     register(CpuBackend)

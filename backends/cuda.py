@@ -13,11 +13,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from accelport import _packages, platform
 from accelport.contract import Probe
 from accelport.eager import EagerBackend
 from accelport.plugins.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from accelport.contract import Backend
 
 
 def visible_gpus(spec: str | None, present: int) -> int:
@@ -85,5 +91,5 @@ def probe_cuda(root: str | None = None, environ: Mapping[str, str] | None = None
 
 
 @hookimpl
-def accelport_register_backends(register):  # type: ignore[no-untyped-def]
+def accelport_register_backends(register: Callable[[type[Backend]], None]) -> None:
     register(CudaBackend)

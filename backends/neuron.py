@@ -16,11 +16,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from accelport import _packages, platform
 from accelport.contract import Probe
 from accelport.eager import EagerBackend
 from accelport.plugins.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from accelport.contract import Backend
 
 #: Chips TorchNeuron runs on (Neuron 2.33 release notes: public beta, Trn2 and Trn3 only).
 NATIVE_CHIPS = frozenset({"Trainium2", "Trainium3"})
@@ -98,5 +104,5 @@ class NeuronBackend(EagerBackend):
 
 
 @hookimpl
-def accelport_register_backends(register):  # type: ignore[no-untyped-def]
+def accelport_register_backends(register: Callable[[type[Backend]], None]) -> None:
     register(NeuronBackend)

@@ -9,11 +9,18 @@ from __future__ import annotations
 import os
 import shlex
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from accelport import _packages
-from accelport.plugins.hookspecs import hookimpl
-from accelport.lazy import LazyBackend, Requirement
 from accelport.errors import AccelportError
+from accelport.lazy import LazyBackend, Requirement
+from accelport.plugins.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from accelport.contract import Backend
+    from accelport.doctor.finding import DoctorContext, Finding
 
 #: Neuron's compile cache when neither NEURON_CC_FLAGS --cache_dir nor NEURON_COMPILE_CACHE_URL moves it.
 DEFAULT_NEURON_CACHE = "/var/tmp/neuron-compile-cache"
@@ -106,11 +113,11 @@ class NeuronXlaBackend(LazyBackend):
 
 
 @hookimpl
-def accelport_register_backends(register):  # type: ignore[no-untyped-def]
+def accelport_register_backends(register: Callable[[type[Backend]], None]) -> None:
     register(NeuronXlaBackend)
 
 
-def cache_findings(context) -> list:  # type: ignore[no-untyped-def,type-arg]
+def cache_findings(context: DoctorContext) -> list[Finding]:
     """The Neuron compile cache must be writable, or every run compiles from scratch."""
     from accelport.doctor.finding import Finding
 
@@ -133,5 +140,5 @@ def cache_findings(context) -> list:  # type: ignore[no-untyped-def,type-arg]
 
 
 @hookimpl
-def accelport_doctor_checks(context):  # type: ignore[no-untyped-def]
+def accelport_doctor_checks(context: DoctorContext) -> list[Finding] | None:
     return NeuronXlaBackend().doctor_findings(context) + cache_findings(context) or None

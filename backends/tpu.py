@@ -17,13 +17,18 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from accelport import _packages, platform
 from accelport.contract import Probe
-from accelport.eager import EagerBackend
 from accelport.doctor.finding import DoctorContext, Finding
+from accelport.eager import EagerBackend
 from accelport.plugins.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from accelport.contract import Backend
 
 AUTOLOAD_VARIABLE = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 SKIP_METADATA_VARIABLE = "TPU_SKIP_MDS_QUERY"
@@ -227,7 +232,7 @@ class TpuBackend(EagerBackend):
 
 
 @hookimpl
-def accelport_register_backends(register):  # type: ignore[no-untyped-def]
+def accelport_register_backends(register: Callable[[type[Backend]], None]) -> None:
     register(TpuBackend)
     # Registration runs before any backend is used (and so before any backward()):
     # the last moment to keep an autoloaded TorchTPU from stalling a run without a TPU.
@@ -235,5 +240,5 @@ def accelport_register_backends(register):  # type: ignore[no-untyped-def]
 
 
 @hookimpl
-def accelport_doctor_checks(context):  # type: ignore[no-untyped-def]
+def accelport_doctor_checks(context: DoctorContext) -> list[Finding] | None:
     return TpuBackend().doctor_findings(context) or None

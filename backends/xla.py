@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-from accelport.plugins.hookspecs import hookimpl
+from typing import TYPE_CHECKING
+
 from accelport.lazy import LazyBackend
+from accelport.plugins.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from accelport.contract import Backend
+    from accelport.doctor.finding import DoctorContext, Finding
 
 
 class XlaBackend(LazyBackend):
@@ -19,10 +27,10 @@ class XlaBackend(LazyBackend):
 
 
 @hookimpl
-def accelport_register_backends(register):  # type: ignore[no-untyped-def]
+def accelport_register_backends(register: Callable[[type[Backend]], None]) -> None:
     register(XlaBackend)
 
 
 @hookimpl
-def accelport_doctor_checks(context):  # type: ignore[no-untyped-def]
+def accelport_doctor_checks(context: DoctorContext) -> list[Finding] | None:
     return XlaBackend().doctor_findings(context) or None

@@ -14,9 +14,9 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import accelport as ap
-    from accelport.runtime.state import RUNTIME
     from accelport.errors import AccelportError
     from accelport.runtime.selection import resolve
+    from accelport.runtime.state import RUNTIME
 
     infos = ap.backends()
     host = RUNTIME.host()

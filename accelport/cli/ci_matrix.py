@@ -34,9 +34,12 @@ import argparse
 import json
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from accelport import _packages
+
+if TYPE_CHECKING:
+    from accelport.compat.load import Matrix
 
 #: Default ``runs-on`` per platform; override with ``--runner PLATFORM=LABEL[,LABEL...]``.
 DEFAULT_RUNNERS: Mapping[str, str | list[str]] = {
@@ -83,8 +86,7 @@ def _split(values: Iterable[str] | None) -> list[str]:
 
 
 def _runners(specs: Sequence[str]) -> dict[str, str | list[str]]:
-    from accelport.errors import UsageError
-    from accelport.errors import UnknownPlatformError
+    from accelport.errors import UnknownPlatformError, UsageError
     from accelport.platform import PLATFORMS
 
     runners = dict(DEFAULT_RUNNERS)
@@ -129,7 +131,7 @@ def pip_args(requirements: Sequence[str], package: str | None) -> str:
     return shlex.join(args)
 
 
-def include(mx: Any, platforms: Sequence[str], minors: Sequence[tuple[int, int]] | None,
+def include(mx: Matrix, platforms: Sequence[str], minors: Sequence[tuple[int, int]] | None,
             statuses: Sequence[str], runners: Mapping[str, Any],
             requires_python: str | None) -> tuple[list[dict[str, Any]], list[str]]:
     """The ``include`` entries and a note for each combination left out for want of a Python."""
@@ -152,7 +154,8 @@ def include(mx: Any, platforms: Sequence[str], minors: Sequence[tuple[int, int]]
                     skipped.append(f"{what}: no Python version fits torch, {row.package or 'the backend'} "
                                    f"and accelport ({requires_python or 'any'})")
                     continue
-                pip = [f"torch=={minor_str(m)}.*"] + ([row.requirement(m)] if row.package else [])
+                paired = row.requirement(m)
+                pip = [f"torch=={minor_str(m)}.*"] + ([paired] if paired else [])
                 entries.append({"platform": platform, "torch": minor_str(m), "backend": backend,
                                 "python": python, "runner": runners[platform], "status": row.status,
                                 "install": " ".join(pip), "pip_args": pip_args(pip, row.package)})
@@ -165,12 +168,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, as_json: bool) -> int:
-    from accelport.compat.schema import STATUSES, parse_torch_version
     from accelport.cli import emit_json
-    from accelport.errors import UsageError
-    from accelport.runtime.state import RUNTIME
-    from accelport.errors import AccelportError, InvalidVersionError, UnknownPlatformError, did_you_mean
+    from accelport.compat.schema import STATUSES, parse_torch_version
+    from accelport.errors import AccelportError, InvalidVersionError, UnknownPlatformError, UsageError, did_you_mean
     from accelport.platform import PLATFORMS
+    from accelport.runtime.state import RUNTIME
 
     platforms = _split(args.platform) or list(PLATFORMS)
     for p in platforms:
@@ -191,7 +193,7 @@ def _run(args: argparse.Namespace, as_json: bool) -> int:
         # A version the matrix knows nothing about on these platforms is a mistake (a typo, a
         # stale pin), not an answer: an empty list would quietly drop it from CI.
         known = {m for p in platforms for m in mx.minors(p)}
-        unknown = [v for v, m in zip(_split(args.torch_versions), minors) if m not in known]
+        unknown = [v for v, m in zip(_split(args.torch_versions), minors, strict=True) if m not in known]
         if unknown:
             covered = {p: mx.covered(p) for p in platforms}
             ranges = (next(iter(covered.values())) if len(set(covered.values())) == 1

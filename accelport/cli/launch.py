@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 from typing import Any
@@ -51,9 +50,9 @@ def register(sub: Any) -> None:
 
 
 def _backend(name: str | None, dry_run: bool) -> Any:
-    from accelport.runtime.state import RUNTIME
     from accelport.errors import BackendUnavailableError, UnknownBackendError, UsageError
     from accelport.runtime.selection import named, resolve
+    from accelport.runtime.state import RUNTIME
 
     host = RUNTIME.host()
     try:
@@ -70,9 +69,9 @@ def _backend(name: str | None, dry_run: bool) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from accelport.cli import emit_json
     from accelport.launch.plan import Rendezvous, build_plan
     from accelport.launch.run import WorkerFailedError, run_plan
-    from accelport.cli import emit_json
 
     rdzv = Rendezvous(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                       master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint,

@@ -10,7 +10,11 @@ from __future__ import annotations
 import argparse
 import textwrap
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from accelport.compat.load import Matrix
+    from accelport.compat.verdict import Verdict
 
 WIDTH = 80
 _SHORT = {"unsupported": "-"}
@@ -66,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def matrix_dict(mx: Any) -> dict[str, Any]:
+def matrix_dict(mx: Matrix) -> dict[str, Any]:
     from accelport.compat.schema import minor_str
 
     return {
@@ -95,7 +99,7 @@ def _chunks(names: Sequence[str], first: int, col: int) -> list[list[str]]:
     return [list(names[i:i + per]) for i in range(0, len(names), per)] or [[]]
 
 
-def render_table(mx: Any, here: Any = None) -> str:
+def render_table(mx: Matrix, here: Verdict | None = None) -> str:
     """Every platform's statuses by torch range; consecutive torch minors that agree share a line."""
     from accelport.compat.schema import minor_str
     from accelport.platform import PLATFORMS
@@ -121,11 +125,11 @@ def render_table(mx: Any, here: Any = None) -> str:
                 if groups and groups[-1][1] == tuple(cells):
                     groups[-1][0].append(minor_str(m))
                 else:
-                    groups.append(([minor_str(m)], tuple(cells)))
+                    groups.append(([minor_str(m)], tuple(cells)))  # (minors, cells)
             lines.append(("  " + "torch".ljust(12) + "".join(n.ljust(col) for n in names)).rstrip())
-            for ms, cells in groups:
+            for ms, row_cells in groups:
                 span = ms[0] if len(ms) == 1 else f"{ms[0]}-{ms[-1]}"
-                lines.append(("  " + span.ljust(12) + "".join(c.ljust(col) for c in cells)).rstrip())
+                lines.append(("  " + span.ljust(12) + "".join(c.ljust(col) for c in row_cells)).rstrip())
     lines += [""]
     legend = "-: unsupported (or not applicable)."
     if unconfirmed:
@@ -136,7 +140,7 @@ def render_table(mx: Any, here: Any = None) -> str:
     return "\n".join(lines)
 
 
-def render_markdown(mx: Any) -> str:
+def render_markdown(mx: Matrix) -> str:
     """The whole matrix as Markdown: per platform, torch versions by backends, then the sources."""
     from accelport.compat.schema import minor_str
     from accelport.platform import PLATFORMS

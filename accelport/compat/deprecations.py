@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from accelport import _packages
 from accelport.compat.load import Matrix
@@ -18,13 +18,16 @@ from accelport.errors import AccelportDeprecationWarning, InvalidVersionError, w
 from accelport.platform import PLATFORMS, PlatformInfo
 from accelport.settings import explicit_pjrt_device, is_off
 
+if TYPE_CHECKING:
+    from accelport.contract import Backend
+
 __all__ = ["target_platform", "deprecation_messages", "deprecated_settings", "warn_deprecations"]
 
 
 _PJRT_PLATFORM = {"CPU": "cpu", "TPU": "gcp-tpu", "CUDA": "nvidia-gpu", "GPU": "nvidia-gpu", "NEURON": "aws-neuron"}
 
 
-def target_platform(backend: Any, environ: Mapping[str, str] | None = None, detected: str | None = None) -> str:
+def target_platform(backend: Backend, environ: Mapping[str, str] | None = None, detected: str | None = None) -> str:
     """The platform a backend actually drives here, which picks the matrix rows that judge it.
 
     A backend may say so itself (``target_platform()``). An XLA (lazy) backend
@@ -89,7 +92,7 @@ def deprecation_messages(
             instead = f"; use the {st.replacement} backend instead" if st.replacement else ""
             out.append(f"accelport: {backend} is {what} on {platform} with torch {torch_version}{instead}. "
                        f"{st.message}{_cite(st.sources)}")
-    for name, message in deprecated_settings(env, backend=backend, matrix=mx):
+    for _, message in deprecated_settings(env, backend=backend, matrix=mx):
         out.append(f"accelport: {message}")
     return out
 
@@ -118,7 +121,7 @@ def deprecated_settings(
     return out
 
 
-def warn_deprecations(backend: Any, environ: Mapping[str, str], *, matrix: Matrix | None = None,
+def warn_deprecations(backend: Backend, environ: Mapping[str, str], *, matrix: Matrix | None = None,
                       found: PlatformInfo | None = None) -> list[str]:
     """Emit one AccelportDeprecationWarning per problem with the selected ``backend``; return the messages.
 

@@ -8,12 +8,8 @@ the key, so a broken row is found in one read. Nothing here imports torch.
 from __future__ import annotations
 
 import datetime as _dt
-import functools
-import os
 import re
 import sys
-import warnings
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,9 +21,9 @@ from accelport.errors import CompatMatrixError, InvalidVersionError, did_you_mea
 from accelport.platform import PLATFORMS
 
 if sys.version_info >= (3, 11):
-    import tomllib
+    pass
 else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
+    pass
 
 __all__ = [
     "STATUSES",

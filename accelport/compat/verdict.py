@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
-import sys
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -275,18 +273,18 @@ def recommend(
                        reason=f"the compatibility matrix has no rows for {platform}")
     on = f"{platform} with torch {tv}"
     if wanted < minors[0]:
-        alts = _alternatives(mx, platform, wanted, chip)
-        return Verdict(platform, tv, (), row_torch=None, chip=chip, alternatives=alts, as_of=mx.as_of,
+        newer = _alternatives(mx, platform, wanted, chip)
+        return Verdict(platform, tv, (), row_torch=None, chip=chip, alternatives=newer, as_of=mx.as_of,
                        reason=(f"torch {tv} is older than the matrix covers for {platform} ({covered}): "
-                               f"upgrade torch; nearest working: {_join(alts)}"))
+                               f"upgrade torch; nearest working: {_join(newer)}"))
     row_minor, unverified = wanted, False
     if wanted > minors[-1]:
         row_minor, unverified = minors[-1], True
         if warn:
             warn_user(f"torch {tv} is newer than every row of the compatibility matrix for {platform} "
-                  f"(newest: {minor_str(minors[-1])}); accelport uses the {minor_str(minors[-1])} row, "
-                  "which is unverified for this torch. Check the vendors' release notes, or add rows with "
-                  f"{OVERRIDE_ENV}=/path/file.toml.", CompatibilityWarning)
+                      f"(newest: {minor_str(minors[-1])}); accelport uses the {minor_str(minors[-1])} row, "
+                      "which is unverified for this torch. Check the vendors' release notes, or add rows with "
+                      f"{OVERRIDE_ENV}=/path/file.toml.", CompatibilityWarning)
     backends: dict[str, BackendStatus] = {}
     for backend in mx.backends(platform):
         row = mx.lookup(platform, backend, row_minor)

@@ -17,8 +17,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from accelport.errors import AccelportError
 from accelport.diagnose.metrics_log import record_from_dict
+from accelport.errors import AccelportError
 
 __all__ = ["ReportError", "load_records", "diagnose", "breakdown", "render_html", "write_report"]
 

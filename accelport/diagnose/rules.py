@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import warnings
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from accelport.contract import StepRecord
-from accelport.errors import DiagnosticWarning, user_stacklevel
 from accelport.diagnose.tracer import HostSyncSites
+from accelport.errors import DiagnosticWarning, user_stacklevel
 from accelport.plugins.hookspecs import hookimpl
 
 if TYPE_CHECKING:
@@ -113,7 +112,7 @@ def describe_shape_change(before: Sequence[Any] | None, after: Sequence[Any] | N
     """'input 0 changed from (8, 128) to (8, 131)' for the first input whose shape differs."""
     if before is None or after is None:
         return None
-    for i, (a, b) in enumerate(zip(before, after)):
+    for i, (a, b) in enumerate(zip(before, after, strict=False)):
         if a == b:
             continue
         try:

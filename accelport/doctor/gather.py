@@ -1,7 +1,8 @@
 """``accelport doctor``: what will happen on this machine, and what to fix, before a run.
 
 Safe by construction: it reads package metadata, /sys, /dev, /proc and the
-environment (and runs ``neuron-ls`` with a short timeout where Neuron devices exist). It never imports torch, torch_xla, torch_tpu or torch_neuronx,
+environment (and runs ``neuron-ls`` with a short timeout where Neuron devices exist).
+It never imports torch, torch_xla, torch_tpu or torch_neuronx,
 never touches a device (a training job may hold it) and never uses the network.
 Backend-specific checks come from plugins through ``accelport_doctor_checks``.
 """
@@ -12,7 +13,7 @@ import os
 import platform as _pyplatform
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from accelport import _packages
@@ -267,7 +268,7 @@ def gather(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     }
 
 
-def _recommendation_dict(verdict: Any) -> dict[str, Any] | None:
+def _recommendation_dict(verdict: Verdict | None) -> dict[str, Any] | None:
     if verdict is None:
         return None
     to_dict = getattr(verdict, "to_dict", None)

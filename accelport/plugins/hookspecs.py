@@ -60,7 +60,8 @@ def accelport_select_backend(
 
     Return the chosen backend (one of ``candidates``), or ``(backend, reason)`` with
     the sentence a user reads, or None to defer. Any other answer disables the
-    plugin with a warning, and the next one is asked. Stops at the first valid result. The built-in default is ``trylast``, so
+    plugin with a warning, and the next one is asked. Stops at the first valid result.
+    The built-in default is ``trylast``, so
     a site policy plugin is asked before it.
     """
 
@@ -86,7 +87,8 @@ def accelport_doctor_checks(context: DoctorContext) -> Sequence[Finding | Mappin
 
     ``context`` gives read-only facts already gathered (platform, installed
     package versions, environment, probes). Return a list of findings
-    (:class:`accelport.doctor.finding.Finding`, or dicts with ``severity``, ``title``, ``fix``). Collect-all. Must never import a vendor runtime
+    (:class:`accelport.doctor.finding.Finding`, or dicts with ``severity``, ``title``, ``fix``).
+    Collect-all. Must never import a vendor runtime
     or touch a device: a training job may hold it.
     """
 

@@ -8,6 +8,7 @@ import, to register, or raises inside a hook is disabled with one
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata as md
 import os
@@ -20,12 +21,13 @@ import pluggy
 
 from accelport.contract import Backend
 from accelport.errors import PluginWarning
-from accelport.settings import is_off, is_true
 from accelport.platform import PLATFORMS
 from accelport.plugins import hookspecs
 from accelport.plugins.builtin import BUILTIN_PLUGINS, ENTRY_POINT_GROUP
+from accelport.settings import is_off, is_true
 
 if TYPE_CHECKING:
+    from accelport.compat.verdict import Verdict
     from accelport.runtime.state import Runtime
 
 __all__ = ["BUILTIN_PLUGINS", "ENTRY_POINT_GROUP", "PluginHost", "FailedPlugin", "create_manager"]
@@ -165,7 +167,7 @@ class PluginHost:
         return first[1] if first is not None else None
 
     def select_backend(self, candidates: Sequence[Backend], platform: str,
-                       recommendation: Any) -> tuple[Backend, str] | None:
+                       recommendation: Verdict) -> tuple[Backend, str] | None:
         """``accelport_select_backend`` in pluggy's order, each answer checked: the first valid one wins.
 
         A plugin may answer a candidate or ``(candidate, reason)``; any other answer
@@ -178,8 +180,9 @@ class PluginHost:
             backend, reason = answer if isinstance(answer, tuple) and len(answer) == 2 else (answer, "")
             if isinstance(backend, Backend) and any(backend is c for c in candidates) and isinstance(reason, str):
                 return backend, reason
+            names = ", ".join(c.name for c in candidates) or "none"
             self._fail(plugin, "hook accelport_select_backend", TypeError(
-                f"returned {_describe(answer)}; expected one of the candidates ({', '.join(c.name for c in candidates) or 'none'}), "
+                f"returned {_describe(answer)}; expected one of the candidates ({names}), "
                 "a (candidate, reason) pair, or None"))
         return None
 
@@ -247,7 +250,7 @@ def _entry_points() -> list[tuple[Any, Any]]:
     seen: set[str] = set()
     found = []
     for dist in md.distributions():
-        dist_name = (dist.metadata or {}).get("name") if hasattr(dist, "metadata") else None
+        dist_name = getattr(dist, "name", None)
         key = (dist_name or "").lower()
         if key and key in seen:
             continue
@@ -273,7 +276,7 @@ def create_manager(environ: Mapping[str, str] | None = None, *, runtime: Runtime
         if name in disabled:
             host.disabled.append(name)
             continue
-        host.load(name, lambda m=module: _load_builtin(m, env, runtime), module=module, builtin=True)
+        host.load(name, functools.partial(_load_builtin, module, env, runtime), module=module, builtin=True)
     if not is_true(env.get("ACCELPORT_DISABLE_PLUGIN_AUTOLOAD")):
         try:
             entry_points = _entry_points()

@@ -9,7 +9,7 @@ can be asked first, or this default can be disabled by name.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from accelport.contract import Backend
 from accelport.errors import AccelportError, BackendUnavailableError, UnknownBackendError
@@ -17,6 +17,7 @@ from accelport.plugins.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from accelport.compat.load import Matrix
+    from accelport.compat.verdict import Verdict
     from accelport.platform import PlatformInfo
     from accelport.plugins.host import PluginHost
 
@@ -25,7 +26,7 @@ __all__ = ["resolve", "named", "accelport_select_backend"]
 
 @hookimpl(trylast=True)
 def accelport_select_backend(
-    candidates: Sequence[Backend], platform: str, recommendation: Any
+    candidates: Sequence[Backend], platform: str, recommendation: Verdict
 ) -> tuple[Backend, str] | None:
     """Default policy: the best-ranked available backend for the platform."""
     by_name = {b.name: b for b in candidates}

@@ -11,7 +11,6 @@ import atexit
 import contextlib
 import os
 import threading
-import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 

@@ -96,7 +96,7 @@ class StepTracker:
         self.synced()  # a loop left early: its last step is finished as it stands
         pending = self._pending
         backend, host = self._backend, self._host
-        if not pending or backend is None:
+        if not pending or backend is None or host is None:
             return
         self._pending = []
         delta = backend.step_delta()

@@ -355,3 +355,26 @@ def test_diagnostics_hands_over_the_steps_not_read_yet() -> None:
     assert RUNTIME.tracker._pending  # quiet steps wait for the next read
     assert ap.diagnostics() == []
     assert RUNTIME.tracker._pending == []
+
+
+def test_host_read_traces_are_per_listener_and_a_new_one_clears_nothing() -> None:
+    # Run apart: the trace wraps torch.Tensor methods for the rest of the process.
+    # A "meta" tensor stands in for a device tensor: its repr is a host read of a non-CPU tensor.
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from accelport.diagnose.tracer import HostSyncSites\n"
+        "first = HostSyncSites(); first.listen()\n"
+        "x = torch.empty(2, device='meta')\n"
+        "repr(x)\n"  # line 5
+        "second = HostSyncSites(); second.listen()\n"  # a second plugin host starts tracing
+        "repr(x)\n"  # line 7
+        "print(dict(first.sites), dict(second.sites))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    first, second = out.stdout.strip().rsplit("} {", 1)
+    assert "'<string>:5': 1" in first and "'<string>:7': 1" in first  # the first listener kept its count
+    assert "'<string>:7': 1" in second and "<string>:5" not in second

@@ -186,3 +186,27 @@ def test_a_broken_compat_matrix_override_is_a_finding_not_a_crash(bad: str) -> N
     assert code == 1
     (found,) = [f for f in report["findings"] if f["title"].startswith("the compatibility matrix cannot be loaded")]
     assert bad in found["title"] and "ACCELPORT_COMPAT_MATRIX" in found["fix"]
+
+
+def test_gather_reads_the_environment_it_is_given_not_the_process_one(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # An override that exists only in the mapping passed to gather(): the recommendation,
+    # the selection and the matrix findings must all come from it.
+    override = tmp_path / "rows.toml"
+    override.write_text(
+        '[[rows]]\nplatform = "cpu"\nbackend = "cpu"\ntorch = ["2.1", "2.30"]\nstatus = "recommended"\n'
+        'message = "from the override"\nas_of = 2031-01-02\n'
+        'sources = [{ title = "a test stand-in source", url = "https://example.org/" }]\n')
+    monkeypatch.delenv("ACCELPORT_COMPAT_MATRIX", raising=False)
+    report = gather({**os.environ, "ACCELPORT_COMPAT_MATRIX": str(override)})
+    assert report["recommendation"]["as_of"] == "2031-01-02"
+    assert "from the override" in report["recommendation"]["reason"]
+    assert "from the override" not in json.dumps(gather(dict(os.environ))["recommendation"])
+
+
+def test_a_broken_override_in_the_given_environment_is_a_finding_not_a_crash(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[rows]]\nplatform = 'mars'\n")
+    monkeypatch.delenv("ACCELPORT_COMPAT_MATRIX", raising=False)
+    report = gather({**os.environ, "ACCELPORT_COMPAT_MATRIX": str(bad)})
+    titles = [f["title"] for f in report["findings"] if f["severity"] == "problem"]
+    assert any("compatibility matrix cannot be loaded" in t and str(bad) in t for t in titles)

@@ -98,6 +98,21 @@ def test_policy_returning_none_defers_to_default(install_plugin) -> None:  # typ
     assert ap.backend().reason.startswith("cpu is the recommended backend")
 
 
+@pytest.mark.parametrize("answer", ["(candidates[0], 'why', 'extra')", "'cpu'", "object()", "(candidates[0], 3)"])
+def test_a_policy_with_a_malformed_answer_is_disabled_and_the_default_decides(install_plugin, answer: str) -> None:  # type: ignore[no-untyped-def]
+    install_plugin(
+        "policy", "malformed_policy",
+        "import accelport as ap\n"
+        "@ap.hookimpl\n"
+        "def accelport_select_backend(candidates, platform, recommendation):\n"
+        f"    return {answer}\n",
+    )
+    with pytest.warns(ap.PluginWarning, match=r"plugin 'policy' was disabled: hook accelport_select_backend "
+                                              r"failed with TypeError: returned .*expected one of the candidates"):
+        backend = ap.backend()
+    assert backend.name == "cpu" and backend.reason.startswith("cpu is the recommended backend")
+
+
 def test_disabling_the_default_policy_falls_back_to_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ACCELPORT_DISABLED_PLUGINS", "default-selection")
     b = ap.backend()

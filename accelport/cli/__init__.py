@@ -8,14 +8,20 @@ JSON (``{"error": ..., "kind": ...}``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
 import json
+import os
 import sys
 import warnings
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TextIO
 
 from accelport.errors import UsageError
+
+if TYPE_CHECKING:
+    from accelport.redact import Redactor
 
 __all__ = ["main", "COMMANDS", "UsageError", "emit_json", "fail"]
 
@@ -70,9 +76,118 @@ def _json_after_command(args: list[str]) -> list[str]:
     return [*rest, args[i], "--json", *args[i + 1:]]
 
 
+class _Output:
+    """Where the CLI writes, and the one pass every line goes through on the way out.
+
+    Text to stdout and stderr is redacted line by line (:class:`accelport.redact.Redactor`).
+    With ``--json``, the JSON document is the only thing on stdout: whatever else writes
+    to file descriptor 1 meanwhile (a plugin's print, a launched worker, C code) goes
+    to stderr instead, so the output always parses.
+    """
+
+    def __init__(self) -> None:
+        from accelport.redact import Redactor
+
+        self.redactor = Redactor(os.environ)
+        self.json_stream: TextIO = sys.stdout
+
+    def emit_json(self, obj: Any) -> None:
+        text = json.dumps(self.redactor.tree(_plain(obj)), indent=2, sort_keys=False, allow_nan=False)
+        self.json_stream.write(text + "\n")
+        self.json_stream.flush()
+
+    @contextlib.contextmanager
+    def session(self, as_json: bool) -> Iterator[None]:
+        saved_out, saved_err = sys.stdout, sys.stderr
+        for stream in (saved_out, saved_err):
+            try:  # an undecodable value is printed escaped, whatever PYTHONIOENCODING says
+                stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+            except (AttributeError, ValueError, OSError):
+                pass
+        json_fd = None
+        self.json_stream = saved_out
+        if as_json and _writes_to_fd(saved_out, 1):
+            saved_out.flush()
+            try:
+                json_fd = os.dup(1)
+                os.dup2(2, 1)  # fd 1 now writes to stderr: children and C code too
+                encoding = getattr(saved_out, "encoding", None) or "utf-8"
+                self.json_stream = open(json_fd, "w", encoding=encoding, errors="backslashreplace", closefd=False)
+            except OSError:  # no usable file descriptors: keep Python's streams apart only
+                json_fd, self.json_stream = None, saved_out
+        sys.stdout = _RedactingStream(saved_err if as_json else saved_out, self.redactor)
+        sys.stderr = _RedactingStream(saved_err, self.redactor)
+        try:
+            yield
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            sys.stdout, sys.stderr = saved_out, saved_err
+            if json_fd is not None:
+                self.json_stream.flush()
+                sys.stdout.flush()
+                os.dup2(json_fd, 1)
+                os.close(json_fd)
+                self.json_stream = saved_out
+
+
+class _RedactingStream(io.TextIOBase):
+    """A text stream that redacts each complete line before it reaches ``target``."""
+
+    def __init__(self, target: TextIO, redactor: Redactor) -> None:
+        self._target, self._redactor, self._pending = target, redactor, ""
+
+    def write(self, text: str) -> int:
+        self._pending += text
+        if "\n" in self._pending:
+            *lines, self._pending = self._pending.split("\n")
+            self._target.write("".join(self._redactor.text(line) + "\n" for line in lines))
+        return len(text)
+
+    def flush(self) -> None:
+        if self._pending:
+            self._target.write(self._redactor.text(self._pending))
+            self._pending = ""
+        self._target.flush()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self._target, "encoding", "utf-8")
+
+    def isatty(self) -> bool:
+        return self._target.isatty()
+
+    def fileno(self) -> int:
+        return self._target.fileno()
+
+
+def _writes_to_fd(stream: Any, fd: int) -> bool:
+    """Whether ``stream`` is the process's file descriptor ``fd`` (not a caller's StringIO)."""
+    try:
+        return bool(stream.fileno() == fd)
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def _plain(obj: Any) -> Any:
+    """``obj`` with anything JSON cannot hold written with str()."""
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [_plain(v) for v in obj]
+    return str(obj)
+
+
+_OUTPUT = _Output.__new__(_Output)  # replaced by main(); emit_json works before it too
+
+
 def emit_json(obj: Any) -> None:
-    """Print ``obj`` as JSON; anything not serialisable is written with str()."""
-    print(json.dumps(obj, indent=2, sort_keys=False, default=str))
+    """Print ``obj`` as JSON, redacted, on the command's real stdout (see :class:`_Output`)."""
+    if not hasattr(_OUTPUT, "redactor"):
+        _OUTPUT.__init__()  # type: ignore[misc]
+    _OUTPUT.emit_json(obj)
 
 
 def fail(kind: str, message: str, as_json: bool, code: int) -> int:
@@ -85,27 +200,46 @@ def fail(kind: str, message: str, as_json: bool, code: int) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from accelport.errors import AccelportError
-
+    global _OUTPUT
+    _OUTPUT = _Output()
     args_list = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in args_list  # until the arguments are parsed: a usage error is JSON too
-    try:
+    parsed: list[argparse.Namespace] = []
+
+    def parse() -> int:
         parser = build_parser()
-        args = parser.parse_args(_json_after_command(args_list))
-        # Parsed, the answer is exact: `accelport launch train.py --json` passes --json to the script.
-        as_json = bool(getattr(args, "json", False)) or getattr(args, "format", None) == "json"
-        if not getattr(args, "func", None):
-            if args.json_before_command:  # JSON was asked for: an error in JSON, not the help text
+        parsed.append(parser.parse_args(_json_after_command(args_list)))
+        if not getattr(parsed[0], "func", None):
+            if parsed[0].json_before_command:  # JSON was asked for: an error in JSON, not the help text
                 commands = ", ".join(module.rsplit(".", 1)[-1].replace("_", "-") for module in COMMANDS)
                 return fail("usage", f"give a command: accelport --json COMMAND (one of {commands})", True, 2)
             parser.print_help()
             return 2
-        with warnings.catch_warnings(record=as_json) as caught:
+        return 0
+
+    code = _guarded(parse, as_json)
+    if code or not parsed:
+        return code
+    args = parsed[0]
+    # Parsed, the answer is exact: `accelport launch train.py --json` passes --json to the script.
+    as_json = bool(getattr(args, "json", False)) or getattr(args, "format", None) == "json"
+
+    def run() -> int:
+        with warnings.catch_warnings(record=as_json):
             if not as_json:
                 warnings.simplefilter("default")
-            code = int(args.func(args) or 0)
-        del caught
-        return code
+            return int(args.func(args) or 0)
+
+    with _OUTPUT.session(as_json):
+        return _guarded(run, as_json)
+
+
+def _guarded(step: Callable[[], int], as_json: bool) -> int:
+    """Run ``step``; any failure becomes one line (or one JSON object) and an exit status."""
+    from accelport.errors import AccelportError
+
+    try:
+        return step()
     except UsageError as exc:  # before AccelportError, of which it is one
         return fail("usage", str(exc), as_json, 2)
     except AccelportError as exc:
@@ -115,9 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         # The reader went away (`accelport matrix | head`): not an error of ours. Point
         # stdout at devnull so the interpreter's final flush does not complain either.
-        import os
-
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.__stdout__.fileno() if sys.__stdout__ else 1)
         return 0
     except Exception as exc:  # the last line of defence: never a traceback
         return fail(

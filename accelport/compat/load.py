@@ -29,7 +29,8 @@ from accelport.compat.schema import (
     parse_row,
     parse_tables,
 )
-from accelport.errors import CompatMatrixError, PluginWarning
+from accelport.errors import AccelportError, CompatMatrixError, PluginWarning
+from accelport.safe_io import read_regular_file
 
 if TYPE_CHECKING:
     from accelport.plugins.host import PluginHost
@@ -42,12 +43,19 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 __all__ = ["Matrix", "load_file", "shipped", "build"]
 
 
+#: A matrix file is a few kilobytes; a cap keeps /dev/zero or a huge file from filling memory.
+MAX_FILE_BYTES = 4 << 20
+
+
 def _read_toml(path: str) -> dict[str, Any]:
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except OSError as exc:
-        raise CompatMatrixError(path, "", f"cannot read the file ({exc.strerror or exc})") from None
+        raw = read_regular_file(path, what=OVERRIDE_ENV, limit=MAX_FILE_BYTES)
+    except AccelportError as exc:
+        raise CompatMatrixError(path, "", str(exc).replace(f"{OVERRIDE_ENV} {path!r} ", "", 1)) from None
+    try:
+        return tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise CompatMatrixError(path, "", f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise CompatMatrixError(path, "", f"not valid TOML: {exc}") from None
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from accelport.contract import StepRecord
 from accelport.plugins.hookspecs import hookimpl
+from accelport.safe_io import open_append
 
 __all__ = ["MetricsFile", "create_plugin", "record_to_dict", "record_from_dict"]
 
@@ -83,6 +84,8 @@ class MetricsFile:
     def __init__(self, path: str) -> None:
         self.path = path
         self._ready = False
+        if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block the first step
+            open_append(path, what="ACCELPORT_METRICS_FILE").close()  # raises, saying what it is
 
     @hookimpl
     def accelport_step_end(self, record: StepRecord) -> None:
@@ -90,8 +93,9 @@ class MetricsFile:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             self._ready = True
         # Opened per line (tens of microseconds): nothing stays open when the run ends or crashes.
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record_to_dict(record)) + "\n")
+        # Never blocking: a FIFO put there after the run started is refused, not waited on.
+        with open_append(self.path, what="ACCELPORT_METRICS_FILE") as f:
+            f.write((json.dumps(record_to_dict(record)) + "\n").encode("utf-8"))
 
 
 class _Off:

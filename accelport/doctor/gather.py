@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from accelport import _packages
 from accelport.doctor.finding import SEVERITIES, DoctorContext, Finding, as_finding
-from accelport.redact import redact
+from accelport.redact import Redactor, redact
 
 if TYPE_CHECKING:
     from accelport.compat.load import Matrix
@@ -238,7 +238,7 @@ def gather(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
 
     order = {s: i for i, s in enumerate(reversed(SEVERITIES))}
     findings.sort(key=lambda f: order[f.severity])
-    return {
+    report = {
         "accelport": __version__,
         "system": {
             "python": sys.version.split()[0],
@@ -266,6 +266,8 @@ def gather(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         ] + [{"name": f.name, "failed": f.stage, "error": f.error} for f in host.failed],
         "findings": [f.to_dict() for f in findings],
     }
+    # The one pass over the finished report: a secret is hidden whichever section quotes it.
+    return Redactor(env).tree(report)
 
 
 def _recommendation_dict(verdict: Verdict | None) -> dict[str, Any] | None:

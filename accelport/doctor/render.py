@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -75,4 +76,8 @@ def render_text(report: Mapping[str, Any]) -> str:
 
 def render_markdown(report: Mapping[str, Any]) -> str:
     """A block to paste into a bug report."""
-    return "<details><summary>accelport doctor</summary>\n\n```\n" + render_text(report) + "\n```\n</details>"
+    body = render_text(report)
+    # A fence longer than any run of backticks in the text: nothing in it can close the block.
+    longest = max((len(run) for run in re.findall(r"`+", body)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"<details><summary>accelport doctor</summary>\n\n{fence}\n{body}\n{fence}\n</details>"

@@ -150,8 +150,8 @@ def backends() -> list[BackendInfo]:
     except AccelportError:
         selected = None
     out = []
-    for name, b in host.backends.items():
-        p = b.probe()
+    for name, b in list(host.backends.items()):
+        p = host.probe(name)
         out.append(BackendInfo(name, b.platform, b.lazy, p.available, p.reason, p.device_count,
                                host.backend_plugin.get(name, "?"), name == selected, b.description))
     return out

@@ -148,6 +148,9 @@ class Backend(abc.ABC):
     #: on several hosts); every environment variable it sets is passed to the workers.
     #: TorchTPU needs this: "torch.tpu.distributed:set_tpu_launch_env".
     launch_env_function: ClassVar[str | None] = None
+    #: The PJRT device types this backend drives (lazy backends: "TPU", "CPU", "NEURON");
+    #: a PJRT_DEVICE naming one of them asks for this backend.
+    pjrt_devices: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
         self._probe_cache: Probe | None = None
@@ -157,9 +160,15 @@ class Backend(abc.ABC):
         """Whether this backend can run here. Cached; never raises; starts no runtime."""
         if self._probe_cache is None:
             try:
-                self._probe_cache = self._probe()
-            except Exception as exc:  # a probe must never take the caller down
-                self._probe_cache = Probe(False, f"probe failed: {type(exc).__name__}: {exc}")
+                found: Any = self._probe()
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # a probe must never take the caller down, SystemExit included
+                found = Probe(False, f"probe failed: {type(exc).__name__}: {exc}")
+            if not isinstance(found, Probe):
+                text = repr(found)
+                found = Probe(False, f"probe returned {text[:60]}, not an accelport.Probe (this backend's bug)")
+            self._probe_cache = found
         return self._probe_cache
 
     @abc.abstractmethod

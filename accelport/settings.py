@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["TRUE_VALUES", "FALSE_VALUES", "is_true", "is_off", "env_int", "explicit_pjrt_device"]
+__all__ = ["TRUE_VALUES", "FALSE_VALUES", "is_true", "is_off", "env_int", "explicit_pjrt_device", "plugin_timeout"]
 
 #: Spellings of a set flag and of an unset one (compared stripped and lower-cased).
 TRUE_VALUES = frozenset({"1", "true", "yes", "on"})
@@ -32,6 +32,19 @@ def env_int(environ: Mapping[str, str], name: str, default: int) -> int:
         return int(environ.get(name, default))
     except (TypeError, ValueError):
         return default
+
+
+#: How long the CLI lets one plugin call (an import, a probe, a hook) run before it disables the plugin.
+DEFAULT_PLUGIN_TIMEOUT = 20.0
+
+
+def plugin_timeout(environ: Mapping[str, str]) -> float:
+    """``ACCELPORT_PLUGIN_TIMEOUT`` in seconds (a positive number), else :data:`DEFAULT_PLUGIN_TIMEOUT`."""
+    try:
+        value = float(environ.get("ACCELPORT_PLUGIN_TIMEOUT", ""))
+    except ValueError:
+        return DEFAULT_PLUGIN_TIMEOUT
+    return value if 0 < value < 86400 else DEFAULT_PLUGIN_TIMEOUT
 
 
 def explicit_pjrt_device(environ: Mapping[str, str]) -> str | None:

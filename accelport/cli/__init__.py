@@ -202,6 +202,11 @@ def fail(kind: str, message: str, as_json: bool, code: int) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     global _OUTPUT
     _OUTPUT = _Output()
+    from accelport.runtime.state import RUNTIME
+    from accelport.settings import plugin_timeout
+
+    # A plugin that hangs must not hang a command: the CLI bounds every plugin call.
+    RUNTIME.limit_plugin_calls(plugin_timeout(os.environ))
     args_list = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in args_list  # until the arguments are parsed: a usage error is JSON too
     parsed: list[argparse.Namespace] = []

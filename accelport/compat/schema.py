@@ -46,7 +46,10 @@ OVERRIDE_ENV = "ACCELPORT_COMPAT_MATRIX"
 
 Minor = tuple[int, int]
 
-_MINOR_RE = re.compile(r"^(\d+)\.(\d+)$")
+_MINOR_RE = re.compile(r"^(\d{1,3})\.(\d{1,3})$")
+#: torch has had 2 majors and about 15 minors; a larger number in a row is a typo, and a range up to
+#: it would make every lookup walk millions of minors.
+MAX_MINOR = 99
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 _ENV_RE = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 FILE_KEYS = ("schema", "platform", "as_of", "sources", "rows", "torch", "env")
@@ -233,11 +236,13 @@ class Checker:
         return text
 
     def minor(self, value: Any, key: str) -> Minor:
-        if not isinstance(value, str) or not _MINOR_RE.match(value.strip()):
-            raise self.fail(key, f"{value!r} is not a major.minor version such as \"2.9\"")
-        m = _MINOR_RE.match(value.strip())
-        assert m is not None
-        return (int(m.group(1)), int(m.group(2)))
+        m = _MINOR_RE.match(value.strip()) if isinstance(value, str) else None
+        if m is None:
+            raise self.fail(key, f"{str(value)[:40]!r} is not a major.minor version such as \"2.9\"")
+        major, minor = int(m.group(1)), int(m.group(2))
+        if major > 9 or minor > MAX_MINOR:
+            raise self.fail(key, f"{value!r} is not a torch version (major up to 9, minor up to {MAX_MINOR})")
+        return (major, minor)
 
     def minor_range(self, value: Any, key: str) -> tuple[Minor, Minor]:
         if isinstance(value, str):

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from accelport import _packages
 from accelport.doctor.finding import SEVERITIES, DoctorContext, Finding, as_finding
 from accelport.redact import Redactor, redact
+from accelport.settings import plugin_timeout
 
 if TYPE_CHECKING:
     from accelport.compat.load import Matrix
@@ -204,7 +205,7 @@ def gather(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     env = dict(os.environ if environ is None else environ)
     # Its own host and matrix, from ``env`` alone: doctor never changes the process's selection,
     # and every answer below (selection, recommendation, deprecations) reads the same ones.
-    host = create_manager(env)
+    host = create_manager(env, timeout=plugin_timeout(env))
     plat = detect(environ=env)
     matrix: Matrix | None
     matrix_error: str | None = None
@@ -213,7 +214,8 @@ def gather(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     except CompatMatrixError as exc:
         matrix, matrix_error = None, str(exc)
     packages = {name: _packages.version(name) for name in PACKAGES}
-    probes = {name: b.probe() for name, b in host.backends.items()}
+    probes = {name: host.probe(name) for name in list(host.backends)}
+    probes = {name: probe for name, probe in probes.items() if name in host.backends}  # minus the disabled
     try:
         chosen, reason = resolve(host, None, env, matrix=matrix, found=plat)
         selected: str | None = chosen.name

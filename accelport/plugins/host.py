@@ -12,6 +12,8 @@ import functools
 import importlib
 import importlib.metadata as md
 import os
+import re
+import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -19,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from accelport.contract import Backend
+from accelport.contract import Backend, Probe
 from accelport.errors import PluginWarning
 from accelport.platform import PLATFORMS
 from accelport.plugins import hookspecs
@@ -66,10 +68,25 @@ def _load_builtin(spec: str, environ: Mapping[str, str], runtime: Runtime | None
     return getattr(obj, factory)(environ, runtime) if factory else obj
 
 
-class PluginHost:
-    """A pluggy manager plus accelport's bookkeeping: what loaded, what failed, which backends."""
+class PluginTimeout(Exception):
+    """A plugin call did not return within the host's time limit."""
 
-    def __init__(self) -> None:
+
+#: Backend names as ACCELPORT_BACKEND, ap.use() and the matrix spell them.
+_BACKEND_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
+
+
+class PluginHost:
+    """A pluggy manager plus accelport's bookkeeping: what loaded, what failed, which backends.
+
+    Every call into a plugin goes through :meth:`isolated`: whatever it raises (``SystemExit``
+    included; only Ctrl-C passes) disables that plugin, and with ``timeout`` (seconds; the CLI
+    sets one) a call that does not return in time disables it too, so ``accelport doctor`` and
+    ``accelport backends`` always finish.
+    """
+
+    def __init__(self, timeout: float | None = None) -> None:
+        self.timeout = timeout
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.plugins: dict[str, PluginInfo] = {}
@@ -79,13 +96,53 @@ class PluginHost:
         self.backend_plugin: dict[str, str] = {}
         self._step_end: list[tuple[str, Callable[..., Any]]] | None = None
 
+    # -- isolation -------------------------------------------------------------------------
+    def isolated(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``; raises what it raised, or PluginTimeout when the host's limit passes first."""
+        if self.timeout is None:
+            return fn(*args)
+        box: list[Any] = []
+
+        def call() -> None:
+            try:
+                box.append((True, fn(*args)))
+            except BaseException as exc:  # handed to the caller's thread below
+                box.append((False, exc))
+
+        # A daemon thread: a plugin stuck forever cannot keep the process from exiting.
+        worker = threading.Thread(target=call, name="accelport-plugin-call", daemon=True)
+        worker.start()
+        worker.join(self.timeout)
+        if not box:
+            raise PluginTimeout(f"did not return within {self.timeout:g} s")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def _guard(self, name: str, stage: str, fn: Callable[..., Any], *args: Any) -> tuple[bool, Any]:
+        """(True, result) or, when the plugin failed (and was disabled), (False, None)."""
+        try:
+            return True, self.isolated(fn, *args)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # SystemExit from a plugin must not end the caller's program
+            self._fail(name, stage, exc)
+            return False, None
+
+    def probe(self, name: str) -> Probe:
+        """Backend ``name``'s probe, isolated and bounded like every plugin call."""
+        backend = self.backends[name]
+        ok, found = self._guard(self.backend_plugin.get(name, name), "probe", backend.probe)
+        if not ok:
+            return Probe(False, f"its plugin was disabled: the probe {self.failed[-1].error}")
+        return found
+
     # -- loading -------------------------------------------------------------------------
     def load(self, name: str, loader: Callable[[], Any], *, module: str, dist: Any = None,
              builtin: bool) -> None:
-        try:
-            obj = loader()
-        except Exception as exc:
-            self._fail(name, "import", exc)
+        ok, obj = self._guard(name, "import", loader)
+        if not ok:
             return
         try:
             self.pm.register(obj, name=name)
@@ -145,12 +202,11 @@ class PluginHost:
     def _results(self, impls: Any, hook: str, kwargs: dict[str, Any]) -> Any:
         """(plugin, result) for each implementation's non-None result; a raising plugin is disabled."""
         for impl in impls:
-            try:
-                result = impl.function(*(kwargs[a] for a in impl.argnames))
-            except Exception as exc:
-                self._fail(impl.plugin_name, f"hook {hook}", exc)
-                continue
-            if result is not None:
+            if self.pm.get_plugin(impl.plugin_name) is None:
+                continue  # disabled while this hook was being called (e.g. it timed out)
+            ok, result = self._guard(impl.plugin_name, f"hook {hook}", impl.function,
+                                     *(kwargs[a] for a in impl.argnames))
+            if ok and result is not None:
                 yield impl.plugin_name, result
 
     def call_each(self, hook: str, **kwargs: Any) -> list[tuple[str, Any]]:
@@ -192,8 +248,10 @@ class PluginHost:
             self._step_end = [(i.plugin_name, i.function) for i in self._impls("accelport_step_end")]
         for name, function in self._step_end:
             try:
-                function(record)
-            except Exception as exc:
+                function(record)  # the hot path: no thread, no time limit
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # SystemExit from an observer must not end the training run
                 self._fail(name, "hook accelport_step_end", exc)
 
     @property
@@ -210,21 +268,15 @@ class PluginHost:
             def register(cls: type[Backend], _plugin: str = plugin) -> None:
                 self._register_backend(_plugin, cls)
 
-            try:
-                impl.function(*([register] if impl.argnames else []))
-            except Exception as exc:
-                self._fail(plugin, "hook accelport_register_backends", exc)
+            self._guard(plugin, "hook accelport_register_backends", impl.function,
+                        *([register] if impl.argnames else []))
 
     def _register_backend(self, plugin: str, cls: type[Backend]) -> None:
-        problem = None
-        if not (isinstance(cls, type) and issubclass(cls, Backend)):
-            problem = f"{cls!r} is not a subclass of accelport.contract.Backend"
-        elif not isinstance(getattr(cls, "name", None), str) or not cls.name:
-            problem = f"{cls.__name__} has no string 'name'"
-        elif getattr(cls, "platform", None) not in PLATFORMS:
-            problem = (f"{cls.__name__}.platform is {getattr(cls, 'platform', None)!r}; "
-                       f"expected one of {', '.join(PLATFORMS)}")
-        elif cls.name in self.backends:
+        try:
+            problem = _class_problem(cls)
+        except Exception as exc:  # a raising property on the class
+            problem = f"reading its class attributes raised {type(exc).__name__}: {exc}"
+        if problem is None and cls.name in self.backends:
             problem = (f"backend name {cls.name!r} is already registered by plugin "
                        f"{self.backend_plugin[cls.name]!r}; disable that plugin to replace it")
         if problem:
@@ -232,12 +284,30 @@ class PluginHost:
                           stacklevel=4)
             self.failed.append(FailedPlugin(plugin, "backend", problem))
             return
-        try:
-            self.backends[cls.name] = cls()
-        except Exception as exc:
-            self._fail(plugin, "backend", exc)
+        ok, backend = self._guard(plugin, "backend", cls)
+        if not ok:
             return
+        self.backends[cls.name] = backend
         self.backend_plugin[cls.name] = plugin
+
+
+def _class_problem(cls: Any) -> str | None:
+    """What makes ``cls`` unusable as a backend, or None."""
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        return f"{cls!r} is not a subclass of accelport.contract.Backend"
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        return f"{cls.__name__} has no string 'name'"
+    if not _BACKEND_NAME.match(name):
+        fixed = re.sub(r"[^a-z0-9_.-]", "-", name.lower())
+        return (f"backend name {name!r} cannot be selected: use lower-case letters, digits, '-', '_' and '.' "
+                f"(ACCELPORT_BACKEND and the matrix spell names that way), e.g. {fixed!r}")
+    if getattr(cls, "platform", None) not in PLATFORMS:
+        return f"{cls.__name__}.platform is {getattr(cls, 'platform', None)!r}; expected one of {', '.join(PLATFORMS)}"
+    for attr, kind in (("lazy", bool), ("description", str)):
+        if not isinstance(getattr(cls, attr), kind):
+            return f"{cls.__name__}.{attr} is {getattr(cls, attr)!r}; expected a {kind.__name__}"
+    return None
 
 
 def _describe(value: Any) -> str:
@@ -261,16 +331,17 @@ def _entry_points() -> list[tuple[Any, Any]]:
     return found
 
 
-def create_manager(environ: Mapping[str, str] | None = None, *, runtime: Runtime | None = None) -> PluginHost:
+def create_manager(environ: Mapping[str, str] | None = None, *, runtime: Runtime | None = None,
+                   timeout: float | None = None) -> PluginHost:
     """Build a fresh plugin host: built-ins, then third-party entry points, then backends.
 
     ``ACCELPORT_DISABLED_PLUGINS=a,b`` skips plugins by name (built-in or third
     party); ``ACCELPORT_DISABLE_PLUGIN_AUTOLOAD=1`` loads no entry points.
     ``runtime`` is the runtime the host serves, handed to the built-in observers
-    (doctor's host serves none).
+    (doctor's host serves none); ``timeout`` bounds every plugin call (see :class:`PluginHost`).
     """
     env = os.environ if environ is None else environ
-    host = PluginHost()
+    host = PluginHost(timeout)
     disabled = disabled_names(env)
     for name, module in BUILTIN_PLUGINS:
         if name in disabled:

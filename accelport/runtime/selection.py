@@ -88,7 +88,8 @@ def resolve(host: PluginHost, explicit: str | None, environ: Mapping[str, str], 
 
     plat = detect(environ=environ) if found is None else found
     mx = build(host, environ) if matrix is None else matrix
-    candidates = [b for b in known.values() if b.probe().available]
+    # host.probe: isolated (a plugin whose probe fails or hangs is disabled and drops out of `known`).
+    candidates = [b for name, b in list(known.items()) if host.probe(name).available]
     chosen = host.select_backend(
         candidates=candidates, platform=plat.name,
         recommendation=recommend(plat.name, chip=plat.chip, matrix=mx, environ=environ),

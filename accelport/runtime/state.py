@@ -30,9 +30,10 @@ class Runtime:
     ``environ`` is the environment it reads (default: the process's, read when used).
     """
 
-    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(self, environ: Mapping[str, str] | None = None, plugin_timeout: float | None = None) -> None:
         self._lock = threading.RLock()
         self._environ = environ
+        self._plugin_timeout = plugin_timeout
         self._host: PluginHost | None = None
         self._matrix: Matrix | None = None
         self._backend: Backend | None = None
@@ -53,8 +54,13 @@ class Runtime:
                 if self._host is None:
                     from accelport.plugins.host import create_manager
 
-                    self._host = create_manager(self.environ, runtime=self)
+                    self._host = create_manager(self.environ, runtime=self, timeout=self._plugin_timeout)
         return self._host
+
+    def limit_plugin_calls(self, seconds: float) -> None:
+        """Bound every plugin call of the host built from now on (the CLI does; a training run does not)."""
+        with self._lock:
+            self._plugin_timeout = seconds
 
     def matrix(self) -> Matrix:
         """The matrix in effect for this runtime: shipped, its plugins' rows, ``ACCELPORT_COMPAT_MATRIX``."""
@@ -118,7 +124,7 @@ class Runtime:
         """Forget plugins, selection and counters (tests; a fresh start after env changes)."""
         self.tracker.flush()  # the observers get every step of the run that ends here
         with self._lock:
-            self.__init__(self._environ)  # type: ignore[misc]
+            self.__init__(self._environ, self._plugin_timeout)  # type: ignore[misc]
 
     @contextlib.contextmanager
     def scoped(self) -> Iterator[Runtime]:

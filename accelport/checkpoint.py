@@ -79,18 +79,36 @@ def _host_copy(t: Any) -> Any:
 
 
 _TMP_SUFFIX = ".accelport.tmp"
+#: The part of a temp file's name taken from the target's: with the host, the pid and
+#: mkstemp's random part it stays well under the 255 bytes most file systems allow.
+_STEM_MAX = 120
+
+
+def _stem(path: str) -> str:
+    """The target's name as temp files carry it: long names are cut and told apart by a hash."""
+    name = os.path.basename(path)
+    if len(name.encode()) <= _STEM_MAX:
+        return name
+    import hashlib
+
+    digest = hashlib.sha1(name.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+    return name.encode()[: _STEM_MAX - 13].decode("utf-8", "ignore") + "~" + digest
+
+
+def _head(path: str) -> str:
+    # Hidden, named after the target and host: an orphan left by a killed writer is
+    # recognisable, and only the host that wrote it ever removes it.
+    return f".{_stem(path)}.{socket.gethostname()[:40]}."
 
 
 def _tmp_prefix(path: str) -> str:
-    # Hidden, named after the target, host and process: an orphan left by a killed
-    # writer is recognisable, and only the host that wrote it ever removes it.
-    return f".{os.path.basename(path)}.{socket.gethostname()}.{os.getpid()}."
+    return f"{_head(path)}{os.getpid()}."
 
 
 def _remove_orphans(path: str) -> None:
     """Delete temp files of ``path`` left by writers on this host that no longer run."""
     directory = os.path.dirname(path)
-    head = f".{os.path.basename(path)}.{socket.gethostname()}."
+    head = _head(path)
     try:
         names = os.listdir(directory)
     except OSError:
@@ -117,28 +135,63 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _file_mode(path: str) -> int:
+    """The mode the checkpoint gets: the file it replaces keeps its mode; a new one follows the umask."""
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def _no_space(directory: str, exc: BaseException) -> AccelportError | None:
+    """A clear error when ``exc`` is the disk filling up (torch says only "unexpected pos N vs M")."""
+    import errno
+    import shutil
+
+    full = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        free = None
+    if not full and not (isinstance(exc, RuntimeError) and free is not None and free < 64 << 20):
+        return None
+    left = f" ({free / (1 << 20):.0f} MB free)" if free is not None else ""
+    return AccelportError(f"ap.save: the disk holding {directory!r} is full{left}; the previous checkpoint "
+                          "is untouched. Free space there, or save to another directory")
+
+
 def atomic_torch_save(torch: Any, obj: Any, path: str) -> None:
     """torch.save to a temp file, fsync, rename: readers never see a half-written file.
 
     A writer killed mid-save leaves the previous file at ``path`` untouched and a
     hidden ``.<name>.<host>.<pid>.*.accelport.tmp`` beside it; the next save on the
-    same host removes such orphans once their writer is gone.
+    same host removes such orphans (before it writes, so their space is free again).
+    A symlink at ``path`` is written through: the file it points at is replaced.
+    The file gets the mode of the one it replaces, or the umask's for a new one.
     """
-    path = os.path.abspath(path)
+    path = os.path.realpath(os.path.abspath(path))
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
+    _remove_orphans(path)
+    mode = _file_mode(path)
     fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=_TMP_SUFFIX, dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
+            os.fchmod(f.fileno(), mode)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        full = _no_space(directory, exc) if isinstance(exc, Exception) else None
+        if full is not None:
+            raise full from exc
         raise
     # Make the rename itself durable.
     try:
@@ -150,4 +203,3 @@ def atomic_torch_save(torch: Any, obj: Any, path: str) -> None:
             os.fsync(dfd)
         finally:
             os.close(dfd)
-    _remove_orphans(path)

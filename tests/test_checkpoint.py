@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -160,3 +161,74 @@ def test_save_to_a_directory_and_load_of_a_non_checkpoint_say_what_is_wrong(tmp_
         ap.load(text)
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         ap.load(tmp_path / "missing.pt")
+
+
+def test_save_keeps_the_umask_or_the_replaced_files_mode_and_writes_through_a_symlink(tmp_path: Path) -> None:
+    ap.use("cpu")
+    old = os.umask(0o022)
+    try:
+        ap.save({"a": 1}, tmp_path / "new.pt")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "new.pt").stat().st_mode & 0o777 == 0o644
+    os.chmod(tmp_path / "new.pt", 0o640)
+    ap.save({"a": 2}, tmp_path / "new.pt")
+    assert (tmp_path / "new.pt").stat().st_mode & 0o777 == 0o640
+
+    (tmp_path / "latest.pt").symlink_to("new.pt")
+    ap.save({"a": 3}, tmp_path / "latest.pt")
+    assert (tmp_path / "latest.pt").is_symlink() and ap.load(tmp_path / "new.pt")["a"] == 3
+
+
+def test_a_name_near_the_file_system_limit_saves(tmp_path: Path) -> None:
+    ap.use("cpu")
+    path = tmp_path / ("c" * 250 + ".pt")
+    ap.save({"a": 1}, path)
+    assert ap.load(path)["a"] == 1 and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+def test_orphans_are_removed_before_a_save_so_a_save_that_fails_still_frees_them(tmp_path: Path) -> None:
+    import socket
+
+    ap.use("cpu")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()  # a pid that has exited
+    orphan = tmp_path / f".ckpt.pt.{socket.gethostname()}.{dead}.abc.accelport.tmp"
+    orphan.write_bytes(b"partial")
+    with pytest.raises(Exception):  # noqa: B017 - torch refuses to pickle a lambda
+        ap.save({"f": lambda: 1}, tmp_path / "ckpt.pt")
+    assert not orphan.exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Any:
+    """A real 3 MB file system (tmpfs): mounting needs root, as CI has."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_full_disk_is_named_and_killed_writers_orphans_do_not_fill_it(small_disk: Path) -> None:
+    import socket
+
+    import torch
+
+    ap.use("cpu")
+    path = small_disk / "ckpt.pt"
+    ap.save({"w": torch.zeros(256 * 1024)}, path)  # 1 MB
+    with pytest.raises(ap.AccelportError, match=r"the disk holding .* is full .*previous checkpoint is untouched"):
+        ap.save({"w": torch.zeros(1024 * 1024)}, path)  # 4 MB on a 3 MB disk
+    assert ap.load(path)["w"].numel() == 256 * 1024
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    # A killed writer's 1.5 MB leftover: with it, the next 1 MB save would not fit.
+    (small_disk / f".ckpt.pt.{socket.gethostname()}.{dead}.x.accelport.tmp").write_bytes(b"\0" * (3 << 19))
+    ap.save({"w": torch.ones(256 * 1024)}, path)
+    assert float(ap.load(path)["w"].sum()) == 256 * 1024
+    assert sorted(p.name for p in small_disk.iterdir()) == ["ckpt.pt"]

@@ -157,6 +157,13 @@ def _core_findings(ctx: DoctorContext, recommendation: Verdict | None, matrix: M
         findings.append(Finding("problem", "torch is not installed", "pip install torch (the build your platform "
                                 "needs: see `accelport matrix`)", "core"))
     if ctx.selected:
+        from accelport.runtime.selection import pjrt_unmet
+
+        unmet = pjrt_unmet(ctx.backends, ctx.environ, ctx.backends[ctx.selected])
+        if unmet and not (ctx.environ.get("ACCELPORT_BACKEND") or "").strip():
+            findings.append(Finding("warning", unmet.split(". Fix that", 1)[0],
+                                    "install the XLA backend's packages (see `accelport matrix` and the reasons "
+                                    "above), or unset PJRT_DEVICE", "core"))
         findings.append(Finding("ok", f"backend {ctx.selected} will be used: {ctx.selection_reason}", "", "core"))
         backend = ctx.backends[ctx.selected]
         platform = target_platform(backend, ctx.environ, ctx.platform.name)

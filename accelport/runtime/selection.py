@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from accelport.contract import Backend
 from accelport.errors import AccelportError, BackendUnavailableError, UnknownBackendError
 from accelport.plugins.hookspecs import hookimpl
+from accelport.settings import explicit_pjrt_device
 
 if TYPE_CHECKING:
     from accelport.compat.load import Matrix
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from accelport.platform import PlatformInfo
     from accelport.plugins.host import PluginHost
 
-__all__ = ["resolve", "named", "accelport_select_backend"]
+__all__ = ["resolve", "named", "pjrt_request", "pjrt_unmet", "accelport_select_backend"]
 
 
 @hookimpl(trylast=True)
@@ -90,10 +91,49 @@ def resolve(host: PluginHost, explicit: str | None, environ: Mapping[str, str], 
     mx = build(host, environ) if matrix is None else matrix
     # host.probe: isolated (a plugin whose probe fails or hangs is disabled and drops out of `known`).
     candidates = [b for name, b in list(known.items()) if host.probe(name).available]
-    chosen = host.select_backend(
-        candidates=candidates, platform=plat.name,
-        recommendation=recommend(plat.name, chip=plat.chip, matrix=mx, environ=environ),
-    )
+    asked = pjrt_request(known, environ)
+    if asked is not None:
+        wanted, setting = asked
+        usable = [b for b in wanted if b in candidates]
+        if usable:
+            return usable[0], f"{usable[0].name} was chosen because {setting} asks for XLA; {usable[0].probe().reason}"
+    backend, reason = _by_policy(host, candidates, known, plat, recommend(plat.name, chip=plat.chip, matrix=mx,
+                                                                         environ=environ))
+    unmet = pjrt_unmet(known, environ, backend)
+    return backend, f"{reason}. {unmet}" if unmet else reason
+
+
+def pjrt_request(known: Mapping[str, Backend], environ: Mapping[str, str]) -> tuple[list[Backend], str] | None:
+    """The lazy backends a set ``PJRT_DEVICE`` asks for, and the setting as the user wrote it; None if unset."""
+    device = explicit_pjrt_device(environ)
+    if device is None:
+        return None
+    setting = f"PJRT_DEVICE={environ['PJRT_DEVICE'].strip()}"
+    return [b for b in known.values() if b.lazy and device in b.pjrt_devices], setting
+
+
+def pjrt_unmet(known: Mapping[str, Backend], environ: Mapping[str, str], chosen: Backend) -> str | None:
+    """Why a set ``PJRT_DEVICE`` (a request for XLA) is not what runs, or None when it is unset or honoured.
+
+    Selection appends it to the reason, the runtime warns with it, doctor makes it a finding:
+    a user who set PJRT_DEVICE=CPU and silently got eager cpu would believe XLA ran.
+    """
+    asked = pjrt_request(known, environ)
+    if asked is None or chosen.lazy:
+        return None
+    wanted, setting = asked
+    if wanted:
+        why = "; ".join(f"{b.name}: {b.probe().reason}" for b in wanted)
+    else:
+        why = f"no registered backend drives PJRT device {explicit_pjrt_device(environ)}"
+    return (f"{setting} is set, which asks for XLA, but {chosen.name} runs instead because no XLA backend can run "
+            f"here ({why}). Fix that, or unset PJRT_DEVICE to run on {chosen.name} without this warning")
+
+
+def _by_policy(host: PluginHost, candidates: list[Backend], known: Mapping[str, Backend], plat: PlatformInfo,
+               recommendation: Verdict) -> tuple[Backend, str]:
+    """The selection hook's choice among ``candidates``, else cpu."""
+    chosen = host.select_backend(candidates=candidates, platform=plat.name, recommendation=recommendation)
     if chosen is not None:
         backend, reason = chosen
         return backend, reason or f"{backend.name} was chosen by a selection plugin"

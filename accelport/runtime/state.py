@@ -94,6 +94,7 @@ class Runtime:
                     backend, reason = resolve(self.host(), self.explicit, env, matrix=self.matrix(), found=found)
                     # Vendor deprecations are announced where the backend is first chosen.
                     warn_deprecations(backend, env, matrix=self.matrix(), found=found)
+                    self._warn_unmet_pjrt(backend)
                     backend.prepare()
                     backend.reason = reason
                     self._baseline = backend.counters()
@@ -108,6 +109,15 @@ class Runtime:
         result = backend.optimizer_step(optimizer, **kwargs)
         self.tracker.step_end(backend, self._host)
         return result
+
+    def _warn_unmet_pjrt(self, backend: Backend) -> None:
+        from accelport.errors import CompatibilityWarning, warn_user
+        from accelport.runtime.selection import pjrt_unmet
+
+        if self.explicit is None and not (self.environ.get("ACCELPORT_BACKEND") or "").strip():
+            unmet = pjrt_unmet(self.host().backends, self.environ, backend)
+            if unmet:
+                warn_user(f"accelport: {unmet}.", CompatibilityWarning)
 
     def use(self, name: str) -> Backend:
         self.tracker.flush()  # the steps so far belong to the backend in use until now

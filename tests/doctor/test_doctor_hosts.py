@@ -105,7 +105,10 @@ def test_pjrt_device_tpu_without_a_tpu_is_a_problem(monkeypatch: pytest.MonkeyPa
     assert found["severity"] == "problem" and "PJRT_DEVICE=CPU" in found["fix"] and found["check"] == "xla"
     assert exit_status(report) == 1
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
-    assert not [f for f in gather()["findings"] if f["title"].startswith("PJRT_DEVICE")]
+    # XLA:CPU needs no TPU: no "no TPU here" problem. (Without torch_xla here, the request for
+    # XLA itself goes unmet, which is a warning of its own: tests/runtime/test_selection.py.)
+    found = [f for f in gather()["findings"] if f["title"].startswith("PJRT_DEVICE")]
+    assert not [f for f in found if f["severity"] == "problem" or "there are no" in f["title"]]
 
 
 def test_torch_xla_minor_mismatch_is_a_problem(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import accelport as ap
@@ -190,3 +192,19 @@ def test_a_backend_the_matrix_does_not_know_can_drive_the_platform() -> None:
     name, reason = _select(["acme-tpu"], "2.13.0")  # type: ignore[misc]
     assert name == "acme-tpu"
     assert reason == "acme-tpu is the only available backend for gcp-tpu with torch 2.13.0"
+
+
+def test_pjrt_device_without_a_usable_xla_backend_is_said_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    # This environment has torch 2.13 and no torch_xla: PJRT_DEVICE=CPU cannot be honoured.
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.delenv("ACCELPORT_BACKEND", raising=False)
+    with pytest.warns(ap.CompatibilityWarning, match=r"PJRT_DEVICE=CPU is set, which asks for XLA, but cpu runs "
+                                                     r"instead .*xla: torch_xla is not installed"):
+        backend = ap.backend()
+    assert backend.name == "cpu" and "PJRT_DEVICE=CPU is set" in backend.reason
+    from accelport.doctor.gather import gather
+
+    report = gather({**os.environ, "PJRT_DEVICE": "CPU"})
+    assert any(f["severity"] == "warning" and f["title"].startswith("PJRT_DEVICE=CPU is set")
+               for f in report["findings"])
+    assert not any("PJRT_DEVICE" in f["title"] for f in gather({**os.environ, "PJRT_DEVICE": ""})["findings"])

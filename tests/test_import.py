@@ -51,3 +51,14 @@ def test_public_functions_are_not_shadowed_by_submodules() -> None:
             importlib.import_module(f"accelport.{mod.name}")
     for name in functions:
         assert inspect.isfunction(getattr(accelport, name)), f"accelport.{name} is shadowed"
+
+
+def test_import_accelport_loads_only_what_it_needs() -> None:
+    # What `import accelport` adds to the interpreter: its errors module, nothing heavy.
+    # pluggy, dataclasses, inspect, tempfile and socket arrive with the first ap.* call that needs them.
+    probe = ("import sys\nbefore = set(sys.modules)\nimport accelport\n"
+             "print(' '.join(sorted(set(sys.modules) - before)))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    added = set(out.stdout.split())
+    assert {m for m in added if m.startswith("accelport")} == {"accelport", "accelport.errors"}
+    assert not added & {"pluggy", "dataclasses", "inspect", "tempfile", "socket", "packaging", "json"}, added

@@ -157,18 +157,24 @@ def backends() -> list[BackendInfo]:
     return out
 
 
-def recommend(platform: str | None = None, torch_version: str | None = None) -> Verdict:
-    """What the compatibility matrix says for ``platform`` and ``torch_version``.
+def recommend(platform: str | None = None, torch_version: str | None = None, *,
+              chip: str | None = None, python: str | None = None) -> Verdict:
+    """What the compatibility matrix says for ``platform``, ``torch_version``, ``chip`` and ``python``.
 
-    Defaults: the detected platform and the installed torch (read from package
-    metadata, never imported). The verdict names the recommended backend (or
-    none, with the nearest working combinations), every backend's status and
-    message, and the sources. See ``accelport matrix``.
+    Defaults: the detected platform and chip, the installed torch (read from package
+    metadata, never imported) and the running Python. ``chip`` is one of
+    ``accelport.compat.machine.CHIPS`` (``"trn1"``, ``"v6e"``; it implies its platform),
+    ``python`` a major.minor (``"3.12"``); anything else raises ``ValueError`` naming the
+    valid ones. The verdict names the recommended backend (or none, with the nearest
+    working combinations), every backend's status, message and patch release, and the
+    sources. See ``accelport matrix``.
     """
+    from accelport.compat.machine import parse_chip
     from accelport.compat.verdict import recommend as _recommend
 
     rt = _rt()
-    return _recommend(platform, torch_version, matrix=rt.matrix(), environ=rt.environ)
+    return _recommend(platform, torch_version, chip=parse_chip(chip) if chip is not None else None,
+                      python=python, matrix=rt.matrix(), environ=rt.environ)
 
 
 def device(index: int | None = None) -> torch.device:

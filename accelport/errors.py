@@ -18,6 +18,8 @@ __all__ = [
     "CompatMatrixError",
     "UnknownPlatformError",
     "InvalidVersionError",
+    "UnknownChipError",
+    "InvalidPythonVersionError",
     "UsageError",
     "nearest",
     "did_you_mean",
@@ -159,6 +161,33 @@ class InvalidVersionError(AccelportError, ValueError):
             f"invalid torch version {text!r}: expected a PEP 440 version such as 2.9, 2.9.0+cu128, "
             f"2.10.0a0+git1234 or 2.15.0.dev20261001{known}."
         )
+
+
+class UnknownChipError(AccelportError, ValueError):
+    """A chip name the compatibility matrix does not know; ``known`` lists the valid ones."""
+
+    def __init__(self, name: str, known: Iterable[str], platform: str | None = None) -> None:
+        from accelport.redact import redact
+
+        self.name = name
+        self.known = list(known)
+        self.platform = platform
+        hint = did_you_mean(name, self.known)
+        where = f" for {platform}" if platform else ""
+        super().__init__(f"unknown chip {redact('chip', name)!r}{where}.{hint} Valid chips{where}: "
+                         f"{', '.join(self.known)}.")
+
+
+class InvalidPythonVersionError(AccelportError, ValueError):
+    """A Python version that is not major.minor, or one the matrix knows nothing of."""
+
+    def __init__(self, text: str, known: Iterable[str]) -> None:
+        from accelport.redact import redact
+
+        self.text = text
+        self.known = list(known)
+        super().__init__(f"invalid Python version {redact('python', text)!r}: expected major.minor, one of "
+                         f"{', '.join(self.known)}.")
 
 
 class PluginWarning(UserWarning):

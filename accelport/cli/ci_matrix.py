@@ -118,16 +118,23 @@ def _python(ranges: Iterable[tuple[str, str] | None], requires: str | None) -> s
     return fits[-1] if fits else None
 
 
-def pip_args(requirements: Sequence[str], package: str | None) -> str:
-    """``requirements`` quoted for a shell, plus ``--extra-index-url`` where ``package`` needs one."""
+def pip_args(requirements: Sequence[str], package: str | None, index: str | None = None,
+             find_links: str | None = None) -> str:
+    """``requirements`` quoted for a shell, plus ``--extra-index-url`` where ``package`` needs one.
+
+    ``index`` and ``find_links`` are a row's own (``-f`` Google's libtpu page for torch_xla[tpu] 2.1 to 2.6).
+    """
     import shlex
 
+    from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
     args = list(requirements)
-    index = PACKAGE_INDEXES.get(canonicalize_name(package)) if package else None
+    index = index or (PACKAGE_INDEXES.get(canonicalize_name(Requirement(package).name)) if package else None)
     if index:
         args += ["--extra-index-url", index]
+    if find_links:
+        args += ["-f", find_links]
     return shlex.join(args)
 
 
@@ -158,7 +165,8 @@ def include(mx: Matrix, platforms: Sequence[str], minors: Sequence[tuple[int, in
                 pip = [f"torch=={minor_str(m)}.*"] + ([paired] if paired else [])
                 entries.append({"platform": platform, "torch": minor_str(m), "backend": backend,
                                 "python": python, "runner": runners[platform], "status": row.status,
-                                "install": " ".join(pip), "pip_args": pip_args(pip, row.package)})
+                                "install": " ".join(pip),
+                                "pip_args": pip_args(pip, row.package, row.index, row.find_links)})
     return entries, skipped
 
 

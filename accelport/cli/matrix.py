@@ -1,8 +1,9 @@
-"""``accelport matrix``: the compatibility verdict for a platform and torch version, or the whole table.
+"""``accelport matrix``: the compatibility verdict for a platform, chip, torch and Python, or the whole table.
 
-With ``--platform`` and/or ``--torch`` it prints the verdict (the missing one
-defaults to this machine's); with neither, every platform's table. Text output
-fits 80 columns (a source URL stays whole on its own line).
+With any of ``--platform``, ``--chip``, ``--torch`` and ``--python`` it prints the
+verdict (what is missing defaults to this machine's; a chip implies its platform);
+with none, every platform's table. Text output fits 80 columns (a source URL stays
+whole on its own line).
 """
 
 from __future__ import annotations
@@ -23,17 +24,21 @@ _DISPLAY_ORDER = ("cpu", "nvidia-gpu", "gcp-tpu", "aws-neuron")
 
 
 def register(sub: Any) -> None:
+    from accelport.compat.machine import CHIPS
     from accelport.platform import PLATFORMS
 
     p = sub.add_parser(
         "matrix",
-        help="the compatibility verdict for a platform and torch version (no filter: the whole table)",
-        description="What the compatibility matrix says. With --platform and/or --torch: the verdict "
-                    "(the other defaults to this machine's); with neither: the whole table.",
+        help="the compatibility verdict for a platform, chip, torch and Python (no filter: the whole table)",
+        description="What the compatibility matrix says. With --platform, --chip, --torch or --python: the "
+                    "verdict (the others default to this machine's; a chip implies its platform); with none: "
+                    "the whole table.",
     )
     p.add_argument("--platform", metavar="P", help=f"one of {', '.join(PLATFORMS)}")
+    p.add_argument("--chip", metavar="NAME", help=f"one of {', '.join(CHIPS)}")
     p.add_argument("--torch", dest="torch_version", metavar="V",
                    help="a torch version: 2.9, 2.9.0+cu128, 2.10.0a0+git1234 ...")
+    p.add_argument("--python", metavar="X.Y", help="a Python version such as 3.12 (default: this one)")
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="machine-readable output")
     fmt.add_argument("--markdown", action="store_true",
@@ -43,24 +48,40 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from accelport.cli import emit_json
+    from accelport.compat.machine import parse_chip, parse_python
     from accelport.compat.verdict import recommend
-    from accelport.errors import InvalidVersionError, UnknownPlatformError, UsageError
+    from accelport.errors import (
+        InvalidPythonVersionError,
+        InvalidVersionError,
+        UnknownChipError,
+        UnknownPlatformError,
+        UsageError,
+    )
     from accelport.runtime.state import RUNTIME
 
     mx = RUNTIME.matrix()
+    filters = (args.platform, args.chip, args.torch_version, args.python)
     if args.markdown:
-        if args.platform is not None or args.torch_version is not None:
-            raise UsageError("--markdown prints the whole matrix: drop --platform and --torch")
+        if any(f is not None for f in filters):
+            raise UsageError("--markdown prints the whole matrix: drop --platform and --torch "
+                             "(and any --chip or --python)")
         print(render_markdown(mx))
         return 0
-    if args.platform is None and args.torch_version is None:
+    if all(f is None for f in filters):
         if args.json:
             emit_json(matrix_dict(mx))
         else:
             print(render_table(mx, recommend(matrix=mx, warn=False)))
         return 0
     try:
-        verdict = recommend(args.platform, args.torch_version, matrix=mx, warn=False)
+        # A typed chip must be one the data knows (recommend() also takes what detection reports).
+        chip = parse_chip(args.chip) if args.chip is not None else None
+        python = parse_python(args.python, mx.pythons()) if args.python is not None else None
+        verdict = recommend(args.platform, args.torch_version, chip=chip, python=python, matrix=mx, warn=False)
+    except UnknownChipError as exc:
+        raise UsageError(f"--chip: {exc}") from None
+    except InvalidPythonVersionError as exc:
+        raise UsageError(f"--python: {exc}") from None
     except (UnknownPlatformError, InvalidVersionError) as exc:
         raise UsageError(str(exc)) from None
     if args.json:
@@ -77,6 +98,7 @@ def matrix_dict(mx: Matrix) -> dict[str, Any]:
         "as_of": mx.as_of.isoformat() if mx.as_of else None,
         "origins": mx.origins,
         "rows": [r.to_dict() for r in mx.rows],
+        "releases": [r.to_dict() for r in mx.releases],
         "torch": [{"version": minor_str(t.version), "python": list(t.python), "confirmed": t.confirmed,
                    "note": t.note, "sources": [s.to_dict() for s in t.sources]} for t in mx.torch.values()],
         "env": [{"name": e.name, "message": e.message, "replacement": e.replacement,
@@ -105,8 +127,8 @@ def render_table(mx: Matrix, here: Verdict | None = None) -> str:
     from accelport.platform import PLATFORMS
 
     as_of = mx.as_of.isoformat() if mx.as_of else "unknown"
-    lines = _wrap(f"Compatibility matrix as of {as_of}. For messages, packages and sources: "
-                  "accelport matrix --platform P --torch V.", "")
+    lines = _wrap(f"Compatibility matrix as of {as_of}. For messages, packages, patch releases and "
+                  "sources: accelport matrix --platform P --torch V (--chip, --python narrow it).", "")
     unconfirmed = False
     for platform in sorted(PLATFORMS, key=_DISPLAY_ORDER.index):
         backends = mx.backends(platform)
@@ -127,9 +149,9 @@ def render_table(mx: Matrix, here: Verdict | None = None) -> str:
                 else:
                     groups.append(([minor_str(m)], tuple(cells)))  # (minors, cells)
             lines.append(("  " + "torch".ljust(12) + "".join(n.ljust(col) for n in names)).rstrip())
-            for ms, row_cells in groups:
+            for ms, group_cells in groups:
                 span = ms[0] if len(ms) == 1 else f"{ms[0]}-{ms[-1]}"
-                lines.append(("  " + span.ljust(12) + "".join(c.ljust(col) for c in row_cells)).rstrip())
+                lines.append(("  " + span.ljust(12) + "".join(c.ljust(col) for c in group_cells)).rstrip())
     lines += [""]
     legend = "-: unsupported (or not applicable)."
     if unconfirmed:
@@ -178,6 +200,24 @@ def render_markdown(mx: Matrix) -> str:
                 cells.append(f"{row.status}{'' if row.confirmed else '*'}" + (f" `{req}`" if req else "")
                              + f" [{refs}]")
             out.append(f"| {minor_str(m)} | " + " | ".join(cells) + " |")
+    if mx.releases:
+        out += ["", "## Patch releases", "",
+                "Which patch of a paired package to install for each torch minor, the ones with a known problem, "
+                "and the runtime each pairs with (`accelport doctor` compares the installed versions with these).",
+                "", "| package | release | torch | status | Python | pairs with | |", "|---|---|---|---|---|---|---|"]
+        for r in mx.releases:
+            for s in r.sources:
+                if s not in sources:
+                    sources.append(s)
+            refs = ",".join(str(sources.index(s) + 1) for s in r.sources)
+            pairs = ", ".join(f"`{name}{spec}`" for name, spec in r.pins)
+            if r.neuron_sdk:
+                pairs = (pairs + "; " if pairs else "") + "Neuron " + ", ".join(r.neuron_sdk)
+            python = f"{r.python[0]}-{r.python[1]}" if r.python else ""
+            status = f"{r.status}{'' if r.confirmed else '*'}"
+            issue = f" <{r.issue}>" if r.issue else ""
+            out.append(f"| `{r.package}` | {r.version} | {minor_str(r.torch)} | {status} | {python} | {pairs} "
+                       f"| {r.message}{issue} [{refs}] |")
     out += ["", "## Sources", ""]
     out += [f"{i}. {s.title}: <{s.url}>" for i, s in enumerate(sources, 1)]
     return "\n".join(out)
@@ -187,11 +227,16 @@ def render_verdict(v: Any) -> str:
     """A verdict as text: the answer first, then every backend, the alternatives and the sources."""
     chip = f" ({v.chip})" if v.chip else ""
     head = f"{v.platform}{chip}, torch {v.torch_version or 'not installed'}"
+    if v.python:
+        head += f", Python {v.python}"
     if v.row_torch and v.row_torch != _minor_of(v.torch_version):
         head += f": judged by the torch {v.row_torch} rows"
-    if v.as_of:
-        head += f" (as of {v.as_of.isoformat()})"
     lines = _wrap(head, "")
+    facts = [f"as of {v.as_of.isoformat()}"] if v.as_of else []
+    if v.python and not v.python_given:
+        facts.append("this machine's Python; --python asks about another")
+    if facts:
+        lines += _wrap(f"({'; '.join(facts)})", "")
     if v.unverified:
         lines += _wrap(f"Unverified: torch {v.torch_version} is newer than every row for {v.platform}; "
                        f"the torch {v.row_torch} rows are used.", "")
@@ -199,8 +244,8 @@ def render_verdict(v: Any) -> str:
     rec = v.recommended
     if rec:
         st = v.backends[rec]
-        lines += _wrap(f"recommended: {rec}" + (f" (pip: torch=={v.row_torch}.* {st.requires})"
-                                                if st.requires else ""), "")
+        pip = " ".join((f"torch=={v.row_torch}.*", st.install or "", *st.pip_options)).replace("  ", " ")
+        lines += _wrap(f"recommended: {rec}" + (f" (pip: {pip})" if st.requires else ""), "")
     else:
         lines += _wrap("recommended: none", "")
         if v.ranked:
@@ -217,6 +262,12 @@ def render_verdict(v: Any) -> str:
         lines += _wrap(st.message, "    ")
         if st.requires:
             lines += _wrap(f"package: {st.requires}", "    ")
+        if st.release is not None and st.status != "unsupported":
+            lines += _wrap(f"release: {_describe_release(st.release)}", "    ")
+        for bad in st.known_bad if st.status != "unsupported" else ():
+            lines += _wrap(f"avoid: {bad.package} {bad.version}: {bad.message} {bad.issue or ''}".rstrip(), "    ")
+        if st.pip_options and st.status != "unsupported":
+            lines += _wrap(f"pip: {' '.join(st.pip_options)}", "    ")
         if st.python:
             lines += _wrap(f"python: {st.python[0]} to {st.python[1]}", "    ")
         if st.chips:
@@ -244,6 +295,14 @@ def render_verdict(v: Any) -> str:
                                    subsequent_indent="      ", break_on_hyphens=False)
             lines.append(f"      {s.url}")
     return "\n".join(lines)
+
+
+def _describe_release(r: Any) -> str:
+    """``torch_xla 2.8.1 (pairs with libtpu==0.0.17)``; ``torch-neuronx 2.9.0.2.15.32035 (Neuron 2.31.0, ...)``."""
+    pairs = [f"{name}{spec}" for name, spec in r.pins]
+    if r.neuron_sdk:
+        pairs.append("Neuron " + ", ".join(r.neuron_sdk))
+    return f"{r.package} {r.version}" + (f" (pairs with {'; '.join(pairs)})" if pairs else "")
 
 
 def _minor_of(text: str | None) -> str | None:

@@ -21,10 +21,12 @@ from accelport.compat.schema import (
     EnvDeprecation,
     Minor,
     Parsed,
+    Release,
     Row,
     Source,
     TorchInfo,
     check_overlaps,
+    check_releases,
     minor_str,
     parse_row,
     parse_tables,
@@ -40,7 +42,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-__all__ = ["Matrix", "load_file", "shipped", "build"]
+__all__ = ["Matrix", "load_file", "load_folder", "shipped", "build"]
 
 
 #: A matrix file is a few kilobytes; a cap keeps /dev/zero or a huge file from filling memory.
@@ -73,15 +75,23 @@ def shipped() -> Parsed:
     """The data shipped in ``accelport.compat_matrix`` (read once per process)."""
     from importlib.resources import files
 
-    folder = files("accelport.compat_matrix")
+    return load_folder(files("accelport.compat_matrix"), "accelport.compat_matrix")
+
+
+def load_folder(folder: Any, origin: str | None = None) -> Parsed:
+    """Every ``*.toml`` in ``folder`` (a path or a resource directory) read as one data set, like the shipped one."""
+    if isinstance(folder, (str, os.PathLike)):
+        import pathlib
+
+        folder = pathlib.Path(folder)
     entries = sorted((e for e in folder.iterdir() if e.name.endswith(".toml")), key=lambda e: e.name)
     raw = []
     for entry in entries:
-        origin = str(entry)
+        name = str(entry)
         try:
-            raw.append((origin, tomllib.loads(entry.read_text(encoding="utf-8"))))
+            raw.append((name, tomllib.loads(entry.read_text(encoding="utf-8"))))
         except tomllib.TOMLDecodeError as exc:
-            raise CompatMatrixError(origin, "", f"not valid TOML: {exc}") from None
+            raise CompatMatrixError(name, "", f"not valid TOML: {exc}") from None
     # Source ids are shared by every shipped file: collect them all before any row cites one.
     pooled: dict[str, Source] = {}
     for origin, data in raw:
@@ -92,13 +102,15 @@ def shipped() -> Parsed:
                 if sid in pooled:
                     raise CompatMatrixError(origin, f"sources.{sid}", "source id already defined in another file")
                 pooled[sid] = checker.source(s, f"sources.{sid}")
-    total = Parsed("accelport.compat_matrix", sources=pooled)
+    total = Parsed(origin or str(folder), sources=pooled)
     for origin, data in raw:
         part = parse_tables(data, origin, pooled)
         check_overlaps(part.rows, total.rows)
+        check_releases(part.releases, total.releases)
         total.rows += part.rows
         total.torch += part.torch
         total.env += part.env
+        total.releases += part.releases
     return total
 
 
@@ -143,8 +155,14 @@ class Matrix:
 
     def __init__(self, base: Sequence[Row], overrides: Sequence[Sequence[Row]] = (),
                  torch: Iterable[TorchInfo] = (), env: Iterable[EnvDeprecation] = (),
-                 origins: Sequence[str] = ()) -> None:
+                 origins: Sequence[str] = (), releases: Iterable[Release] = ()) -> None:
         self.layers: list[list[Row]] = [list(layer) for layer in reversed(overrides)] + [list(base)]
+        # Patch releases, shipped first: a later entry for the same package and version replaces it.
+        merged: dict[tuple[str, str], Release] = {}
+        for r in releases:
+            merged.pop((r.name, r.version), None)
+            merged[(r.name, r.version)] = r
+        self.releases: list[Release] = list(merged.values())
         self.torch: dict[Minor, TorchInfo] = {}
         for info in torch:
             self.torch[info.version] = info  # later entries (overrides) replace earlier ones
@@ -190,6 +208,35 @@ class Matrix:
         ms = self.minors(platform)
         return f"{minor_str(ms[0])} to {minor_str(ms[-1])}" if ms else "nothing"
 
+    def pythons(self) -> list[str]:
+        """Every Python minor some torch entry or row names, ascending ("3.8" ... "3.15")."""
+        from accelport.compat.machine import python_key, python_range
+
+        found: set[str] = set()
+        for bounds in [t.python for t in self.torch.values()] + [r.python for r in self.rows]:
+            if bounds is not None:
+                found.update(python_range(*bounds))
+        return sorted(found, key=python_key)
+
+    def releases_of(self, package: str, m: Minor | None = None) -> list[Release]:
+        """The patch releases of ``package`` (any spelling; extras ignored), for torch minor ``m`` if given."""
+        from packaging.requirements import Requirement
+        from packaging.utils import canonicalize_name
+
+        name = canonicalize_name(Requirement(package).name)
+        return [r for r in self.releases if r.name == name and (m is None or r.torch == m)]
+
+    def recommended_release(self, package: str, m: Minor) -> Release | None:
+        """The release to install of ``package`` for torch minor ``m`` (an override file's wins)."""
+        found = [r for r in self.releases_of(package, m) if r.status == "recommended"]
+        return found[-1] if found else None
+
+    def release(self, package: str, installed: str) -> Release | None:
+        """The entry an installed version of ``package`` is, or None (exact versions before prefixes)."""
+        hits = [r for r in self.releases_of(package) if r.matches(installed)]
+        hits.sort(key=lambda r: r.version.endswith(".*"))
+        return hits[0] if hits else None
+
 
 def build(host: PluginHost | None = None, environ: Mapping[str, str] | None = None) -> Matrix:
     """The matrix in effect: shipped data, ``host``'s plugin rows, then ``ACCELPORT_COMPAT_MATRIX`` files."""
@@ -204,10 +251,12 @@ def build(host: PluginHost | None = None, environ: Mapping[str, str] | None = No
     overrides: list[list[Row]] = []
     torch = list(base.torch)
     envs = list(base.env)
+    releases = list(base.releases)
     for path in (p for p in env.get(OVERRIDE_ENV, "").split(os.pathsep) if p.strip()):
         part = load_file(path.strip(), base.sources)
         overrides.append(part.rows)
         torch += part.torch
         envs += part.env
+        releases += part.releases
         origins.append(part.origin)
-    return Matrix(rows, overrides, torch, envs, origins)
+    return Matrix(rows, overrides, torch, envs, origins, releases)

@@ -9,21 +9,18 @@ from __future__ import annotations
 
 import datetime as _dt
 import re
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from packaging.requirements import InvalidRequirement, Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
+from accelport.compat.machine import CHIP_PLATFORMS, CHIPS, chip_name
 from accelport.errors import CompatMatrixError, InvalidVersionError, did_you_mean
 from accelport.platform import PLATFORMS
-
-if sys.version_info >= (3, 11):
-    pass
-else:  # pragma: no cover - exercised on Python 3.10 only
-    pass
 
 __all__ = [
     "STATUSES",
@@ -32,6 +29,8 @@ __all__ = [
     "Row",
     "TorchInfo",
     "EnvDeprecation",
+    "Release",
+    "RELEASE_STATUSES",
     "parse_torch_version",
     "minor_str",
     "OVERRIDE_ENV",
@@ -52,9 +51,15 @@ _MINOR_RE = re.compile(r"^(\d{1,3})\.(\d{1,3})$")
 MAX_MINOR = 99
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 _ENV_RE = re.compile(r"^[A-Z_][A-Z0-9_]*$")
-FILE_KEYS = ("schema", "platform", "as_of", "sources", "rows", "torch", "env")
+FILE_KEYS = ("schema", "platform", "as_of", "sources", "rows", "torch", "env", "releases")
 ROW_KEYS = ("platform", "backend", "torch", "status", "message", "package", "package_version",
-             "python", "chips", "replacement", "as_of", "sources", "confirmed", "note")
+             "python", "chips", "other_chips", "index", "find_links", "replacement", "as_of", "sources",
+             "confirmed", "note")
+RELEASE_KEYS = ("package", "version", "torch", "status", "message", "python", "pins", "neuron_sdk", "index",
+                "find_links", "issue", "as_of", "sources", "confirmed", "note")
+#: A patch release's standing within its torch minor, best first.
+RELEASE_STATUSES: tuple[str, ...] = ("recommended", "superseded", "bad")
+_RELEASE_RE = re.compile(r"^\d+(\.\d+)+(\.\*)?$")
 TORCH_KEYS = ("version", "python", "as_of", "sources", "confirmed", "note")
 ENV_KEYS = ("name", "message", "replacement", "backends", "as_of", "sources")
 SOURCE_KEYS = ("title", "url", "note")
@@ -115,6 +120,12 @@ class Row:
     note: str | None = None
     origin: str = ""
     key: str = ""
+    #: What to do on a chip not in ``chips`` (the alternative path), said instead of ``message`` there.
+    other_chips: str | None = None
+    #: The package index (``--extra-index-url``) that serves ``package``, when PyPI does not.
+    index: str | None = None
+    #: A page pip needs with ``-f`` to find ``package``'s pinned dependencies (Google's libtpu releases).
+    find_links: str | None = None
 
     def covers(self, m: Minor) -> bool:
         return self.torch_min <= m <= self.torch_max
@@ -134,6 +145,11 @@ class Row:
     def where(self) -> str:
         return f"{self.origin} {self.key}".strip()
 
+    @property
+    def package_name(self) -> str | None:
+        """The pip name of ``package`` without extras (``torch_xla[tpu]`` -> ``torch_xla``)."""
+        return Requirement(self.package).name if self.package else None
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "platform": self.platform,
@@ -145,12 +161,73 @@ class Row:
             "package_version": self.package_version,
             "python": list(self.python) if self.python else None,
             "chips": list(self.chips),
+            "other_chips": self.other_chips,
+            "index": self.index,
+            "find_links": self.find_links,
             "replacement": self.replacement,
             "confirmed": self.confirmed,
             "note": self.note,
             "as_of": self.as_of.isoformat(),
             "sources": [s.to_dict() for s in self.sources],
             "origin": self.where,
+        }
+
+
+@dataclass(frozen=True)
+class Release:
+    """One patch release of a paired package: its standing in its torch minor and what it pairs with.
+
+    ``version`` is exact (``2.8.1``) or a prefix ending in ``.*`` (``2.13.3.0.*``: AWS
+    publishes build numbers after it). ``pins`` are the runtime pairings: the version
+    of each companion package this release works with (torch_xla's ``tpu`` extra pins
+    libtpu; a Neuron SDK release ships torch-neuronx with one neuronx-cc).
+    """
+
+    package: str
+    version: str
+    torch: Minor
+    status: str
+    message: str
+    as_of: _dt.date
+    sources: tuple[Source, ...]
+    python: tuple[str, str] | None = None
+    pins: tuple[tuple[str, str], ...] = ()
+    neuron_sdk: tuple[str, ...] = ()
+    index: str | None = None
+    find_links: str | None = None
+    issue: str | None = None
+    confirmed: bool = True
+    note: str | None = None
+    origin: str = ""
+    key: str = ""
+
+    @property
+    def name(self) -> str:
+        """The canonical pip name (``torch_xla`` -> ``torch-xla``), for comparisons."""
+        return canonicalize_name(self.package)
+
+    @property
+    def pin(self) -> str:
+        """The requirement that installs exactly this release (``torch_xla==2.8.1``)."""
+        return f"{self.package}=={self.version}"
+
+    def matches(self, installed: str) -> bool:
+        """Whether an installed version is this release (local labels such as ``+cpu`` ignored)."""
+        try:
+            found = Version(installed)
+        except InvalidVersion:
+            return False
+        public = Version(found.public)
+        return SpecifierSet(f"=={self.version}").contains(public, prereleases=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "package": self.package, "version": self.version, "torch": minor_str(self.torch),
+            "status": self.status, "message": self.message,
+            "python": list(self.python) if self.python else None, "pins": dict(self.pins),
+            "neuron_sdk": list(self.neuron_sdk), "index": self.index, "find_links": self.find_links,
+            "issue": self.issue, "confirmed": self.confirmed, "note": self.note,
+            "as_of": self.as_of.isoformat(), "sources": [s.to_dict() for s in self.sources],
         }
 
 
@@ -186,6 +263,7 @@ class Parsed:
     torch: list[TorchInfo] = field(default_factory=list)
     env: list[EnvDeprecation] = field(default_factory=list)
     sources: dict[str, Source] = field(default_factory=dict)
+    releases: list[Release] = field(default_factory=list)
 
 
 # -- validation helpers ------------------------------------------------------------------
@@ -308,6 +386,28 @@ class Checker:
             raise self.fail(f"{key}.url", f"{url!r} is not an http(s) URL")
         return Source(title, url, self.string(table.get("note"), f"{key}.note", required=False))
 
+    def url(self, value: Any, key: str) -> str | None:
+        text = self.string(value, key, required=False)
+        if text is not None and not text.startswith(("https://", "http://")):
+            raise self.fail(key, f"{text!r} is not an http(s) URL")
+        return text
+
+    def chips(self, value: Any, key: str, platform: str) -> tuple[str, ...]:
+        """Chip names; on a platform whose chips the matrix knows, each must be one of them."""
+        names = self.strings(value, key)
+        if platform not in CHIP_PLATFORMS:
+            return names
+        valid = [c.name for c in CHIPS.values() if c.platform == platform]
+        out = []
+        for i, name in enumerate(names):
+            found = chip_name(name)
+            if found not in valid:
+                did = did_you_mean(name, valid, aside=True)
+                raise self.fail(f"{key}[{i}]", f"unknown {platform} chip {name!r}{did}; valid chips: "
+                                               f"{', '.join(valid)}")
+            out.append(found)
+        return tuple(out)
+
     def sources(self, value: Any, key: str) -> tuple[Source, ...]:
         if value is None or value == []:
             raise self.fail(key, "every entry needs at least one source (a [sources] id or {title, url})")
@@ -350,13 +450,92 @@ def parse_row(c: Checker, raw: Any, key: str, platform: str | None, as_of: _dt.d
     note = c.string(t.get("note"), f"{key}.note", required=False)
     if not confirmed and note is None:
         raise c.fail(f"{key}.note", "a row with confirmed = false must say in 'note' what is unconfirmed")
+    chips = c.chips(t.get("chips"), f"{key}.chips", plat)
+    other = c.string(t.get("other_chips"), f"{key}.other_chips", required=False)
+    if other is not None and not chips:
+        raise c.fail(f"{key}.other_chips", "needs 'chips' (it is what to do on a chip not listed there)")
+    for k in ("index", "find_links"):
+        if t.get(k) is not None and package is None:
+            raise c.fail(f"{key}.{k}", "needs 'package' (the pip name it serves)")
     return Row(
         platform=plat, backend=backend, torch_min=lo, torch_max=hi, status=status,
         message=message or "", as_of=c.date(t.get("as_of"), f"{key}.as_of", as_of),
         sources=c.sources(t.get("sources"), f"{key}.sources"), package=package, package_version=pv,
-        python=c.python(t.get("python"), f"{key}.python"), chips=c.strings(t.get("chips"), f"{key}.chips"),
+        python=c.python(t.get("python"), f"{key}.python"), chips=chips,
         replacement=replacement, confirmed=confirmed, note=note, origin=c.origin, key=key,
+        other_chips=other, index=c.url(t.get("index"), f"{key}.index"),
+        find_links=c.url(t.get("find_links"), f"{key}.find_links"),
     )
+
+
+def parse_release(c: Checker, raw: Any, key: str, as_of: _dt.date | None) -> Release:
+    t = c.keys(raw, RELEASE_KEYS, key)
+    package = c.string(t.get("package"), f"{key}.package")
+    assert package is not None
+    try:
+        req = Requirement(package)
+    except InvalidRequirement:
+        req = None
+    if req is None or req.extras or req.specifier or req.marker or req.name != package:
+        raise c.fail(f"{key}.package", f"{package!r} is not a bare pip name (no extras, no version)")
+    version = c.string(t.get("version"), f"{key}.version")
+    assert version is not None
+    if not _RELEASE_RE.match(version):
+        raise c.fail(f"{key}.version", f"{version!r} is not a release such as \"2.8.1\" or \"2.13.3.0.*\"")
+    status = c.string(t.get("status"), f"{key}.status")
+    if status not in RELEASE_STATUSES:
+        did = did_you_mean(str(status), RELEASE_STATUSES, aside=True)
+        raise c.fail(f"{key}.status", f"{status!r} is not a release status{did}; expected one of "
+                                      f"{', '.join(RELEASE_STATUSES)}")
+    issue = c.url(t.get("issue"), f"{key}.issue")
+    if status == "bad" and issue is None:
+        raise c.fail(f"{key}.issue", "a bad release must link the issue that shows the problem")
+    raw_pins = t.get("pins") or {}
+    if not isinstance(raw_pins, Mapping):
+        raise c.fail(f"{key}.pins", "must be a table of package = \"specifier\" (libtpu = \"==0.0.17\")")
+    pins = []
+    for name, spec in raw_pins.items():
+        text = c.string(spec, f"{key}.pins.{name}")
+        try:
+            Requirement(f"{name}{text}")
+        except InvalidRequirement as exc:
+            raise c.fail(f"{key}.pins.{name}", f"{name}{text} is not a valid pip requirement ({exc})") from None
+        pins.append((str(name), text or ""))
+    confirmed = c.boolean(t.get("confirmed"), f"{key}.confirmed", True)
+    note = c.string(t.get("note"), f"{key}.note", required=False)
+    if not confirmed and note is None:
+        raise c.fail(f"{key}.note", "an entry with confirmed = false must say in 'note' what is unconfirmed")
+    if "torch" not in t:
+        raise c.fail(f"{key}.torch", "is required: the torch minor this release pairs with (\"2.8\")")
+    return Release(
+        package=package, version=version, torch=c.minor(t["torch"], f"{key}.torch"), status=status,
+        message=c.string(t.get("message"), f"{key}.message") or "",
+        as_of=c.date(t.get("as_of"), f"{key}.as_of", as_of), sources=c.sources(t.get("sources"), f"{key}.sources"),
+        python=c.python(t.get("python"), f"{key}.python"), pins=tuple(pins),
+        neuron_sdk=c.strings(t.get("neuron_sdk"), f"{key}.neuron_sdk"),
+        index=c.url(t.get("index"), f"{key}.index"), find_links=c.url(t.get("find_links"), f"{key}.find_links"),
+        issue=issue, confirmed=confirmed, note=note, origin=c.origin, key=key,
+    )
+
+
+def check_releases(releases: Iterable[Release], against: Iterable[Release] = ()) -> None:
+    """One entry per package and version, and at most one recommended release per package and torch minor."""
+    seen: dict[tuple[str, str], Release] = {(r.name, r.version): r for r in against}
+    best: dict[tuple[str, Minor], Release] = {(r.name, r.torch): r for r in against if r.status == "recommended"}
+    for r in releases:
+        other = seen.get((r.name, r.version))
+        if other is not None:
+            raise CompatMatrixError(r.origin, f"{r.key}.version",
+                                    f"{r.package} {r.version} is already listed at {other.origin} {other.key}")
+        seen[(r.name, r.version)] = r
+        if r.status == "recommended":
+            other = best.get((r.name, r.torch))
+            if other is not None:
+                raise CompatMatrixError(
+                    r.origin, f"{r.key}.status",
+                    f"{other.package} {other.version} ({other.origin} {other.key}) is already the recommended "
+                    f"release for torch {minor_str(r.torch)}: mark one of them superseded")
+            best[(r.name, r.torch)] = r
 
 
 def _torch_info(c: Checker, raw: Any, key: str) -> TorchInfo:
@@ -422,13 +601,15 @@ def parse_tables(data: Mapping[str, Any], origin: str, known_sources: Mapping[st
     if platform is not None:
         platform = c.platform(platform, "platform")
     as_of = c.date(data["as_of"], "as_of", None) if "as_of" in data else None
-    for name, kind in (("rows", list), ("torch", list), ("env", list)):
+    for name, kind in (("rows", list), ("torch", list), ("env", list), ("releases", list)):
         if name in data and not isinstance(data[name], kind):
             raise c.fail(name, f"must be an array of tables ([[{name}]])")
     out.rows = [parse_row(c, r, f"rows[{i}]", platform, as_of) for i, r in enumerate(data.get("rows", []))]
     out.torch = [_torch_info(c, t, f"torch[{i}]") for i, t in enumerate(data.get("torch", []))]
     out.env = [_env(c, e, f"env[{i}]", as_of) for i, e in enumerate(data.get("env", []))]
+    out.releases = [parse_release(c, r, f"releases[{i}]", as_of) for i, r in enumerate(data.get("releases", []))]
     check_overlaps(out.rows)
+    check_releases(out.releases)
     versions = [t.version for t in out.torch]
     for i, v in enumerate(versions):
         if v in versions[:i]:

@@ -234,6 +234,10 @@ def gather(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     ctx = DoctorContext(env, plat, packages, probes, dict(host.backends), selected, reason, cpus)
 
     findings = _core_findings(ctx, recommendation, matrix, matrix_error)
+    if matrix is not None:  # installed patch releases against the matrix's: known-bad, superseded, mispaired
+        from accelport.compat.releases import installed_findings
+
+        findings += [Finding(f.severity, f.title, f.fix, "core") for f in installed_findings(matrix)]
     for plugin, result in host.call_each("accelport_doctor_checks", context=ctx):
         for item in result if isinstance(result, (list, tuple)) else [result]:
             try:

@@ -33,7 +33,8 @@ def accelport_select_backend(
     by_name = {b.name: b for b in candidates}
     ranked = tuple(getattr(recommendation, "ranked", ()))
     torch_v = getattr(recommendation, "torch_version", None)
-    on = f"{platform} with torch {torch_v}" if torch_v else platform
+    # The verdict says what it judged (chip and Python included); a plugin's stand-in may not.
+    on = getattr(recommendation, "subject", None) or (f"{platform} with torch {torch_v}" if torch_v else platform)
     statuses = getattr(recommendation, "statuses", {}) or {}
     for position, name in enumerate(ranked):
         if name not in by_name:

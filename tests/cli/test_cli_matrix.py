@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import sys
 
 import pytest
 
@@ -53,9 +54,10 @@ def test_verdicts_are_readable_at_80_columns(capsys: pytest.CaptureFixture[str],
 
 
 def test_verdict_text_leads_with_the_answer(capsys: pytest.CaptureFixture[str]) -> None:
-    _, out, _ = run(capsys, "matrix", "--platform", "aws-neuron", "--torch", "2.14")
-    assert "recommended: neuron (pip: torch==2.14.* torch-neuronx==2.14.3.0.*)" in out
-    assert "chips: Trainium2, Trainium3" in out
+    _, out, _ = run(capsys, "matrix", "--platform", "aws-neuron", "--torch", "2.14", "--python", "3.12")
+    assert ("recommended: neuron (pip: torch==2.14.* torch-neuronx==2.14.3.0.*\n"
+            "--extra-index-url https://pip.repos.neuron.amazonaws.com)") in out
+    assert "chips: trn2, trn3" in out
     _, out, _ = run(capsys, "matrix", "--platform", "gcp-tpu", "--torch", "2.10")
     assert "recommended: none" in out and "nearest working combinations:" in out
     assert "torch 2.11 with tpu (recommended; torch-tpu>=0.2.0)" in out
@@ -104,6 +106,72 @@ def test_bad_input_is_a_usage_error_naming_valid_values(capsys: pytest.CaptureFi
     assert code == 2 and data["kind"] == "usage" and all(w in data["error"] for w in words)
 
 
+@pytest.mark.parametrize("args,words", [
+    (("--chip", "trn9"), ["--chip: unknown chip 'trn9'", "Did you mean 'trn3'?",
+                          "Valid chips: v2/v3, v4, v5e, v5p, v6e, 7x, trn1, trn2, trn3, inf2."]),
+    (("--python", "3"), ["--python: invalid Python version '3'", "major.minor",
+                         "3.8, 3.9, 3.10, 3.11, 3.12, 3.13, 3.14, 3.15"]),
+    (("--python", "abc"), ["--python: invalid Python version 'abc'", "3.8, 3.9, 3.10, 3.11, 3.12, 3.13, 3.14, 3.15"]),
+    (("--chip", "v6e", "--platform", "aws-neuron"), ["unknown chip 'v6e' for aws-neuron",
+                                                     "Valid chips for aws-neuron: trn1, trn2, trn3, inf2."]),
+    (("--markdown", "--chip", "trn1"), ["drop --platform and --torch (and any --chip or --python)"]),
+])
+def test_a_bad_chip_or_python_names_the_valid_ones(capsys: pytest.CaptureFixture[str], args: tuple[str, ...],
+                                                   words: list[str]) -> None:
+    code, out, err = run(capsys, "matrix", *args)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert all(w in err for w in words), err
+    if "--markdown" in args:
+        return
+    code, out, _ = run(capsys, "matrix", *args, "--json")
+    data = json.loads(out)
+    assert code == 2 and data["kind"] == "usage" and all(w in data["error"] for w in words)
+
+
+@pytest.mark.parametrize("args", [
+    ("--chip", "trn1", "--torch", "2.14"), ("--chip", "trn2", "--torch", "2.9"), ("--chip", "v2/v3", "--torch", "2.13"),
+    ("--platform", "gcp-tpu", "--torch", "2.15", "--python", "3.15"), ("--chip", "v6e", "--torch", "2.8"),
+])
+def test_chip_and_python_verdicts_are_readable_at_80_columns(capsys: pytest.CaptureFixture[str],
+                                                             args: tuple[str, ...]) -> None:
+    code, out, _ = run(capsys, "matrix", *args)
+    assert code == 0
+    assert_fits(out)
+    assert "sources:" in out
+
+
+def test_chip_and_python_in_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    _, out, _ = run(capsys, "matrix", "--chip", "trn1", "--torch", "2.14", "--python", "3.12")
+    assert out.startswith("aws-neuron (trn1), torch 2.14, Python 3.12\n(as of 2026-12-01)\n")
+    assert "neuron       unsupported" in out and "does not run on trn1" in out
+    assert "torch 2.9 with neuron-xla (deprecated; torch-neuronx==2.9.0.2.15.32035)" in out
+    code, out, _ = run(capsys, "matrix", "--chip", "trn1", "--torch", "2.14", "--python", "3.12", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["platform"] == "aws-neuron" and data["chip"] == "trn1"
+    assert data["python"] == "3.12" and data["python_from"] == "given" and data["recommended"] is None
+    by = {b["backend"]: b for b in data["backends"]}
+    assert by["neuron"]["status"] == "unsupported" and by["neuron"]["chips"] == ["trn2", "trn3"]
+    assert data["alternatives"] == [{"torch": "2.9", "backend": "neuron-xla", "status": "deprecated",
+                                     "requires": "torch-neuronx==2.9.0.2.15.32035"}]
+    # The Python defaults to this machine's, and says so.
+    _, out, _ = run(capsys, "matrix", "--platform", "cpu", "--torch", "2.13", "--json")
+    data = json.loads(out)
+    assert data["python_from"] == "this machine" and data["python"] == ".".join(map(str, sys.version_info[:2]))
+
+
+def test_the_verdict_names_the_patch_release_and_the_one_to_avoid(capsys: pytest.CaptureFixture[str]) -> None:
+    _, out, _ = run(capsys, "matrix", "--platform", "gcp-tpu", "--torch", "2.8", "--python", "3.12")
+    assert "recommended: xla (pip: torch==2.8.* torch_xla[tpu]==2.8.1)" in out
+    assert "release: torch_xla 2.8.1 (pairs with libtpu==0.0.17)" in out
+    assert "avoid: torch_xla 2.8.0: 10-15% slower training" in out and "pytorch/xla/issues/9605" in out
+    code, out, _ = run(capsys, "matrix", "--platform", "gcp-tpu", "--torch", "2.8", "--python", "3.12", "--json")
+    xla = {b["backend"]: b for b in json.loads(out)["backends"]}["xla"]
+    assert xla["install"] == "torch_xla[tpu]==2.8.1" and xla["release"]["pins"] == {"libtpu": "==0.0.17"}
+    assert [b["version"] for b in xla["known_bad"]] == ["2.8.0"]
+    _, out, _ = run(capsys, "matrix", "--json")
+    assert {(r["package"], r["version"]) for r in json.loads(out)["releases"]} >= {("torch_xla", "2.8.1")}
+
+
 def test_broken_override_is_reported_in_one_line(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     bad = tmp_path / "bad.toml"
@@ -143,10 +211,17 @@ def test_ci_matrix_lists_the_working_combinations(capsys: pytest.CaptureFixture[
 def test_ci_matrix_python_fits_torch_package_and_accelport(capsys: pytest.CaptureFixture[str]) -> None:
     by = {(e["platform"], e["torch"], e["backend"]): e for e in ci(capsys)}
     assert by[("gcp-tpu", "2.1", "xla")]["python"] == "3.11"  # torch_xla 2.1: up to 3.11
-    assert by[("gcp-tpu", "2.9", "xla")]["python"] == "3.13"  # torch 2.9 has 3.14, torch_xla not
+    # torch 2.9 has 3.14 and torch_xla 2.9.0 3.13, but the libtpu its tpu extra pins stops at 3.12.
+    assert by[("gcp-tpu", "2.9", "xla")]["python"] == "3.12"
+    assert by[("cpu", "2.9", "xla")]["python"] == "3.13"  # no tpu extra, no libtpu
     assert by[("aws-neuron", "2.14", "neuron")]["python"] == "3.14"
-    assert by[("cpu", "2.13", "cpu")]["python"] == "3.15"
+    assert by[("cpu", "2.13", "cpu")]["python"] == "3.14"  # torch 2.13 has no 3.15 wheel
+    assert by[("cpu", "2.15", "cpu")]["python"] == "3.15"
     assert by[("gcp-tpu", "2.9", "xla")]["install"] == "torch==2.9.* torch_xla[tpu]==2.9.*"
+    # torch_xla[tpu] 2.1 to 2.6 pins a libtpu-nightly only Google's page serves.
+    assert by[("gcp-tpu", "2.6", "xla")]["pip_args"].endswith(
+        " -f https://storage.googleapis.com/libtpu-releases/index.html")
+    assert "-f" not in by[("gcp-tpu", "2.7", "xla")]["pip_args"]
 
 
 def _through_bash(words: str) -> list[str]:
@@ -177,7 +252,11 @@ def test_ci_matrix_pip_args_are_safe_in_a_shell(capsys: pytest.CaptureFixture[st
         # The same requirements as `install` (what the noxfile splits), plus the index pip needs.
         requirements = shlex.split(str(e["install"]))
         needs_index = any(r.startswith("torch-neuronx") for r in requirements)
-        assert args == requirements + (["--extra-index-url", neuron] if needs_index else []), e
+        # torch_xla[tpu] 2.1 to 2.6 pins a libtpu-nightly that only Google's page serves.
+        links = ["-f", "https://storage.googleapis.com/libtpu-releases/index.html"] if (
+            e["platform"] == "gcp-tpu" and e["backend"] == "xla"
+            and tuple(map(int, str(e["torch"]).split("."))) <= (2, 6)) else []
+        assert args == requirements + (["--extra-index-url", neuron] if needs_index else []) + links, e
         assert shlex.split(str(e["pip_args"])) == args
         assert needs_index == (e["platform"] == "aws-neuron"), e
         # As a GitHub `run:` line: no word is taken as a redirection, a glob or a variable.

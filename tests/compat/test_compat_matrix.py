@@ -13,7 +13,6 @@ from accelport.compat import load, schema
 from accelport.compat.schema import STATUSES, WORKING, minor_str
 from accelport.runtime.state import RUNTIME
 from accelport.compat.verdict import recommend
-from accelport.runtime.state import RUNTIME
 from accelport.platform import PLATFORMS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -92,9 +91,9 @@ def test_unconfirmed_facts_are_marked_and_explained() -> None:
 
 def test_every_schema_key_is_documented() -> None:
     doc = (ROOT / "docs" / "compat-matrix.md").read_text()
-    for key in schema.ROW_KEYS + schema.TORCH_KEYS + schema.ENV_KEYS + schema.FILE_KEYS:
+    for key in schema.ROW_KEYS + schema.TORCH_KEYS + schema.ENV_KEYS + schema.FILE_KEYS + schema.RELEASE_KEYS:
         assert f"`{key}`" in doc, key
-    for status in STATUSES:
+    for status in STATUSES + schema.RELEASE_STATUSES:
         assert f"`{status}`" in doc, status
 
 
@@ -267,7 +266,8 @@ def test_invalid_plugin_row_names_the_plugin_and_is_ignored(install_plugin) -> N
 
 def test_plugin_may_not_rewrite_shipped_rows(install_plugin) -> None:  # type: ignore[no-untyped-def]
     install_plugin("sneaky", "sneaky_rows", PLUGIN.replace('"mychip"', '"cpu"', 1))
-    with pytest.warns(ap.PluginWarning, match=r"plugin 'sneaky'.*overlaps .*cpu\.toml rows\[0\].*ACCELPORT_COMPAT_MATRIX"):
+    with pytest.warns(ap.PluginWarning,
+                      match=r"plugin 'sneaky'.*overlaps .*cpu\.toml rows\[0\].*ACCELPORT_COMPAT_MATRIX"):
         v = quiet("cpu", "2.13")
     assert v.status("cpu") == "recommended"
 

@@ -14,6 +14,7 @@ import pytest
 
 import accelport as ap
 from accelport.compat.deprecations import deprecation_messages, target_platform, warn_deprecations
+from tests import fakes
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -44,7 +45,11 @@ def test_xla_cuda_is_deprecated_in_2_8_and_gone_in_2_9() -> None:
     assert "xla is not supported on nvidia-gpu" in msg and "removed" in msg
 
 
-def test_recommended_and_supported_paths_are_silent() -> None:
+def test_recommended_and_supported_paths_are_silent(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+    # The selected backend's package is installed (stand-ins: no Neuron SDK or TPU here), so its
+    # wheel exists for this Python whatever the data says of Python versions.
+    for name, version in (("torch-neuronx", "2.14.3.0.1234"), ("torch_xla", "2.9.0"), ("torch-tpu", "0.2.0")):
+        fakes.install_dist(monkeypatch, tmp_path / "site", name, version)
     assert deprecation_messages("tpu", "gcp-tpu", "2.13.0", {}) == []
     assert deprecation_messages("xla", "gcp-tpu", "2.9.0", {}) == []
     assert deprecation_messages("xla", "cpu", "2.9.0", {}) == []

@@ -19,6 +19,8 @@ __all__ = [
     "CompatMatrixError",
     "UnknownPlatformError",
     "InvalidVersionError",
+    "ShardingError",
+    "CheckpointError",
     "UsageError",
     "nearest",
     "did_you_mean",
@@ -158,6 +160,14 @@ class InvalidVersionError(AccelportError, ValueError):
             f"invalid torch version {text!r}: expected a PEP 440 version such as 2.9, 2.9.0+cu128, "
             f"2.10.0a0+git1234 or 2.15.0.dev20261001{known}."
         )
+
+
+class ShardingError(AccelportError):
+    """``ap.shard`` or ``ap.optimizer_step`` cannot do what was asked with this model or optimizer."""
+
+
+class CheckpointError(AccelportError):
+    """A checkpoint cannot be written or restored as asked (``ap.save``, ``ap.load``)."""
 
 
 class PluginWarning(UserWarning):

@@ -22,6 +22,7 @@ from accelport.compat.schema import (
     Minor,
     Parsed,
     Row,
+    ShardingFact,
     Source,
     TorchInfo,
     check_overlaps,
@@ -91,6 +92,7 @@ def shipped() -> Parsed:
         total.rows += part.rows
         total.torch += part.torch
         total.env += part.env
+        total.sharding += part.sharding
     return total
 
 
@@ -135,7 +137,7 @@ class Matrix:
 
     def __init__(self, base: Sequence[Row], overrides: Sequence[Sequence[Row]] = (),
                  torch: Iterable[TorchInfo] = (), env: Iterable[EnvDeprecation] = (),
-                 origins: Sequence[str] = ()) -> None:
+                 origins: Sequence[str] = (), sharding: Iterable[ShardingFact] = ()) -> None:
         self.layers: list[list[Row]] = [list(layer) for layer in reversed(overrides)] + [list(base)]
         self.torch: dict[Minor, TorchInfo] = {}
         for info in torch:
@@ -144,6 +146,8 @@ class Matrix:
         for e in env:
             self.env[e.name] = e
         self.origins = list(origins)
+        #: Later entries (override files) first: they win in :meth:`sharding_for`.
+        self.sharding: list[ShardingFact] = list(reversed(list(sharding)))
 
     @property
     def rows(self) -> list[Row]:
@@ -173,6 +177,10 @@ class Matrix:
                     return row
         return None
 
+    def sharding_for(self, backend: str, m: Minor) -> ShardingFact | None:
+        """Whether ``ap.shard``'s engine exists for ``backend`` with torch minor ``m`` (None: unknown)."""
+        return next((f for f in self.sharding if f.covers(backend, m)), None)
+
     @property
     def as_of(self) -> _dt.date | None:
         dates = [row.as_of for row in self.rows]
@@ -196,10 +204,12 @@ def build(host: PluginHost | None = None, environ: Mapping[str, str] | None = No
     overrides: list[list[Row]] = []
     torch = list(base.torch)
     envs = list(base.env)
+    sharding = list(base.sharding)
     for path in (p for p in env.get(OVERRIDE_ENV, "").split(os.pathsep) if p.strip()):
         part = load_file(path.strip(), base.sources)
         overrides.append(part.rows)
         torch += part.torch
         envs += part.env
+        sharding += part.sharding
         origins.append(part.origin)
-    return Matrix(rows, overrides, torch, envs, origins)
+    return Matrix(rows, overrides, torch, envs, origins, sharding)

@@ -212,3 +212,30 @@ def test_a_save_stopped_between_its_two_renames_reads_the_previous_checkpoint(tm
         warnings.simplefilter("error")
         ap.save({"version": 2}, tmp_path / "ckpt")
     assert ap.load(tmp_path / "ckpt") == {"version": 2}
+
+
+def test_a_backend_without_a_sharding_engine_runs_alone_and_refuses_replicas() -> None:
+    from accelport.contract import Backend
+    from accelport.eager import EagerBackend
+
+    class NoEngine(EagerBackend):
+        """A plugin backend that keeps the contract's default shard()."""
+
+        name, platform, device_type = "noengine", "cpu", "cpu"
+        replicas = 1
+
+        def _probe(self) -> ap.Probe:
+            return ap.Probe(True, "here")
+
+        def shard(self, model: Any, **kwargs: Any) -> Any:
+            return Backend.shard(self, model, **kwargs)
+
+        def world_size(self) -> int:
+            return self.replicas
+
+    backend = NoEngine()
+    model = tiny()
+    assert backend.shard(model) is model
+    backend.replicas = 2
+    with pytest.raises(ap.ShardingError, match="backend 'noengine' has no sharding engine; with 2 replicas"):
+        backend.shard(model)

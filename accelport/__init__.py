@@ -24,10 +24,12 @@ from accelport.errors import (
     AccelportDeprecationWarning,
     AccelportError,
     BackendUnavailableError,
+    CheckpointError,
     CompatibilityWarning,
     CompatMatrixError,
     DiagnosticWarning,
     PluginWarning,
+    ShardingError,
     UnknownBackendError,
 )
 
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     import torch
 
     from accelport import data
+    from accelport.checkpoint import PendingSave
     from accelport.compat.verdict import Verdict
     from accelport.contract import Backend, BackendInfo, Metrics, Probe, StepRecord
     from accelport.device_loader import DeviceLoader
@@ -49,12 +52,14 @@ __all__ = [
     "Backend",
     "BackendInfo",
     "BackendUnavailableError",
+    "CheckpointError",
     "CompatMatrixError",
     "CompatibilityWarning",
     "DiagnosticWarning",
     "Metrics",
     "PluginWarning",
     "Probe",
+    "ShardingError",
     "StepRecord",
     "UnknownBackendError",
     "after_step",
@@ -78,6 +83,7 @@ __all__ = [
     "rank",
     "recommend",
     "save",
+    "shard",
     "sync",
     "use",
     "world_size",
@@ -331,17 +337,47 @@ def print(*values: Any, sep: str = " ", end: str = "\n", file: Any = None, flush
     b.after_step(lambda *host: builtins.print(*host, sep=sep, end=end, file=file, flush=flush), values)
 
 
-def save(obj: Any, path: str | os.PathLike[str]) -> None:
-    """Checkpoint ``obj``: tensors to host, main process only, atomic (temp file, fsync, rename).
+def shard(model: Any, *, policy: Any = None, reshard_after_forward: bool = True,
+          mixed_precision: str | None = None) -> Any:
+    """Shard ``model``'s parameters, gradients and optimizer state over the replicas; use what it returns.
 
-    Call it on every process or on the main one only; it never waits for the others.
+    Eager backends use FSDP2 (``fully_shard``, torch 2.6+) over every rank, lazy XLA
+    backends torch_xla's SPMD FSDP over every device. Alone (one replica or device)
+    the model comes back unchanged. ``policy`` picks the blocks that are gathered
+    one at a time: a set of module classes or a callable(module) -> bool (default:
+    the items of each layer stack, such as transformer layers, and any other
+    submodule with at least 1% of the parameters). ``reshard_after_forward=False``
+    keeps gathered parameters until backward (more memory, less communication).
+    ``mixed_precision="bf16"`` computes in bfloat16 with float32 master weights and
+    gradient reduction (FSDP2). Build the optimizer from the returned model's parameters.
     """
-    _rt().backend().save(obj, path)
+    from accelport.sharding import check_arguments
+
+    predicate = check_arguments(model, policy, reshard_after_forward, mixed_precision)
+    return _rt().backend().shard(model, policy=predicate, reshard_after_forward=reshard_after_forward,
+                               mixed_precision=mixed_precision)
 
 
-def load(path: str | os.PathLike[str], map_location: Any = None, *, weights_only: bool = True) -> Any:
+def save(obj: Any, path: str | os.PathLike[str], *, background: bool = False) -> PendingSave | None:
+    """Checkpoint ``obj``; modules and optimizers in a dict are saved as their state.
+
+    Unsharded: tensors to host, main process only, atomic (temp file, fsync,
+    rename); call it on every process or on the main one only. When a model in the
+    dict was sharded by :func:`shard`, ``path`` becomes a directory that every rank
+    writes its shard into (torch.distributed.checkpoint), so call it on every rank;
+    it replaces the previous checkpoint only once complete. ``background=True``
+    returns at once with a handle whose ``wait()`` blocks until it is in place.
+    """
+    return _rt().backend().save(obj, path, background=background)
+
+
+def load(path: str | os.PathLike[str], map_location: Any = None, *, weights_only: bool = True,
+         into: Any = None) -> Any:
     """Read a checkpoint written by :func:`save`, onto this process's device.
 
-    ``weights_only=False`` allows arbitrary pickled objects: only for files you trust.
+    ``into={"model": model, "opt": opt}`` restores those modules and optimizers in
+    place (sharded or not, on any number of ranks) and returns the other values; a
+    checkpoint directory needs it. ``weights_only=False`` allows arbitrary pickled
+    objects: only for files you trust.
     """
-    return _rt().backend().load(path, map_location, weights_only=weights_only)
+    return _rt().backend().load(path, map_location, weights_only=weights_only, into=into)

@@ -1,16 +1,476 @@
-"""Checkpoints: one file written atomically by the main process, read back onto any backend's device."""
+"""Checkpoints: one file written atomically by the main process, or, when a model in the state
+was sharded by ``ap.shard``, a directory written by every rank on torch.distributed.checkpoint.
+
+A single file holds what ``torch.save`` writes (modules and optimizers in the
+state as their ``state_dict()``). A checkpoint directory holds DCP's shard files
+(one per rank) and ``.metadata``, plus ``accelport.json`` (what is where) and
+``plain.pt`` (the plain values, from rank 0). Both are published the same way:
+written under a hidden temporary name next to ``path``, then renamed onto it, so
+an interrupted save never replaces the last good checkpoint.
+"""
 
 from __future__ import annotations
 
+import io
+import json
 import os
+import shutil
 import socket
 import tempfile
+import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from accelport.errors import AccelportError
+from accelport.errors import AccelportError, CheckpointError
 from accelport.tensors import tree_map_tensors
 
-__all__ = ["save_file", "load_file", "atomic_torch_save"]
+__all__ = ["save", "load", "save_file", "load_file", "atomic_torch_save", "PendingSave", "MANIFEST"]
+
+#: The file that marks a directory as an accelport checkpoint and says what it holds.
+MANIFEST = "accelport.json"
+#: Where the plain values of a checkpoint directory live (written by rank 0).
+PLAIN = "plain.pt"
+FORMAT = "accelport.sharded"
+
+
+# -- the two entry points ------------------------------------------------------------------
+
+
+def save(backend: Any, obj: Any, path: str | os.PathLike[str], *, background: bool = False) -> PendingSave | None:
+    """``ap.save``: a checkpoint directory when ``obj`` holds a sharded model, else one file.
+
+    ``background=True`` returns a :class:`PendingSave` at once; for a directory the
+    write runs on DCP's async save, otherwise (one file) it has already happened.
+    """
+    if not isinstance(background, bool):
+        raise TypeError(f"ap.save(background=...) takes True or False, not {background!r}")
+    _finish_pending(backend)
+    modules = _entries(obj, "module")
+    if any(_fsdp2_sharded(m) for m in modules.values()):
+        return _save_sharded(backend, obj, os.fspath(path), background=background)
+    save_file(_file_state(obj), path, rank=backend.rank())
+    return PendingSave(os.fspath(path)) if background else None
+
+
+def load(backend: Any, path: str | os.PathLike[str], map_location: Any, *, weights_only: bool = True,
+         into: Any = None) -> Any:
+    """``ap.load``: a file or a checkpoint directory; ``into`` restores modules and optimizers in place.
+
+    With ``into`` the return value is the checkpoint's other (plain) values.
+    """
+    if into is not None and not isinstance(into, Mapping):
+        raise TypeError("ap.load(into=...) takes the dict of modules and optimizers to restore, such as "
+                        f"{{'model': model, 'opt': optimizer}}, not {type(into).__name__}")
+    _finish_pending(backend)
+    target = _resolve(os.fspath(path))
+    if os.path.isdir(target):
+        manifest = _manifest(target)
+        if manifest is None:
+            raise CheckpointError(f"ap.load: {os.fspath(path)!r} is a directory but not an accelport checkpoint "
+                                  f"(it has no {MANIFEST}); give the path ap.save wrote")
+        if into is None:
+            raise CheckpointError(
+                f"ap.load: {os.fspath(path)!r} is a sharded checkpoint directory (written by "
+                f"{manifest.get('world_size', '?')} ranks): pass what to restore in place, such as "
+                f"ap.load(path, into={{{_example(manifest)}}}); the plain values come back as the result")
+        return _load_sharded(target, manifest, map_location, weights_only=weights_only, into=into)
+    loaded = load_file(target, map_location, weights_only=weights_only)
+    if into is None:
+        return loaded
+    return _restore_from_file(os.fspath(path), loaded, into)
+
+
+class PendingSave:
+    """What ``ap.save(..., background=True)`` returns: ``wait()`` until the checkpoint is in place.
+
+    The next ``ap.save`` or ``ap.load`` waits for it first, and so does the end of
+    the process (without the barrier).
+    """
+
+    def __init__(self, path: str, future: Any = None, group_barrier: Callable[[], None] | None = None) -> None:
+        self.path = path
+        self._future = future
+        self._barrier = group_barrier
+        self._published = threading.Event()
+        self._error: BaseException | None = None
+        self._waited = future is None
+        if future is None:
+            self._published.set()
+
+    def _publish_when_done(self, publish: Callable[[], None] | None) -> None:
+        def done(future: Any) -> None:
+            try:
+                future.result()
+                if publish is not None:
+                    publish()
+            except BaseException as exc:  # noqa: BLE001 - handed to wait(), in the training thread
+                self._error = exc
+            finally:
+                self._published.set()
+
+        self._future.add_done_callback(done)
+
+    def done(self) -> bool:
+        """True once this rank's part is written (and, on rank 0, the directory renamed into place)."""
+        return self._published.is_set()
+
+    def wait(self, *, barrier: bool = True) -> None:
+        """Block until the checkpoint is in place on every rank; raise what the save raised."""
+        if self._waited:
+            return
+        self._published.wait()
+        self._waited = True
+        if self._error is not None:
+            raise CheckpointError(f"ap.save(background=True) to {self.path!r} failed: "
+                                  f"{type(self._error).__name__}: {_first_line(self._error)}") from self._error
+        if barrier and self._barrier is not None:
+            self._barrier()  # every rank returns once rank 0 has renamed the directory
+
+    def __repr__(self) -> str:
+        return f"<PendingSave {self.path!r} {'done' if self.done() else 'writing'}>"
+
+
+def _finish_pending(backend: Any) -> None:
+    shards = getattr(backend, "shard_registry", None)
+    pending = getattr(shards, "pending", None)
+    if shards is not None and pending is not None:
+        shards.pending = None
+        pending.wait()
+
+
+# -- what is in the state --------------------------------------------------------------------
+
+
+def _kind(value: Any) -> str:
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return "plain"
+    if isinstance(value, torch.nn.Module):
+        return "module"
+    if isinstance(value, torch.optim.Optimizer):
+        return "optimizer"
+    return "plain"
+
+
+def _entries(obj: Any, kind: str) -> dict[str, Any]:
+    if not isinstance(obj, Mapping):
+        return {}
+    return {k: v for k, v in obj.items() if _kind(v) == kind}
+
+
+def _fsdp2_sharded(module: Any) -> bool:
+    from accelport.sharding import _dtensor_class
+
+    dtensor = _dtensor_class()
+    return dtensor is not None and any(isinstance(p, dtensor) for p in module.parameters())
+
+
+def _strip(key: str) -> str:
+    # torch_xla's SPMD FSDP wraps each unit, adding "_orig_module." to the parameter names.
+    return key.replace("_orig_module.", "")
+
+
+def _module_state(module: Any) -> dict[str, Any]:
+    state = module.state_dict()
+    if not any("_orig_module." in k for k in state):
+        return state
+    return {_strip(k): v for k, v in state.items()}
+
+
+def _file_state(obj: Any) -> Any:
+    """``obj`` with its top-level modules and optimizers replaced by their state dicts."""
+    if not isinstance(obj, Mapping) or all(_kind(v) == "plain" for v in obj.values()):
+        return obj
+    out = {}
+    for k, v in obj.items():
+        kind = _kind(v)
+        out[k] = _module_state(v) if kind == "module" else v.state_dict() if kind == "optimizer" else v
+    return out
+
+
+def _pair(optimizers: Mapping[str, Any], modules: Mapping[str, Any], verb: str) -> dict[str, str]:
+    """For each optimizer, the key of the module whose parameters it steps."""
+    owned = {k: {id(p) for p in m.parameters()} for k, m in modules.items()}
+    pairs = {}
+    for key, opt in optimizers.items():
+        ids = {id(p) for g in opt.param_groups for p in g["params"]}
+        owner = next((k for k, params in owned.items() if ids <= params), None)
+        if owner is None:
+            raise CheckpointError(
+                f"{verb}: optimizer {key!r} steps parameters of no single module in this dict "
+                f"({', '.join(map(repr, modules)) or 'it holds none'}): a sharded optimizer state is keyed by its "
+                f"model's parameter names, so put that model beside it, e.g. {{'model': model, {key!r}: ...}}")
+        pairs[key] = owner
+    return pairs
+
+
+def _example(manifest: Mapping[str, Any]) -> str:
+    names = [f"{k!r}: {k}" for k in list(manifest.get("modules", [])) + list(manifest.get("optimizers", {}))]
+    return ", ".join(names) or "'model': model"
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
+# -- checkpoint directories (torch.distributed.checkpoint) -------------------------------------
+
+
+def _tmp_dir(target: str) -> str:
+    return os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.accelport-tmp")
+
+
+def _old(target: str) -> str:
+    return os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.accelport-old")
+
+
+def _resolve(target: str) -> str:
+    """``target``, or the previous checkpoint if a save stopped between its two renames."""
+    old = _old(os.path.abspath(target))
+    if not os.path.lexists(target) and os.path.lexists(old):
+        return old
+    return target
+
+
+def _manifest(directory: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(directory, MANIFEST)) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("format") == FORMAT else None
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: str, target: str) -> None:
+    """Rename the finished ``tmp`` onto ``target``; the previous checkpoint goes only after."""
+    old = _old(target)
+    if os.path.lexists(target):
+        _remove(old)
+        os.rename(target, old)
+    os.rename(tmp, target)
+    _fsync_dir(os.path.dirname(target))
+    _remove(old)
+
+
+def _prepare_target(target: str, verb: str) -> None:
+    """Rank 0, before a save: refuse a foreign directory, recover a half-published save, clear leftovers."""
+    if os.path.isdir(target) and _manifest(target) is None and os.listdir(target):
+        raise CheckpointError(f"{verb}: {target!r} is a directory that is not an accelport checkpoint; saving "
+                              "would replace it. Give a new path such as "
+                              f"{os.path.join(target, 'checkpoint')!r}")
+    if not os.path.lexists(target) and os.path.lexists(_old(target)):
+        os.rename(_old(target), target)  # a save that stopped between its renames: keep the previous one
+    _remove(_tmp_dir(target))
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+
+
+def _save_sharded(backend: Any, obj: Mapping[str, Any], path: str, *, background: bool) -> PendingSave | None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    target = os.path.abspath(path)
+    modules, optimizers = _entries(obj, "module"), _entries(obj, "optimizer")
+    plain = {k: v for k, v in obj.items() if _kind(v) == "plain"}
+    pairs = _pair(optimizers, modules, "ap.save")
+    rank, world = backend.rank(), backend.world_size()
+    tmp = _tmp_dir(target)
+    failure = None
+    if rank == 0:
+        try:
+            _prepare_target(target, "ap.save")
+            os.makedirs(tmp)
+            manifest = {"format": FORMAT, "version": 1, "world_size": world, "torch": torch.__version__,
+                        "modules": sorted(modules), "optimizers": pairs, "plain": sorted(plain)}
+            buffer = io.BytesIO()
+            torch.save(tree_map_tensors(plain, _host_copy), buffer)
+            for name, data in ((PLAIN, buffer.getvalue()), (MANIFEST, json.dumps(manifest, indent=1).encode())):
+                with open(os.path.join(tmp, name), "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+        except CheckpointError as exc:
+            failure = exc
+    # Every rank learns whether rank 0 could start, so none is left waiting in a collective.
+    flag = torch.tensor([0 if failure is None else 1], device=_collective_device(backend))
+    backend.all_reduce(flag)
+    if failure is not None:
+        raise failure
+    if int(flag.item()):
+        raise CheckpointError(f"ap.save: rank 0 could not start the checkpoint at {path!r} (see its error)")
+    state: dict[str, Any] = {k: get_model_state_dict(m) for k, m in modules.items()}
+    for key, opt in optimizers.items():
+        state[key] = get_optimizer_state_dict(modules[pairs[key]], opt)
+    if background:
+        import torch.distributed as dist
+
+        from accelport.sharding import registry
+
+        shards = registry(backend)
+        if shards.checkpoint_group is None:
+            # Its own group: the save's collectives run in a thread while training uses the default one.
+            shards.checkpoint_group = dist.new_group(backend="gloo")
+        group = shards.checkpoint_group
+        response = dcp.async_save(state, checkpoint_id=tmp, process_group=group)
+        future = getattr(response, "upload_completion", response)
+        pending = PendingSave(path, future, group_barrier=lambda: dist.barrier(group=group))
+        pending._publish_when_done((lambda: _publish(tmp, target)) if rank == 0 else None)
+        shards.pending = pending
+        _wait_at_exit(pending)
+        return pending
+    dcp.save(state, checkpoint_id=tmp)
+    backend.barrier()
+    if rank == 0:
+        _publish(tmp, target)
+    backend.barrier()
+    return None
+
+
+def _collective_device(backend: Any) -> Any:
+    # gloo reduces host tensors; nccl and the accelerator process groups need device ones.
+    return "cpu" if getattr(backend, "dist_backend", "gloo") == "gloo" else backend.device()
+
+
+_AT_EXIT: list[PendingSave] = []
+
+
+def _wait_at_exit(pending: PendingSave) -> None:
+    if not _AT_EXIT:
+        import atexit
+
+        atexit.register(_drain)
+    _AT_EXIT[:] = [p for p in _AT_EXIT if not p.done()] + [pending]
+
+
+def _drain() -> None:
+    # At exit no barrier: a peer that already failed would never reach it.
+    for pending in _AT_EXIT:
+        try:
+            pending.wait(barrier=False)
+        except Exception:  # noqa: BLE001 - the interpreter is going away; the error was the save's own
+            pass
+
+
+def _load_sharded(target: str, manifest: Mapping[str, Any], map_location: Any, *, weights_only: bool,
+                  into: Mapping[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    modules, optimizers = _entries(into, "module"), _entries(into, "optimizer")
+    missing = [k for k in modules if k not in manifest.get("modules", [])] + \
+        [k for k in optimizers if k not in manifest.get("optimizers", {})]
+    if missing:
+        raise CheckpointError(
+            f"ap.load: {target!r} has no module or optimizer {', '.join(map(repr, missing))}; it holds modules "
+            f"{manifest.get('modules')}, optimizers {list(manifest.get('optimizers', {}))} and values "
+            f"{manifest.get('plain')}")
+    pairs = _pair(optimizers, modules, "ap.load")
+    state: dict[str, Any] = {k: get_model_state_dict(m) for k, m in modules.items()}
+    for key, opt in optimizers.items():
+        state[key] = get_optimizer_state_dict(modules[pairs[key]], opt)
+    import torch.distributed as dist
+
+    alone = not (dist.is_available() and dist.is_initialized())  # a checkpoint of N ranks read by one process
+    try:
+        dcp.load(state, checkpoint_id=target, no_dist=alone)
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        raise CheckpointError(f"ap.load: {target!r} does not fit the objects given in into= "
+                              f"({type(exc).__name__}: {_first_line(exc)}); build them as they were when saved") \
+            from exc
+    for key, module in modules.items():
+        set_model_state_dict(module, state[key])
+    for key, opt in optimizers.items():
+        set_optimizer_state_dict(modules[pairs[key]], opt, state[key])
+    plain_path = os.path.join(target, PLAIN)
+    try:
+        plain = torch.load(plain_path, map_location="cpu", weights_only=weights_only)
+    except FileNotFoundError:
+        plain = {}
+    return tree_map_tensors(plain, lambda t: t.to(map_location))
+
+
+def _restore_from_file(path: str, loaded: Any, into: Mapping[str, Any]) -> dict[str, Any]:
+    """``into``'s modules and optimizers from a single-file checkpoint; the rest is returned."""
+    if not isinstance(loaded, Mapping):
+        raise CheckpointError(f"ap.load: {path!r} holds a {type(loaded).__name__}, not a dict of named "
+                              "entries; load it without into= ")
+    modules, optimizers = _entries(into, "module"), _entries(into, "optimizer")
+    missing = [k for k in list(modules) + list(optimizers) if k not in loaded]
+    if missing:
+        raise CheckpointError(f"ap.load: {path!r} has no entry {', '.join(map(repr, missing))}; "
+                              f"it holds {', '.join(map(repr, loaded))}")
+    sharded = {k for k, m in modules.items() if _fsdp2_sharded(m)}
+    pairs = _pair({k: o for k, o in optimizers.items()}, modules, "ap.load") if sharded else {}
+    try:
+        for key, module in modules.items():
+            _load_module(module, loaded[key], sharded=key in sharded)
+        for key, opt in optimizers.items():
+            if pairs.get(key) in sharded:
+                _load_sharded_optimizer(modules[pairs[key]], opt, loaded[key])
+            else:
+                opt.load_state_dict(loaded[key])
+    except (RuntimeError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"ap.load: {path!r} does not fit the objects given in into= "
+                              f"({type(exc).__name__}: {_first_line(exc)})") from exc
+    return {k: v for k, v in loaded.items() if k not in modules and k not in optimizers}
+
+
+def _load_module(module: Any, state: Mapping[str, Any], *, sharded: bool) -> None:
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        # Every rank holds the whole file; each keeps its own shard of every tensor.
+        set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=True))
+        return
+    names = {_strip(k): k for k in module.state_dict()}
+    if any(k != v for k, v in names.items()):
+        state = {names.get(k, k): v for k, v in state.items()}
+    module.load_state_dict(state)
+
+
+def _load_sharded_optimizer(model: Any, opt: Any, native: Mapping[str, Any]) -> None:
+    """A ``torch.optim`` state dict (parameters by position) into the optimizer of a sharded model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    params = [p for g in opt.param_groups for p in g["params"]]
+    fqn = {id(p): name for name, p in model.named_parameters()}
+    name = [fqn[id(p)] for p in params]
+    converted: dict[str, Any] = {
+        "state": {name[int(i)]: dict(s) for i, s in native["state"].items()},
+        "param_groups": [{**g, "params": [name[int(i)] for i in g["params"]]} for g in native["param_groups"]],
+    }
+    set_optimizer_state_dict(model, opt, converted, options=StateDictOptions(full_state_dict=True))
+
+
+# -- single files --------------------------------------------------------------------------------
 
 
 def save_file(obj: Any, path: str | os.PathLike[str], *, rank: int) -> None:
@@ -20,17 +480,28 @@ def save_file(obj: Any, path: str | os.PathLike[str], *, rank: int) -> None:
     once (there is no barrier, so ``if ap.is_main_process(): ap.save(...)`` cannot
     hang). Tensors are copied to the host first. The bytes go to a temporary file
     in the same directory, are flushed and fsynced, then renamed over ``path``: a
-    crash or SIGKILL mid-write leaves the previous checkpoint intact.
+    crash or SIGKILL mid-write leaves the previous checkpoint intact. A checkpoint
+    directory at ``path`` (written sharded) is replaced the same way.
     """
     target = os.fspath(path)
-    if os.path.isdir(target):
+    replaces_directory = os.path.isdir(target) and _manifest(target) is not None
+    if os.path.isdir(target) and not replaces_directory:
         raise AccelportError(f"ap.save: {target!r} is a directory; give a file path such as "
                              f"{os.path.join(target, 'checkpoint.pt')!r}")
     if rank != 0:
         return
     import torch
 
-    atomic_torch_save(torch, tree_map_tensors(obj, _host_copy), target)
+    host = tree_map_tensors(obj, _host_copy)
+    if replaces_directory:
+        target = os.path.abspath(target)
+        old = _old(target)
+        _remove(old)
+        os.rename(target, old)  # until the file is in place, ap.load reads the previous checkpoint here
+        atomic_torch_save(torch, host, target)
+        _remove(old)
+        return
+    atomic_torch_save(torch, host, target)
 
 
 def load_file(path: str | os.PathLike[str], map_location: Any, *, weights_only: bool = True) -> Any:

@@ -52,9 +52,11 @@ COUNTER_FIELDS: tuple[str, ...] = (
     "cpu_fallback",
     "memory_bytes",
     "peak_memory_bytes",
+    "parameter_bytes",
+    "optimizer_state_bytes",
 )
 # Counters that are levels, not running totals: never subtracted from a baseline.
-LEVEL_FIELDS = frozenset({"memory_bytes", "peak_memory_bytes"})
+LEVEL_FIELDS = frozenset({"memory_bytes", "peak_memory_bytes", "parameter_bytes", "optimizer_state_bytes"})
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,10 @@ class Metrics:
     cpu_fallback: dict[str, int] | None = None
     memory_bytes: int | None = None
     peak_memory_bytes: int | None = None
+    #: This rank's share of the parameters of the models passed to ``ap.shard`` (None: none was).
+    parameter_bytes: int | None = None
+    #: This rank's share of their optimizers' state (those stepped by ``ap.optimizer_step``).
+    optimizer_state_bytes: int | None = None
     data_wait_seconds: float = 0.0
     step_seconds: float = 0.0
     batch_signatures: int = 0
@@ -304,19 +310,40 @@ class Backend(abc.ABC):
 
         fn(*(to_host(t) for t in tensors))
 
-    # -- checkpoints ------------------------------------------------------------------
-    def save(self, obj: Any, path: str | os.PathLike[str]) -> None:
-        """Write ``obj`` to ``path`` from the main process only, atomically (:func:`accelport.checkpoint.save_file`)."""
-        from accelport.checkpoint import save_file
+    # -- sharding ---------------------------------------------------------------------
+    #: What ``ap.shard`` registered on this backend (an ``accelport.sharding.ShardRegistry``), None before.
+    shard_registry: Any = None
 
-        save_file(obj, path, rank=self.rank())
+    def shard(self, model: Any, *, policy: Any = None, reshard_after_forward: bool = True,
+              mixed_precision: str | None = None) -> Any:
+        """Shard ``model`` over the replicas (``ap.shard``; arguments already checked).
+
+        The default is for a backend without a sharding engine: alone it returns
+        the model unchanged, with replicas it raises a ShardingError.
+        """
+        from accelport.sharding import shard_unsupported
+
+        return shard_unsupported(self, model)
+
+    def sharded_memory(self) -> dict[str, int]:
+        """``parameter_bytes`` and ``optimizer_state_bytes`` of what ``ap.shard`` registered ({} if nothing)."""
+        return {} if self.shard_registry is None else self.shard_registry.memory()
+
+    # -- checkpoints ------------------------------------------------------------------
+    def save(self, obj: Any, path: str | os.PathLike[str], *, background: bool = False) -> Any:
+        """Write ``obj`` to ``path`` (:func:`accelport.checkpoint.save`): one file from the main
+        process, or a directory written by every rank when ``obj`` holds a sharded model."""
+        from accelport.checkpoint import save
+
+        return save(self, obj, path, background=background)
 
     def load(self, path: str | os.PathLike[str], map_location: Any = None, *,
-             weights_only: bool = True) -> Any:
-        """Read a checkpoint written by :meth:`save` onto this backend's device (see :mod:`accelport.checkpoint`)."""
-        from accelport.checkpoint import load_file
+             weights_only: bool = True, into: Any = None) -> Any:
+        """Read a checkpoint written by :meth:`save` onto this backend's device (:func:`accelport.checkpoint.load`)."""
+        from accelport.checkpoint import load
 
-        return load_file(path, map_location if map_location is not None else self.device(), weights_only=weights_only)
+        return load(self, path, map_location if map_location is not None else self.device(),
+                    weights_only=weights_only, into=into)
 
     # -- doctor -------------------------------------------------------------------------
     def doctor_findings(self, context: DoctorContext) -> list[Finding]:

@@ -18,6 +18,7 @@ from accelport.contract import Backend
 from accelport.device_loader import prefetch_iter
 from accelport.errors import BackendUnavailableError
 from accelport.settings import env_int
+from accelport.sharding import optimizer_is_sharded
 from accelport.tensors import tree_map_tensors
 
 __all__ = ["EagerBackend", "ACCELERATOR_EQUIVALENTS"]
@@ -188,9 +189,20 @@ class EagerBackend(Backend):
             api[1]()
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        if self.world_size() > 1:
+        if self.shard_registry is not None:
+            self.shard_registry.saw(optimizer)
+        # FSDP2 reduce-scatters (averages) the gradients of sharded parameters in backward.
+        if self.world_size() > 1 and not optimizer_is_sharded(optimizer):
             self._average_gradients(optimizer)
         return optimizer.step(**kwargs)
+
+    def shard(self, model: Any, *, policy: Any = None, reshard_after_forward: bool = True,
+              mixed_precision: str | None = None) -> Any:
+        """FSDP2 over every rank (:func:`accelport.sharding.shard_fsdp2`)."""
+        from accelport.sharding import shard_fsdp2
+
+        return shard_fsdp2(self, model, predicate=policy, reshard_after_forward=reshard_after_forward,
+                           mixed_precision=mixed_precision)
 
     def _average_gradients(self, optimizer: Any) -> None:
         """Average every gradient over the replicas in a few coalesced collectives.
@@ -337,6 +349,7 @@ class EagerBackend(Backend):
                         out[key] = int(api[1]())
                     except Exception:  # no allocator statistics on this device: the field stays None
                         pass
+        out.update(self.sharded_memory())
         return out
 
     def step_counters(self) -> dict[str, float]:

@@ -20,6 +20,8 @@ __all__ = [
     "InvalidVersionError",
     "UnknownChipError",
     "InvalidPythonVersionError",
+    "ShardingError",
+    "CheckpointError",
     "UsageError",
     "nearest",
     "did_you_mean",
@@ -188,6 +190,12 @@ class InvalidPythonVersionError(AccelportError, ValueError):
         self.known = list(known)
         super().__init__(f"invalid Python version {redact('python', text)!r}: expected major.minor, one of "
                          f"{', '.join(self.known)}.")
+class ShardingError(AccelportError):
+    """``ap.shard`` or ``ap.optimizer_step`` cannot do what was asked with this model or optimizer."""
+
+
+class CheckpointError(AccelportError):
+    """A checkpoint cannot be written or restored as asked (``ap.save``, ``ap.load``)."""
 
 
 class PluginWarning(UserWarning):

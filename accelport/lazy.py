@@ -27,7 +27,7 @@ from accelport import _packages
 from accelport.contract import Backend, Probe
 from accelport.errors import AccelportError
 from accelport.platform import PlatformInfo, detect
-from accelport.settings import env_int, explicit_pjrt_device
+from accelport.settings import env_int, explicit_pjrt_device, is_true
 from accelport.tensors import to_host
 
 if TYPE_CHECKING:
@@ -37,6 +37,8 @@ __all__ = ["LazyBackend", "Requirement", "pjrt_device"]
 
 #: torch_xla's last release (PyPI, 2025-11-17); a newer torch has no torch_xla.
 LAST_TORCH_XLA = "2.9"
+#: Set to 1 to start torch_xla in SPMD mode (what ``ap.shard`` needs when the model is on the device first).
+SPMD_ENV = "ACCELPORT_SPMD"
 
 
 @dataclass(frozen=True)
@@ -239,6 +241,9 @@ class LazyBackend(Backend):
         self._counter = getattr(getattr(torch_xla, "_XLAC", None), "_xla_counter_value", None) or \
             getattr(met, "counter_value", None)
         self._metric = getattr(met, "metric_data", None)
+        if is_true(os.environ.get(SPMD_ENV)) and not xr.is_spmd():
+            # Before any tensor reaches the device: torch_xla cannot switch to SPMD later (ap.shard).
+            xr.use_spmd()
         # SPMD runs one replicated program per step (ExecuteReplicated); otherwise each
         # process executes its own (ExecuteComputation): counters() reads the one in use.
         spmd = getattr(xr, "is_spmd", None)
@@ -271,6 +276,8 @@ class LazyBackend(Backend):
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         xm = self._xm or self._x()  # (a call less per step once prepared)
+        if self.shard_registry is not None:
+            self.shard_registry.saw(optimizer)
         # xm.optimizer_step all-reduces gradients across replicas (a no-op alone), then steps.
         result = xm.optimizer_step(optimizer, optimizer_args=kwargs)
         # End the step. Alone inside an ap.loader loop, the sync comes when the next batch
@@ -283,6 +290,18 @@ class LazyBackend(Backend):
         if not self._loading or (self._world or self._replicas()) > 1:
             self._sync()
         return result
+
+    def shard(self, model: Any, *, policy: Any = None, reshard_after_forward: bool = True,
+              mixed_precision: str | None = None) -> Any:
+        """torch_xla's SPMD FSDP over every device (:func:`accelport.sharding.shard_spmd`)."""
+        from accelport.sharding import shard_spmd
+
+        self._x()
+        out = shard_spmd(self, model, predicate=policy, reshard_after_forward=reshard_after_forward,
+                         mixed_precision=mixed_precision)
+        if self._xr.is_spmd():  # one replicated program per step from now on
+            self._execute_counters = ("ExecuteReplicated", "ExecuteComputation")
+        return out
 
     def _replicas(self) -> int:
         if self._world is None:
@@ -364,6 +383,7 @@ class LazyBackend(Backend):
             # may lack the counters.
             dispatched = self._executions()
             out["executions"] = finished if dispatched is None else dispatched
+        out.update(self.sharded_memory())
         return out
 
     def _executions(self) -> int | None:
@@ -511,11 +531,11 @@ class LazyBackend(Backend):
             pass
 
     # -- checkpoints -------------------------------------------------------------------
-    def save(self, obj: Any, path: str | os.PathLike[str]) -> None:
+    def save(self, obj: Any, path: str | os.PathLike[str], *, background: bool = False) -> Any:
         # One execution for every pending tensor, then plain copies to the host;
         # without it each tensor's .to("cpu") would run its own graph.
         self.sync()
-        super().save(obj, path)
+        return super().save(obj, path, background=background)
 
     def doctor_findings(self, context: DoctorContext) -> list[Finding]:
         """``accelport doctor`` checks shared by the lazy backends; reads metadata, /sys and env only.

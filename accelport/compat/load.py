@@ -23,6 +23,7 @@ from accelport.compat.schema import (
     Parsed,
     Release,
     Row,
+    ShardingFact,
     Source,
     TorchInfo,
     check_overlaps,
@@ -111,6 +112,7 @@ def load_folder(folder: Any, origin: str | None = None) -> Parsed:
         total.torch += part.torch
         total.env += part.env
         total.releases += part.releases
+        total.sharding += part.sharding
     return total
 
 
@@ -155,7 +157,8 @@ class Matrix:
 
     def __init__(self, base: Sequence[Row], overrides: Sequence[Sequence[Row]] = (),
                  torch: Iterable[TorchInfo] = (), env: Iterable[EnvDeprecation] = (),
-                 origins: Sequence[str] = (), releases: Iterable[Release] = ()) -> None:
+                 origins: Sequence[str] = (), releases: Iterable[Release] = (),
+                 sharding: Iterable[ShardingFact] = ()) -> None:
         self.layers: list[list[Row]] = [list(layer) for layer in reversed(overrides)] + [list(base)]
         # Patch releases, shipped first: a later entry for the same package and version replaces it.
         merged: dict[tuple[str, str], Release] = {}
@@ -170,6 +173,8 @@ class Matrix:
         for e in env:
             self.env[e.name] = e
         self.origins = list(origins)
+        #: Later entries (override files) first: they win in :meth:`sharding_for`.
+        self.sharding: list[ShardingFact] = list(reversed(list(sharding)))
 
     @property
     def rows(self) -> list[Row]:
@@ -198,6 +203,10 @@ class Matrix:
                 if row.platform == platform and row.backend == backend and row.covers(m):
                     return row
         return None
+
+    def sharding_for(self, backend: str, m: Minor) -> ShardingFact | None:
+        """Whether ``ap.shard``'s engine exists for ``backend`` with torch minor ``m`` (None: unknown)."""
+        return next((f for f in self.sharding if f.covers(backend, m)), None)
 
     @property
     def as_of(self) -> _dt.date | None:
@@ -252,11 +261,13 @@ def build(host: PluginHost | None = None, environ: Mapping[str, str] | None = No
     torch = list(base.torch)
     envs = list(base.env)
     releases = list(base.releases)
+    sharding = list(base.sharding)
     for path in (p for p in env.get(OVERRIDE_ENV, "").split(os.pathsep) if p.strip()):
         part = load_file(path.strip(), base.sources)
         overrides.append(part.rows)
         torch += part.torch
         envs += part.env
         releases += part.releases
+        sharding += part.sharding
         origins.append(part.origin)
-    return Matrix(rows, overrides, torch, envs, origins, releases)
+    return Matrix(rows, overrides, torch, envs, origins, releases, sharding)

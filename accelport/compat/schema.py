@@ -31,6 +31,7 @@ __all__ = [
     "EnvDeprecation",
     "Release",
     "RELEASE_STATUSES",
+    "ShardingFact",
     "parse_torch_version",
     "minor_str",
     "OVERRIDE_ENV",
@@ -51,7 +52,7 @@ _MINOR_RE = re.compile(r"^(\d{1,3})\.(\d{1,3})$")
 MAX_MINOR = 99
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 _ENV_RE = re.compile(r"^[A-Z_][A-Z0-9_]*$")
-FILE_KEYS = ("schema", "platform", "as_of", "sources", "rows", "torch", "env", "releases")
+FILE_KEYS = ("schema", "platform", "as_of", "sources", "rows", "torch", "env", "releases", "sharding")
 ROW_KEYS = ("platform", "backend", "torch", "status", "message", "package", "package_version",
              "python", "chips", "other_chips", "index", "find_links", "replacement", "as_of", "sources",
              "confirmed", "note")
@@ -62,6 +63,7 @@ RELEASE_STATUSES: tuple[str, ...] = ("recommended", "superseded", "bad")
 _RELEASE_RE = re.compile(r"^\d+(\.\d+)+(\.\*)?$")
 TORCH_KEYS = ("version", "python", "as_of", "sources", "confirmed", "note")
 ENV_KEYS = ("name", "message", "replacement", "backends", "as_of", "sources")
+SHARDING_KEYS = ("backends", "torch", "available", "engine", "message", "sources")
 SOURCE_KEYS = ("title", "url", "note")
 
 
@@ -254,6 +256,27 @@ class EnvDeprecation:
     backends: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class ShardingFact:
+    """Whether ``ap.shard``'s engine exists for these backends over a range of torch minors."""
+
+    backends: tuple[str, ...]
+    torch_min: Minor
+    torch_max: Minor
+    available: bool
+    engine: str
+    message: str
+    sources: tuple[Source, ...]
+
+    def covers(self, backend: str, m: Minor) -> bool:
+        return backend in self.backends and self.torch_min <= m <= self.torch_max
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"backends": list(self.backends), "torch": [minor_str(self.torch_min), minor_str(self.torch_max)],
+                "available": self.available, "engine": self.engine, "message": self.message,
+                "sources": [s.to_dict() for s in self.sources]}
+
+
 @dataclass
 class Parsed:
     """What one file (or one plugin's rows) contributed."""
@@ -264,6 +287,7 @@ class Parsed:
     env: list[EnvDeprecation] = field(default_factory=list)
     sources: dict[str, Source] = field(default_factory=dict)
     releases: list[Release] = field(default_factory=list)
+    sharding: list[ShardingFact] = field(default_factory=list)
 
 
 # -- validation helpers ------------------------------------------------------------------
@@ -566,6 +590,19 @@ def _env(c: Checker, raw: Any, key: str, as_of: _dt.date | None) -> EnvDeprecati
     )
 
 
+def _sharding(c: Checker, raw: Any, key: str) -> ShardingFact:
+    t = c.keys(raw, SHARDING_KEYS, key)
+    backends = tuple(c.name(b, f"{key}.backends[{i}]") for i, b in enumerate(t.get("backends") or []))
+    if not backends:
+        raise c.fail(f"{key}.backends", "is required: the backends this fact is about")
+    if "torch" not in t:
+        raise c.fail(f"{key}.torch", "is required: \"X.Y\" or [\"X.Y\", \"X.Y\"]")
+    lo, hi = c.minor_range(t["torch"], f"{key}.torch")
+    return ShardingFact(backends, lo, hi, c.boolean(t.get("available"), f"{key}.available", False),
+                        c.string(t.get("engine"), f"{key}.engine") or "", c.string(t.get("message"), f"{key}.message")
+                        or "", c.sources(t.get("sources"), f"{key}.sources"))
+
+
 def check_overlaps(rows: Iterable[Row], against: Iterable[Row] = (), *, adding: bool = False) -> None:
     """Two rows for the same platform and backend may not cover the same torch minor."""
     seen: dict[tuple[str, str], list[Row]] = {}
@@ -601,13 +638,14 @@ def parse_tables(data: Mapping[str, Any], origin: str, known_sources: Mapping[st
     if platform is not None:
         platform = c.platform(platform, "platform")
     as_of = c.date(data["as_of"], "as_of", None) if "as_of" in data else None
-    for name, kind in (("rows", list), ("torch", list), ("env", list), ("releases", list)):
+    for name, kind in (("rows", list), ("torch", list), ("env", list), ("releases", list), ("sharding", list)):
         if name in data and not isinstance(data[name], kind):
             raise c.fail(name, f"must be an array of tables ([[{name}]])")
     out.rows = [parse_row(c, r, f"rows[{i}]", platform, as_of) for i, r in enumerate(data.get("rows", []))]
     out.torch = [_torch_info(c, t, f"torch[{i}]") for i, t in enumerate(data.get("torch", []))]
     out.env = [_env(c, e, f"env[{i}]", as_of) for i, e in enumerate(data.get("env", []))]
     out.releases = [parse_release(c, r, f"releases[{i}]", as_of) for i, r in enumerate(data.get("releases", []))]
+    out.sharding = [_sharding(c, t, f"sharding[{i}]") for i, t in enumerate(data.get("sharding", []))]
     check_overlaps(out.rows)
     check_releases(out.releases)
     versions = [t.version for t in out.torch]

@@ -189,6 +189,7 @@ def _core_findings(ctx: DoctorContext, recommendation: Verdict | None, matrix: M
                 f"fix what the reason says to run on {recommended}", "core"))
     for name, message in [] if matrix is None else deprecated_settings(ctx.environ, matrix=matrix):
         findings.append(Finding("warning", f"{name} is set: it is deprecated", message, "core"))
+    findings += _sharding_findings(ctx, matrix)
     cpus = ctx.cpu_count
     upper = max(1, cpus - 1)
     workers = f"num_workers between 1 and {upper}" if upper > 1 else "num_workers=1"
@@ -197,6 +198,29 @@ def _core_findings(ctx: DoctorContext, recommendation: Verdict | None, matrix: M
         f"use DataLoader({workers}) per process, and no more workers than {cpus} across all processes on this "
         "host: more workers than cores slows the input pipeline", "core"))
     return findings
+
+
+def _sharding_findings(ctx: DoctorContext, matrix: Matrix | None) -> list[Finding]:
+    """What ``ap.shard`` would use on the selected backend with this torch, from the matrix."""
+    from accelport.compat.schema import parse_torch_version
+    from accelport.errors import InvalidVersionError
+
+    torch_version = ctx.packages.get("torch")
+    if matrix is None or not ctx.selected or not torch_version:
+        return []
+    try:
+        minor = parse_torch_version(torch_version)
+    except InvalidVersionError:
+        return []
+    fact = matrix.sharding_for(ctx.selected, minor)
+    if fact is None:
+        return []
+    if fact.available:
+        return [Finding("note", f"ap.shard on {ctx.selected} with torch {torch_version}: {fact.engine}. "
+                        f"{fact.message}", "", "core")]
+    return [Finding("warning", f"ap.shard cannot shard on {ctx.selected} with torch {torch_version}: a script "
+                    "that calls it with several replicas fails there (alone it runs unsharded)", fact.message,
+                    "core")]
 
 
 def gather(environ: Mapping[str, str] | None = None) -> dict[str, Any]:

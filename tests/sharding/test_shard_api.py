@@ -1,0 +1,241 @@
+"""``ap.shard`` and the checkpoint calls in one process: alone, bad input, units, single files."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import accelport as ap
+from accelport.checkpoint import PendingSave
+from accelport.sharding import choose_units
+
+
+def tiny(layers: int = 2) -> Any:
+    import torch
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 32)
+            layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+            self.enc = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+            self.head = torch.nn.Linear(32, 16)
+
+        def forward(self, x: Any) -> Any:
+            return self.head(self.enc(self.emb(x)))
+
+    torch.manual_seed(0)
+    return Tiny()
+
+
+def nbytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# -- alone ---------------------------------------------------------------------------------
+
+
+def test_alone_the_model_comes_back_unchanged_and_its_bytes_are_counted() -> None:
+    import torch
+
+    ap.use("cpu")
+    model = tiny()
+    assert ap.metrics().parameter_bytes is None  # nothing passed to ap.shard yet: not measured
+    assert ap.shard(model) is model
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    assert ap.metrics().parameter_bytes == nbytes(model.parameters())
+    assert ap.metrics().optimizer_state_bytes == 0  # no optimizer stepped yet
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randint(0, 16, (2, 5))).sum().backward()
+    ap.optimizer_step(opt)
+    state = [v for s in opt.state.values() for v in s.values()]
+    assert ap.metrics().optimizer_state_bytes == nbytes(state) > 2 * nbytes(model.parameters())
+    assert ap.metrics().to_dict()["parameter_bytes"] == nbytes(model.parameters())
+
+
+def test_bf16_alone_says_it_does_nothing() -> None:
+    ap.use("cpu")
+    with pytest.warns(ap.CompatibilityWarning, match=r"does nothing alone.*ap\.autocast"):
+        ap.shard(tiny(), mixed_precision="bf16")
+
+
+# -- bad input -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"mixed_precision": "bf61"}, ValueError, r"not a mixed-precision setting accelport knows.*'bf16'"),
+        ({"mixed_precision": "fp16"}, ValueError, r"use 'bf16' .* or None"),
+        ({"reshard_after_forward": "yes"}, TypeError, "takes True or False"),
+        ({"policy": {"TransformerEncoderLayer"}}, TypeError, "takes module classes"),
+        ({"policy": set()}, TypeError, "empty set"),
+        ({"policy": 3}, TypeError, "set of module classes or a callable"),
+    ],
+)
+def test_bad_arguments_are_refused_at_every_world_size(kwargs: dict[str, Any], error: type[Exception],
+                                                        message: str) -> None:
+    ap.use("cpu")
+    with pytest.raises(error, match=message):
+        ap.shard(tiny(), **kwargs)
+
+
+def test_a_policy_that_matches_nothing_says_what_would() -> None:
+    import torch
+
+    ap.use("cpu")
+    with pytest.raises(ap.ShardingError, match=r"policy \{GRU\} matched no submodule of Tiny .*"
+                                               r"policy=\{TransformerEncoderLayer\}"):
+        ap.shard(tiny(), policy={torch.nn.GRU})
+    with pytest.raises(ap.ShardingError, match="matched no submodule"):
+        ap.shard(tiny(), policy=lambda module: False)
+    with pytest.raises(TypeError, match="needs a torch.nn.Module"):
+        ap.shard(torch.zeros(3))
+
+
+def test_a_model_already_sharded_is_refused() -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    ap.use("cpu")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = tiny()
+        fully_shard(model.enc.layers[0], mesh=init_device_mesh("cpu", (1,)))  # by hand, on one block
+        with pytest.raises(ap.ShardingError, match="already sharded .* call ap.shard once"):
+            ap.shard(model)
+    finally:
+        dist.destroy_process_group()
+
+
+# -- which blocks become units -----------------------------------------------------------------
+
+
+def test_default_units_are_the_layers_of_a_stack_and_sizable_submodules() -> None:
+    import torch
+
+    names = [type(m).__name__ for m in choose_units(tiny(), None)]
+    assert names == ["Embedding", "TransformerEncoderLayer", "TransformerEncoderLayer", "Linear"]
+    # One layer holding nearly everything is looked into.
+    one = [type(m).__name__ for m in choose_units(tiny(layers=1).enc, None)]
+    assert one == ["MultiheadAttention", "Linear", "Linear"]
+    seq = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    assert choose_units(seq, None) == [seq[0], seq[2]]
+    assert choose_units(torch.nn.Linear(3, 3), None) == []  # the root alone
+
+
+def test_a_policy_picks_units_by_class_or_callable() -> None:
+    import torch
+
+    model = tiny()
+    by_class = choose_units(model, ap_policy(torch.nn.TransformerEncoderLayer))
+    assert by_class == list(model.enc.layers)
+    by_set = choose_units(model, ap_policy({torch.nn.Linear}))
+    assert model.head in by_set and all(isinstance(m, torch.nn.Linear) for m in by_set)
+    everything = choose_units(model, ap_policy(lambda m: True))
+    assert not any(isinstance(m, torch.nn.ModuleList) for m in everything)  # no forward: never a unit
+
+
+def ap_policy(policy: Any) -> Any:
+    from accelport.sharding import check_arguments
+
+    return check_arguments(tiny(), policy, True, None)
+
+
+# -- checkpoints in one process ------------------------------------------------------------------
+
+
+def test_modules_and_optimizers_in_a_single_file_restore_in_place(tmp_path: Path) -> None:
+    import torch
+
+    ap.use("cpu")
+    model = tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randint(0, 16, (2, 5))).sum().backward()
+    ap.optimizer_step(opt)
+    assert ap.save({"model": model, "opt": opt, "step": 3}, tmp_path / "ckpt.pt") is None
+    raw = torch.load(tmp_path / "ckpt.pt")  # torch's own formats: readable without accelport
+    assert set(raw) == {"model", "opt", "step"} and "enc.layers.0.linear1.weight" in raw["model"]
+
+    fresh = tiny()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    plain = ap.load(tmp_path / "ckpt.pt", into={"model": fresh, "opt": fresh_opt})
+    assert plain == {"step": 3}
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+    with pytest.raises(ap.CheckpointError, match=r"has no entry 'net'; it holds 'model', 'opt', 'step'"):
+        ap.load(tmp_path / "ckpt.pt", into={"net": fresh})
+    with pytest.raises(TypeError, match=r"into=\.\.\.\) takes the dict"):
+        ap.load(tmp_path / "ckpt.pt", into=[fresh])
+    with pytest.raises(ap.CheckpointError, match="does not fit"):
+        ap.load(tmp_path / "ckpt.pt", into={"model": torch.nn.Linear(2, 2)})
+
+
+def test_background_without_a_sharded_model_is_written_before_it_returns(tmp_path: Path) -> None:
+    import torch
+
+    ap.use("cpu")
+    pending = ap.save({"w": torch.ones(3)}, tmp_path / "a.pt", background=True)
+    assert isinstance(pending, PendingSave) and pending.done()
+    pending.wait()
+    assert torch.equal(ap.load(tmp_path / "a.pt")["w"], torch.ones(3))
+    with pytest.raises(TypeError, match=r"background=\.\.\.\) takes True or False"):
+        ap.save({}, tmp_path / "b.pt", background="yes")  # type: ignore[arg-type]
+
+
+def test_a_directory_that_is_not_a_checkpoint_is_refused(tmp_path: Path) -> None:
+    ap.use("cpu")
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ap.CheckpointError, match="directory but not an accelport checkpoint"):
+        ap.load(tmp_path, into={})
+    with pytest.raises(ap.AccelportError, match="is a directory; give a file path"):
+        ap.save({"a": 1}, tmp_path)
+
+
+def test_a_save_stopped_between_its_two_renames_reads_the_previous_checkpoint(tmp_path: Path) -> None:
+    ap.use("cpu")
+    # What a save leaves when it stops after moving the previous checkpoint aside, before the new one lands.
+    ap.save({"version": 1}, tmp_path / ".ckpt.accelport-old")
+    assert not os.path.exists(tmp_path / "ckpt")
+    assert ap.load(tmp_path / "ckpt") == {"version": 1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ap.save({"version": 2}, tmp_path / "ckpt")
+    assert ap.load(tmp_path / "ckpt") == {"version": 2}
+
+
+def test_a_backend_without_a_sharding_engine_runs_alone_and_refuses_replicas() -> None:
+    from accelport.contract import Backend
+    from accelport.eager import EagerBackend
+
+    class NoEngine(EagerBackend):
+        """A plugin backend that keeps the contract's default shard()."""
+
+        name, platform, device_type = "noengine", "cpu", "cpu"
+        replicas = 1
+
+        def _probe(self) -> ap.Probe:
+            return ap.Probe(True, "here")
+
+        def shard(self, model: Any, **kwargs: Any) -> Any:
+            return Backend.shard(self, model, **kwargs)
+
+        def world_size(self) -> int:
+            return self.replicas
+
+    backend = NoEngine()
+    model = tiny()
+    assert backend.shard(model) is model
+    backend.replicas = 2
+    with pytest.raises(ap.ShardingError, match="backend 'noengine' has no sharding engine; with 2 replicas"):
+        backend.shard(model)

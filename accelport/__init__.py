@@ -326,8 +326,9 @@ def print(*values: Any, sep: str = " ", end: str = "\n", file: Any = None, flush
     """``print`` on the main process only, with tensors shown as host values.
 
     Safe on every backend and at every rank: nothing is forced to run early (on a
-    lazy backend the print waits for the step's sync), and the other processes
-    return at once without touching their tensors.
+    lazy backend a line holding a tensor waits for the step's sync, and so does any
+    line after it; text alone prints at once), and the other processes return at
+    once without touching their tensors.
     """
     b = _rt().backend()
     if b.rank() != 0:

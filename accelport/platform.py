@@ -1,7 +1,8 @@
 """Which machine is this? Read from /sys, /dev, /proc and the environment only.
 
 Detection never imports a vendor library, never starts a runtime, never
-contacts a metadata server and never raises. Every function takes ``root`` so
+contacts a metadata server and never raises (but for an ``ACCELPORT_SYSROOT`` that
+names no directory). Every function takes ``root`` so
 tests can point it at a fake filesystem tree; ``ACCELPORT_SYSROOT`` does the
 same for a whole process (a captured tree, a subprocess test).
 
@@ -12,21 +13,27 @@ NeuronCore (it is routinely run next to training jobs), with a short timeout.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import json
 import os
 import re
+import signal
 import stat
 import subprocess
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from accelport.errors import AccelportError
 
 __all__ = [
     "PLATFORMS",
     "PlatformInfo",
     "detect",
+    "one_scan",
     "sysroot",
     "TPU_DEVICE_IDS",
     "NEURON_FAMILIES",
@@ -97,14 +104,58 @@ class PlatformInfo:
 
 
 def sysroot(root: str | None = None) -> str:
-    """The filesystem root detection reads: ``root``, else ``ACCELPORT_SYSROOT``, else ``/``."""
+    """The filesystem root detection reads: ``root``, else ``ACCELPORT_SYSROOT``, else ``/``.
+
+    Raises AccelportError when ``ACCELPORT_SYSROOT`` names no directory: detection would
+    find nothing there and quietly report a CPU host.
+    """
     if root is not None:
         return root
-    return os.environ.get("ACCELPORT_SYSROOT") or "/"
+    variable = os.environ.get("ACCELPORT_SYSROOT") or ""
+    if not variable:
+        return "/"
+    try:
+        present = os.path.isdir(variable)
+    except ValueError:  # a NUL byte
+        present = False
+    if not present:
+        raise AccelportError(f"ACCELPORT_SYSROOT={variable!r} is not a directory, so detection would find no "
+                             "device there and report a CPU host: point it at a tree with sys/, dev/ and proc/ "
+                             "(a copy of a host's), or unset it to read this machine's /")
+    return variable
 
 
 def _join(root: str, path: str) -> str:
     return os.path.join(root, path.lstrip("/"))
+
+
+#: PCI scans shared by every detection inside :func:`one_scan` (root -> what _pci_tpus found); None outside.
+_scans: dict[str, tuple[list[str], int]] | None = None
+_scan_depth = 0
+_scan_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def one_scan() -> Iterator[None]:
+    """Within this block (or a function it decorates), each root's PCI devices are read once.
+
+    A doctor run asks for the platform about ten times (its own question, each backend's
+    probe, the recommendation); on a host with thousands of PCI devices each scan costs
+    most of a second. Outside such a block every :func:`detect` reads ``/sys`` afresh, so
+    a long-lived process never sees a stale answer.
+    """
+    global _scans, _scan_depth
+    with _scan_lock:
+        if _scan_depth == 0:
+            _scans = {}
+        _scan_depth += 1
+    try:
+        yield
+    finally:
+        with _scan_lock:
+            _scan_depth -= 1
+            if _scan_depth == 0:
+                _scans = None
 
 
 def _read(path: str) -> str | None:
@@ -121,7 +172,8 @@ def _read(path: str) -> str | None:
 
 def _glob(root: str, pattern: str) -> list[str]:
     try:
-        return sorted(glob.glob(_join(root, pattern)))
+        # The root is a path, not a pattern: a directory named "[tree]" or "run*" is read as it is.
+        return sorted(glob.glob(_join(glob.escape(root), pattern)))
     except (OSError, ValueError, RecursionError):
         return []
 
@@ -162,7 +214,20 @@ def tpu_generation(accelerator_type: str) -> str | None:
     return None
 
 
-def _tpu(root: str, env: Mapping[str, Any]) -> tuple[PlatformInfo | None, list[str]]:
+def _pci_tpus(root: str) -> tuple[list[str], int]:
+    """(generation of each TPU chip on the PCI bus, how many are exposed under /dev/vfio), read once per
+    :func:`one_scan`."""
+    scans = _scans
+    if scans is not None and root in scans:
+        chips, exposed = scans[root]
+        return list(chips), exposed
+    found = _scan_pci_tpus(root)
+    if scans is not None:
+        scans[root] = found
+    return list(found[0]), found[1]
+
+
+def _scan_pci_tpus(root: str) -> tuple[list[str], int]:
     chips: list[str] = []
     exposed = 0
     for vendor_file in _glob(root, "/sys/bus/pci/devices/*/vendor"):
@@ -180,6 +245,11 @@ def _tpu(root: str, env: Mapping[str, Any]) -> tuple[PlatformInfo | None, list[s
                 exposed += 1
         except (OSError, ValueError):
             pass
+    return chips, exposed
+
+
+def _tpu(root: str, env: Mapping[str, Any]) -> tuple[PlatformInfo | None, list[str]]:
+    chips, exposed = _pci_tpus(root)
     accel_nodes = _numbered(_glob(root, "/dev/accel*"), "accel")
     vfio_nodes = _numbered(_glob(root, "/dev/vfio/*"), "")
     accel_type = _env(env, "TPU_ACCELERATOR_TYPE")
@@ -254,8 +324,7 @@ def _neuron_ls(executable: str, mtime: float) -> tuple[int, int] | str:
     problem = "neuron-ls gave no device list"
     for flags in (["--json-output"], ["--output-format", "json"]):
         try:
-            out = subprocess.run([executable, *flags], capture_output=True, timeout=NEURON_LS_TIMEOUT,
-                                 stdin=subprocess.DEVNULL, check=False)
+            out = _run_bounded([executable, *flags], NEURON_LS_TIMEOUT)
         except subprocess.TimeoutExpired:
             return f"neuron-ls did not answer within {NEURON_LS_TIMEOUT:g} s"
         except (OSError, ValueError) as exc:
@@ -275,6 +344,25 @@ def _neuron_ls(executable: str, mtime: float) -> tuple[int, int] | str:
                 cores += n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
             return len(devices), cores
     return problem
+
+
+def _run_bounded(command: list[str], timeout: float) -> subprocess.CompletedProcess[bytes]:
+    """``subprocess.run`` in a session of its own: after the timeout the whole process group is killed.
+
+    subprocess.run kills only the program it started; a tool that forks (a shell script,
+    a helper it spawns) would leave its children running, holding the output pipe open.
+    """
+    with subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)  # its group id is its pid (a new session)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.communicate(timeout=1)  # a child that left the group may hold the pipe: stop reading
+            raise
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
 def _neuron_ls_path(root: str) -> str | None:
@@ -349,7 +437,8 @@ def _nvidia(root: str) -> PlatformInfo | None:
 
 
 def detect(root: str | None = None, environ: Mapping[str, Any] | None = None) -> PlatformInfo:
-    """Detect the platform. Cheap (a few file reads), safe, and never raises.
+    """Detect the platform. Cheap (a few file reads), safe, and never raises, except for an
+    ``ACCELPORT_SYSROOT`` that names no directory (AccelportError: a setting to fix).
 
     The most specific platform wins: a TPU VM or a Trainium host is never
     reported as a CPU host because it also has a CPU.
@@ -360,6 +449,8 @@ def detect(root: str | None = None, environ: Mapping[str, Any] | None = None) ->
         base = sysroot(root)
         if not isinstance(base, str):
             raise TypeError(f"root must be a path string, not {type(base).__name__}")
+    except AccelportError:
+        raise  # ACCELPORT_SYSROOT names no directory: a setting to fix, not a CPU host
     except Exception as exc:
         return PlatformInfo("cpu", None, 0, (f"detection failed ({type(exc).__name__}: {exc}); assuming cpu",))
 

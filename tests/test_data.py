@@ -141,3 +141,96 @@ def test_masked_reductions_match_boolean_indexing_with_a_fixed_shape() -> None:
         expected = x[r][mask[r]].mean() if mask[r].any() else torch.tensor(0.0)
         assert torch.allclose(per_row[r], expected)
     assert ap.data.masked_mean(x, torch.zeros_like(mask)).item() == 0.0
+
+
+def test_a_broadcast_mask_counts_every_value_it_selects() -> None:
+    import torch
+
+    values = torch.ones(2, 5, 4)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]], dtype=torch.bool)
+    # (B, T, 1) over (B, T, H): the mask repeats over H, and so does its count.
+    assert ap.data.masked_mean(values, mask[..., None]).item() == 1.0
+    assert ap.data.masked_sum(values, mask[..., None]).item() == 5 * 4
+    expected = values[mask[..., None].expand_as(values)].mean()
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 4)
+    assert torch.allclose(ap.data.masked_mean(x, mask[..., None]), x[mask[..., None].expand_as(x)].mean())
+    assert expected.item() == 1.0
+    per_row = ap.data.masked_mean(x, mask[..., None], dim=(1, 2))
+    for r in range(2):
+        assert torch.allclose(per_row[r], x[r][mask[r]].mean())
+    with pytest.raises(ValueError, match=r"a mask of shape \(2, 5, 4\) does not broadcast to the values' shape "
+                                         r"\(2, 5, 1\)"):
+        ap.data.masked_mean(torch.ones(2, 5, 1), torch.ones(2, 5, 4, dtype=torch.bool))
+    with pytest.raises(TypeError, match=r"the mask must be a bool tensor, not torch.int64; convert it with mask.bool"):
+        ap.data.masked_sum(values, mask.long()[..., None])
+
+
+def test_a_pad_value_the_dtype_cannot_hold_is_refused_naming_field_dtype_and_value() -> None:
+    import torch
+
+    samples = [{"ids": torch.arange(3), "labels": torch.tensor([1, 2, 3], dtype=torch.uint8)}]
+    with pytest.raises(ValueError, match=r"field 'labels' is torch.uint8, which cannot hold the pad value -100 "
+                                         r"\(its range is 0 to 255\)"):
+        ap.data.BucketCollate(buckets=(4,), pad_value=-100)(samples)
+    as_long = ap.data.BucketCollate(buckets=(4,), pad_value=-100)(
+        [{"ids": torch.arange(3), "labels": torch.tensor([1, 2, 3])}])
+    assert as_long["labels"].tolist() == [[1, 2, 3, -100]]
+    with pytest.raises(ValueError, match=r"a torch.bool tensor cannot hold the pad value 0.5 \(a bool tensor holds "
+                                         r"only False/True"):
+        ap.data.pad_to(torch.ones(3, dtype=torch.bool), 5, value=0.5)
+    with pytest.raises(ValueError, match=r"torch.int64 tensor cannot hold the pad value 0.5 \(it holds whole numbers"):
+        ap.data.pad_to(torch.arange(3), 5, value=0.5)
+    with pytest.raises(ValueError, match=r"torch.float16 tensor cannot hold the pad value 100000.0 \(its largest"):
+        ap.data.pad_to(torch.ones(3, dtype=torch.float16), 5, value=1e5)
+    assert ap.data.pad_to(torch.ones(2, dtype=torch.bool), 3, value=False).tolist() == [True, True, False]
+    assert ap.data.pad_to(torch.ones(2), 3, value=float("-inf")).tolist() == [1.0, 1.0, float("-inf")]
+    # A 0-d field is padded along the batch (a short final batch) with the same check.
+    with pytest.raises(ValueError, match=r"field 1 is torch.uint8, which cannot hold the pad value -1"):
+        ap.data.BucketCollate(buckets=(4,), pad_value=(0, -1), batch_size=2)(
+            [(torch.arange(2), torch.tensor(3, dtype=torch.uint8))])
+
+
+def test_a_pad_value_for_a_field_the_samples_lack_is_refused_with_the_fields_that_exist() -> None:
+    import torch
+
+    samples = [{"input_ids": torch.arange(3), "labels": torch.arange(3)}]
+    with pytest.raises(ValueError, match=r"pad_value names 'label', which the samples do not have \(their fields: "
+                                         r"'input_ids', 'labels'\)\. Did you mean 'labels'\?"):
+        ap.data.BucketCollate(buckets=(4,), pad_value={"label": -100})(samples)
+    with pytest.raises(ValueError, match="pad_value is a mapping .* but the samples are tuples"):
+        ap.data.BucketCollate(buckets=(4,), pad_value={"labels": -100})([(torch.arange(3), torch.arange(3))])
+    with pytest.raises(ValueError, match=r"pad_value is a tuple \(per position\) but the samples are dicts"):
+        ap.data.BucketCollate(buckets=(4,), pad_value=(0, -100))(samples)
+    with pytest.raises(ValueError, match="pad_value has 3 values but the samples have 2 fields"):
+        ap.data.BucketCollate(buckets=(4,), pad_value=(0, -100, 7))([(torch.arange(3), torch.arange(3))])
+    for wrong in ("-100", {"labels": "x"}, (0, None)):
+        with pytest.raises(TypeError, match="pad_value must be a number, a tuple of numbers"):
+            ap.data.BucketCollate(pad_value=wrong)  # type: ignore[arg-type]
+
+
+def test_fields_that_differ_between_samples_are_an_error_not_dropped() -> None:
+    import torch
+
+    collate = ap.data.BucketCollate(buckets=(4,))
+    with pytest.raises(ValueError, match=r"sample 1 has 'mask', which sample 0 lacks \(sample 0 has 'ids'\): every "
+                                         r"sample of a batch needs the same fields"):
+        collate([{"ids": torch.arange(2)}, {"ids": torch.arange(3), "mask": torch.ones(3)}])
+    with pytest.raises(ValueError, match=r"sample 1 lacks 'mask'"):
+        collate([{"ids": torch.arange(2), "mask": torch.ones(2)}, {"ids": torch.arange(3)}])
+    with pytest.raises(ValueError, match="sample 2 has 3 fields but sample 0 has 2"):
+        collate([(torch.arange(2), torch.arange(2))] * 2 + [(torch.arange(2),) * 3])
+    with pytest.raises(ValueError, match="sample 1 is a list but sample 0 is a dict"):
+        collate([{"ids": torch.arange(2)}, [torch.arange(2)]])
+
+
+def test_lengths_from_a_generator_are_read_once_not_used_up() -> None:
+    lengths = [5, 1, 9, 3, 7]
+    from_generator = ap.data.LengthGroupedBatchSampler((n for n in lengths), 2, seed=4)
+    assert len(from_generator) == 3
+    assert list(from_generator) == list(ap.data.LengthGroupedBatchSampler(lengths, 2, seed=4))
+    assert list(from_generator) == list(from_generator)  # every epoch, not only the first
+    with pytest.raises(TypeError, match=r"lengths must be non-negative ints, one per sample .*, not -1"):
+        ap.data.LengthGroupedBatchSampler(iter([3, -1]), 2)
+    with pytest.raises(TypeError, match="not int"):
+        ap.data.LengthGroupedBatchSampler(7, 2)  # type: ignore[arg-type]

@@ -81,8 +81,20 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _split(values: Iterable[str] | None) -> list[str]:
-    return [part.strip() for v in values or () for part in v.split(",") if part.strip()]
+def _split(values: Iterable[str] | None, option: str = "") -> list[str]:
+    """The comma-separated parts of every value given; an empty part is a usage error naming ``option``.
+
+    In CI an empty value is nearly always a variable that is unset (``--torch "$TORCH"``):
+    ignoring it would turn a filter into "everything", or into nothing at all.
+    """
+    parts = [part.strip() for v in values or () for part in v.split(",")]
+    if option and any(not part for part in parts):
+        from accelport.errors import UsageError
+
+        given = ", ".join(repr(v) for v in values or ())
+        raise UsageError(f"{option} was given an empty value ({given}); in CI this is usually a variable that is "
+                         f"not set: set it, or leave {option} out to include every value")
+    return [part for part in parts if part]
 
 
 def _runners(specs: Sequence[str]) -> dict[str, str | list[str]]:
@@ -182,11 +194,11 @@ def _run(args: argparse.Namespace, as_json: bool) -> int:
     from accelport.platform import PLATFORMS
     from accelport.runtime.state import RUNTIME
 
-    platforms = _split(args.platform) or list(PLATFORMS)
+    platforms = _split(args.platform, "--platform") or list(PLATFORMS)
     for p in platforms:
         if p not in PLATFORMS:
             raise UsageError(f"--platform: {UnknownPlatformError(p, PLATFORMS)}")
-    statuses = _split(args.status) or list(DEFAULT_STATUSES)
+    statuses = _split(args.status, "--status") or list(DEFAULT_STATUSES)
     for s in statuses:
         if s not in STATUSES:
             did = did_you_mean(s, STATUSES)
@@ -195,7 +207,7 @@ def _run(args: argparse.Namespace, as_json: bool) -> int:
     minors = None
     if args.torch_versions:
         try:
-            minors = [parse_torch_version(v, mx.covered()) for v in _split(args.torch_versions)]
+            minors = [parse_torch_version(v, mx.covered()) for v in _split(args.torch_versions, "--torch")]
         except InvalidVersionError as exc:
             raise UsageError(f"--torch: {exc}") from None
         # A version the matrix knows nothing about on these platforms is a mistake (a typo, a

@@ -23,11 +23,16 @@ def run(args: argparse.Namespace) -> int:
     from accelport.cli import emit_json
     from accelport.diagnose.report import write_report
 
-    path, findings = write_report(args.metrics_file, args.output)
+    written = write_report(args.metrics_file, args.output)
+    findings = written.findings
     if args.json:
-        emit_json({"report": path, "diagnoses": [f.to_dict() for f in findings]})
+        emit_json({"report": written.path, "diagnoses": [f.to_dict() for f in findings], "runs": written.runs,
+                   "lines": [written.first_line, written.last_line]})
     else:
-        print(f"wrote {path}: {len(findings)} diagnosis(es)")
+        print(f"wrote {written.path}: {len(findings)} diagnosis(es)")
+        if written.runs > 1:
+            print(f"  {args.metrics_file} holds {written.runs} runs; the page is about the last one "
+                  f"(lines {written.first_line} to {written.last_line})")
         for f in findings:
             print(f"  [{f.kind}] {f.message}")
     return 0

@@ -71,6 +71,10 @@ def minor_str(m: Minor) -> str:
     return f"{m[0]}.{m[1]}"
 
 
+#: Longer is no torch version (2.10.0a0+git1234567 is 18 characters; a full git hash label about 60).
+_MAX_VERSION_CHARS = 200
+
+
 def parse_torch_version(text: str, covered: str = "") -> Minor:
     """(major, minor) of a PEP 440 torch version: ``2.10.0a0+git1234`` -> (2, 10).
 
@@ -79,9 +83,11 @@ def parse_torch_version(text: str, covered: str = "") -> Minor:
     """
     if not isinstance(text, str) or not text.strip():
         raise InvalidVersionError(str(text), covered)
+    if len(text) > _MAX_VERSION_CHARS:  # before Version(): int() refuses numbers of more than 4300 digits
+        raise InvalidVersionError(f"{text[:20]}... ({len(text)} characters)", covered)
     try:
         release = Version(text.strip()).release
-    except InvalidVersion:
+    except (InvalidVersion, ValueError):
         raise InvalidVersionError(text, covered) from None
     return (release[0], release[1] if len(release) > 1 else 0)
 

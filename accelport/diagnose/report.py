@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import os
 import stat
+import sys
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from accelport.diagnose.metrics_log import record_from_dict
 from accelport.errors import AccelportError
 
-__all__ = ["ReportError", "load_records", "diagnose", "breakdown", "render_html", "write_report"]
+__all__ = ["ReportError", "Run", "Written", "load_runs", "load_records", "diagnose", "breakdown", "render_html",
+           "write_report"]
 
 
 class ReportError(AccelportError, ValueError):
@@ -47,8 +51,72 @@ def _not_a_file(path: str) -> str | None:
     return "not a regular file"
 
 
-def load_records(path: str) -> list[dict[str, Any]]:
-    """The step records in ``path``; a bad line is an error naming its number."""
+@dataclass
+class Run:
+    """One run's step records and the lines of the file they came from."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    first_line: int = 0
+    last_line: int = 0
+
+
+#: Fields the page reads as seconds; a value that is not finite (NaN, inf) counts as unknown (0).
+_SECONDS = ("seconds", "data_wait_seconds", "compile_seconds", "execute_seconds")
+#: Larger integers are no counter or step number of a real run (and not every one converts to a float).
+_MAX_INT = 2**63
+
+
+def _parse(line: str) -> tuple[Any, str | None, Any]:
+    """(the JSON value, why the line is not JSON, a record that starts later on the line).
+
+    A run killed mid-write leaves a partial line; a run appended to the same file then
+    continues that line with its own first record: that record is the third value.
+    """
+    try:
+        return json.loads(line), None, None
+    except RecursionError:
+        return None, "nested too deeply to be a step record", None
+    except json.JSONDecodeError as exc:
+        problem = f"not a JSON line ({exc.msg})"
+    except ValueError:  # an integer of more digits than Python converts (4300 by default)
+        limit = getattr(sys, "get_int_max_str_digits", lambda: 4300)()
+        return None, f"not a step record: a number of more than {limit} digits", None
+    start = line.find('{"step"', 1)  # the first key accelport writes
+    if start > 0:
+        try:
+            later = json.loads(line[start:])
+        except (ValueError, RecursionError):
+            later = None
+        if isinstance(later, dict):
+            return None, problem, later
+    return None, problem, None
+
+
+def _check(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` if the page and the rules can use it; ValueError names the field that is wrong."""
+    for key, value in record.items():
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= _MAX_INT:
+            digits = len(str(abs(value)))
+            raise ValueError(f"{key!r} is an integer of {digits} digits, too large for a step record")
+    compilations = record.get("compilations")
+    if compilations is not None and (isinstance(compilations, bool) or not isinstance(compilations, (int, float))
+                                     or not math.isfinite(compilations) or compilations < 0):
+        raise ValueError(f"'compilations' must be a non-negative number, not {compilations!r}")
+    for key in _SECONDS[1:]:
+        value = record.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"{key!r} must be a number of seconds, not {value!r}")
+    record_from_dict(record)
+    return record
+
+
+def load_runs(path: str) -> list[Run]:
+    """The runs in ``path``, oldest first: a bad line is an error naming its number.
+
+    A run's steps count from 1, so a step 1 after other records starts the next run
+    (the same file appended to again). A partial line left by a run that was killed is
+    skipped, also when the next run's first record continues it.
+    """
     what = _not_a_file(path)
     if what is not None:
         pipe = " (save what the pipe carries to a file first)" if "pipe" in what else ""
@@ -61,26 +129,36 @@ def load_records(path: str) -> list[dict[str, Any]]:
         raise ReportError(f"{path}: no such file; write one by running with ACCELPORT_METRICS_FILE={path}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ReportError(f"{path}: cannot be read ({exc})") from None
-    records = []
+    runs: list[Run] = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if number == len(lines):  # a run killed mid-write leaves a partial last line
-                break
-            raise ReportError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
+        record, problem, later = _parse(line)
+        if problem is not None:
+            if later is not None:
+                record = later  # the killed run's partial record is lost; the next run starts here
+            elif number == len(lines) and problem.startswith("not a JSON line"):
+                break  # a run killed mid-write leaves a partial last line
+            else:
+                raise ReportError(f"{path}:{number}: {problem}")
         if not isinstance(record, dict):
             raise ReportError(f"{path}:{number}: not a step record (a JSON object per line)")
         try:
-            record_from_dict(record)
-        except ValueError as exc:
+            _check(record)
+        except (ValueError, OverflowError) as exc:
             raise ReportError(f"{path}:{number}: not a step record: {exc}") from None
-        records.append(record)
-    if not records:
+        if not runs or (record["step"] == 1 and runs[-1].records):
+            runs.append(Run(first_line=number))
+        runs[-1].records.append(record)
+        runs[-1].last_line = number
+    if not runs:
         raise ReportError(f"{path}: no step records; was the run started with ACCELPORT_METRICS_FILE set?")
-    return records
+    return runs
+
+
+def load_records(path: str) -> list[dict[str, Any]]:
+    """The step records of the last run in ``path`` (see :func:`load_runs`)."""
+    return load_runs(path)[-1].records
 
 
 def diagnose(records: Sequence[dict[str, Any]]) -> list[Any]:
@@ -95,13 +173,29 @@ def diagnose(records: Sequence[dict[str, Any]]) -> list[Any]:
     return list(rules.findings)
 
 
+def _seconds(record: dict[str, Any], key: str) -> float:
+    """A duration of the record: 0 where it is missing, negative or not finite (NaN never reaches the page)."""
+    value = float(record.get(key) or 0.0)
+    return value if math.isfinite(value) and value > 0 else 0.0
+
+
 def breakdown(record: dict[str, Any]) -> dict[str, float]:
     """Seconds of one step split into data wait, compilation, execution and the rest."""
-    total = max(float(record.get("seconds", 0.0)), 0.0)
-    wait = min(max(float(record.get("data_wait_seconds", 0.0)), 0.0), total)
-    compile_s = min(max(float(record.get("compile_seconds", 0.0)), 0.0), total - wait)
-    execute = min(max(float(record.get("execute_seconds", 0.0)), 0.0), total - wait - compile_s)
+    total = _seconds(record, "seconds")
+    wait = min(_seconds(record, "data_wait_seconds"), total)
+    compile_s = min(_seconds(record, "compile_seconds"), total - wait)
+    execute = min(_seconds(record, "execute_seconds"), total - wait - compile_s)
     return {"wait": wait, "compile": compile_s, "execute": execute, "rest": total - wait - compile_s - execute}
+
+
+def _unknown_times(records: Sequence[dict[str, Any]]) -> str:
+    """A sentence naming the steps whose times are NaN or infinite, or ""."""
+    steps = [r["step"] for r in records if any(
+        isinstance(r.get(k), float) and not math.isfinite(r[k]) for k in _SECONDS)]
+    if not steps:
+        return ""
+    shown = ", ".join(map(str, steps[:5])) + (" ..." if len(steps) > 5 else "")
+    return f"{len(steps)} step(s) recorded a time that is not a number (step {shown}): counted as 0 s."
 
 
 _STYLE = """
@@ -147,8 +241,9 @@ _SCRIPT = """
 """
 
 
-def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], title: str = "accelport run") -> str:
-    """The report page as a string (self-contained: inline CSS, data and script)."""
+def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], title: str = "accelport run",
+                notes: Sequence[str] = ()) -> str:
+    """The report page as a string (self-contained: inline CSS, data and script); ``notes`` go under the title."""
     steps = []
     totals = {"wait": 0.0, "compile": 0.0, "execute": 0.0, "rest": 0.0}
     # Step records carry execution time only where a backend measures it per step; where
@@ -167,7 +262,10 @@ def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], tit
     signatures = len({json.dumps(r.get("signature")) for r in records})
     backend = records[-1].get("backend", "?")
     # json.dumps does not escape "</script>"; make the embedded data unable to close the tag.
-    data = json.dumps({"steps": steps, "parts": list(totals)}).replace("</", "<\\/")
+    # allow_nan=False: every number above is finite, and JSON.parse rejects NaN.
+    data = json.dumps({"steps": steps, "parts": list(totals)}, allow_nan=False).replace("</", "<\\/")
+    notes = [*notes, *filter(None, [_unknown_times(records)])]
+    notes_html = "".join(f"<p class=sub>{html.escape(n)}</p>" for n in notes)
     labels = {"wait": "data wait", "compile": "compilation", "execute": "execution",
               "rest": "the rest" if timed else "the rest (execution, Python, transfers)"}
     colors = {"wait": "#d4a72c", "compile": "#cf222e", "execute": "#0969da", "rest": "#8c959f"}
@@ -188,6 +286,7 @@ def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], tit
 <h1>{html.escape(title)}</h1>
 <div class=sub>backend {html.escape(str(backend))} · {len(records)} steps · {total:.2f} s in steps ·
 {compilations} compilations · {signatures} distinct batch shapes</div>
+{notes_html}
 <h2>Where the time went, per step</h2>
 <div class=legend>{"".join(f"<span><span class=sw style='background:{colors[k]}'></span>{labels[k]}</span>"
                            for k in totals)}<span>▲ compiled at this step</span></div>
@@ -201,12 +300,43 @@ def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], tit
 """
 
 
-def write_report(source: str, output: str | None = None) -> tuple[str, list[Any]]:
-    """Read ``source`` (JSON lines), write the page; return its path and the diagnoses."""
-    records = load_records(source)
-    findings = diagnose(records)
+@dataclass
+class Written:
+    """What :func:`write_report` wrote: the page, the diagnoses, and which run of the file it covers."""
+
+    path: str
+    findings: list[Any]
+    runs: int = 1
+    first_line: int = 0
+    last_line: int = 0
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)
+
+
+def write_report(source: str, output: str | None = None) -> Written:
+    """Read ``source`` (JSON lines), write the page about its last run; return what was written.
+
+    Refuses to write over ``source`` itself (``-o`` naming it, or an input ending in
+    ``.html`` whose default output is the input): that would destroy the run's record.
+    """
     target = output or os.path.splitext(source)[0] + ".html"
-    page = render_html(records, findings, title=f"accelport run: {os.path.basename(source)}")
+    if _same_file(source, target):
+        how = "-o names" if output else "the default output (the input's name with .html) is"
+        raise ReportError(f"cannot write {target}: {how} the metrics file itself, and the page would replace "
+                          "the run's record; give -o another path, e.g. -o report.html")
+    runs = load_runs(source)
+    run = runs[-1]
+    findings = diagnose(run.records)
+    notes = []
+    if len(runs) > 1:
+        notes.append(f"{os.path.basename(source)} holds {len(runs)} runs, one after the other; this page is about "
+                     f"the last one (lines {run.first_line} to {run.last_line}).")
+    page = render_html(run.records, findings, title=f"accelport run: {os.path.basename(source)}", notes=notes)
     what = _not_a_file(target)
     if what is not None:
         raise ReportError(f"cannot write {target}: it is {what}; give -o the path of an HTML file to write")
@@ -215,4 +345,4 @@ def write_report(source: str, output: str | None = None) -> tuple[str, list[Any]
             f.write(page)
     except OSError as exc:
         raise ReportError(f"cannot write {target}: {exc}") from None
-    return target, findings
+    return Written(target, findings, len(runs), run.first_line, run.last_line)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from accelport import _packages
 from accelport.doctor.finding import SEVERITIES, DoctorContext, Finding, as_finding
+from accelport.platform import one_scan
 from accelport.redact import Redactor, redact
 from accelport.settings import plugin_timeout
 
@@ -77,10 +78,17 @@ def _environment(environ: Mapping[str, str]) -> list[dict[str, str]]:
 
 
 def _dir_size(path: str, budget: float = 0.3, max_files: int = 200_000) -> int | None:
-    """Bytes under ``path``; None if it cannot be measured within the budget."""
+    """Bytes under ``path``; None if it cannot be measured within the budget.
+
+    Directories count against ``max_files`` and the clock as files do: a tree of
+    empty directories costs a walk all the same.
+    """
     total, files, deadline = 0, 0, time.monotonic() + budget
     try:
         for dirpath, _dirs, names in os.walk(path):
+            files += 1
+            if files > max_files or time.monotonic() > deadline:
+                return None
             for n in names:
                 try:
                     total += os.lstat(os.path.join(dirpath, n)).st_size
@@ -223,13 +231,14 @@ def _sharding_findings(ctx: DoctorContext, matrix: Matrix | None) -> list[Findin
                     "core")]
 
 
+@one_scan()  # the probes, the selection and the recommendation each detect the platform: read /sys once
 def gather(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Collect the whole report as plain data (the ``--json`` output)."""
     from accelport import __version__
     from accelport.compat.load import build
     from accelport.compat.verdict import recommend
     from accelport.errors import AccelportError, CompatMatrixError
-    from accelport.platform import detect
+    from accelport.platform import PlatformInfo, detect
     from accelport.plugins.host import create_manager
     from accelport.runtime.selection import resolve
 
@@ -237,7 +246,10 @@ def gather(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     # Its own host and matrix, from ``env`` alone: doctor never changes the process's selection,
     # and every answer below (selection, recommendation, deprecations) reads the same ones.
     host = create_manager(env, timeout=plugin_timeout(env))
-    plat = detect(environ=env)
+    try:
+        plat, root_problem = detect(environ=env), None
+    except AccelportError as exc:  # ACCELPORT_SYSROOT names no directory: a problem to report, not a crash
+        plat, root_problem = PlatformInfo("cpu", evidence=(str(exc),)), str(exc)
     matrix: Matrix | None
     matrix_error: str | None = None
     try:
@@ -262,6 +274,8 @@ def gather(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         from accelport.compat.releases import installed_findings
 
         findings += [Finding(f.severity, f.title, f.fix, "core") for f in installed_findings(matrix)]
+    if root_problem:
+        findings.append(Finding("problem", root_problem, "fix or unset ACCELPORT_SYSROOT", "core"))
     for plugin, result in host.call_each("accelport_doctor_checks", context=ctx):
         for item in result if isinstance(result, (list, tuple)) else [result]:
             try:

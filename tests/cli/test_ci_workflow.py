@@ -310,3 +310,41 @@ def test_real_ci_matrix_prints_an_empty_list_for_github_when_nothing_matches() -
     assert "no combination matches" in out.stderr
     # The exact text: a workflow may guard its matrix job with `!= '{"include":[]}'` (docs/compat-matrix.md).
     assert out.stdout == '{"include":[]}\n'
+
+
+@pytest.mark.parametrize("args", [
+    ("--torch", ""),  # --torch "$TORCH" with TORCH unset
+    ("--platform", ","),  # --platform "$A,$B" with both unset
+    ("--platform", "cpu,"),  # ... with B unset: not quietly one platform fewer
+    ("--torch", "2.9", "--torch", " "),
+    ("--status", ""),
+])
+@pytest.mark.parametrize("as_json", [False, True], ids=["github", "json"])
+def test_an_empty_value_from_an_unset_ci_variable_is_a_usage_error(capsys: pytest.CaptureFixture[str],
+                                                                   args: tuple[str, ...], as_json: bool) -> None:
+    from accelport.cli import main
+
+    assert main(["ci-matrix", *args, *(["--json"] if as_json else [])]) == 2
+    out, err = capsys.readouterr()
+    message = json.loads(out)["error"] if as_json else err.removeprefix("accelport: error: ")
+    if not as_json:
+        assert out == ""  # no {"include": []} for the workflow to run nothing with
+    option = args[-2]
+    assert message.startswith(f"{option} was given an empty value ("), message
+    assert f"usually a variable that is not set: set it, or leave {option} out to include every value" in message
+
+
+def test_a_version_of_thousands_of_digits_is_an_invalid_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from accelport.cli import main
+    from accelport.compat.schema import parse_torch_version
+    from accelport.errors import InvalidVersionError
+
+    huge = "9" * 5000
+    with pytest.raises(InvalidVersionError, match=r"invalid torch version '9{20}\.\.\. \(5000 characters\)'"):
+        parse_torch_version(huge)
+    with pytest.raises(InvalidVersionError, match="invalid torch version"):
+        parse_torch_version("2." + "9" * 4400)  # a minor past int()s 4300-digit limit
+    assert main(["ci-matrix", "--torch", huge, "--json"]) == 2
+    data = json.loads(capsys.readouterr().out)
+    assert data["kind"] == "usage" and data["error"].startswith("--torch: invalid torch version '99999")
+    assert len(data["error"]) < 400

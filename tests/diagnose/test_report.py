@@ -159,7 +159,7 @@ def test_chart_is_drawn_in_a_real_headless_browser(tmp_path) -> None:  # type: i
                     seconds=1.6 if n == 7 else 0.05, execute_seconds=0.01) for n in range(1, 41)]
     path = tmp_path / "run.jsonl"
     write_jsonl(path, records)
-    page, _ = write_report(str(path))
+    page = write_report(str(path)).path
     with tempfile.TemporaryDirectory() as profile:
         dom = subprocess.run([CHROMIUM, *CHROME_FLAGS, f"--user-data-dir={profile}", "--dump-dom",
                               f"file://{page}"], capture_output=True, text=True, timeout=120).stdout
@@ -170,3 +170,82 @@ def test_chart_is_drawn_in_a_real_headless_browser(tmp_path) -> None:  # type: i
     assert dom.count('class="compile-mark"') == 2
     labels = re.findall(r'text-anchor="end"[^>]*>([^<]+)</text>', dom)
     assert labels[:5] == ["0.00 s", "0.40 s", "0.80 s", "1.20 s", "1.60 s"], labels
+
+
+def test_the_report_never_writes_over_its_input(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    run = tmp_path / "run.jsonl"
+    write_jsonl(run, [step(n) for n in range(1, 4)])
+    before = run.read_bytes()
+    assert main(["report", str(run), "-o", str(run), "--json"]) == 1
+    err = json.loads(capsys.readouterr().out)
+    assert err["kind"] == "ReportError"
+    assert err["error"] == (f"cannot write {run}: -o names the metrics file itself, and the page would replace "
+                            "the run's record; give -o another path, e.g. -o report.html")
+    os.symlink(run, tmp_path / "alias.jsonl")  # the same file by another name
+    with pytest.raises(ReportError, match="-o names the metrics file itself"):
+        write_report(str(run), str(tmp_path / "alias.jsonl"))
+    named_html = tmp_path / "run.html"
+    write_jsonl(named_html, [step(1)])
+    with pytest.raises(ReportError, match=r"the default output \(the input's name with .html\) is the metrics file"):
+        write_report(str(named_html))
+    assert run.read_bytes() == before and json.loads(named_html.read_text())["step"] == 1
+    assert write_report(str(named_html), str(tmp_path / "page.html")).path == str(tmp_path / "page.html")
+
+
+@pytest.mark.parametrize(("line", "words"), [
+    (json.dumps(step(2, compilations="abc")), "not a step record: 'compilations' must be a non-negative number, "
+                                              "not 'abc'"),
+    (json.dumps(step(2, compilations=[1])), "'compilations' must be a non-negative number"),
+    (json.dumps(step(2, execute_seconds="x")), "'execute_seconds' must be a number of seconds, not 'x'"),
+    ('{"step": 2, "seconds": 0.1, "loader": ' + "[" * 100_000 + "]" * 100_000 + "}",
+     "nested too deeply to be a step record"),
+    ('{"step": 2, "seconds": ' + "9" * 5000 + "}", "not a step record: a number of more than 4300 digits"),
+    (json.dumps(step(2, seconds=10**400)), "'seconds' is an integer of 401 digits, too large for a step record"),
+    (json.dumps(step(10**30)), "'step' is an integer of 31 digits"),
+])
+def test_hostile_values_are_an_error_naming_the_line(tmp_path, line: str, words: str) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "hostile.jsonl"
+    path.write_text(json.dumps(step(1)) + "\n" + line + "\n" + json.dumps(step(3)) + "\n")
+    with pytest.raises(ReportError) as caught:
+        write_report(str(path))
+    assert str(caught.value).startswith(f"{path}:2: ") and words in str(caught.value), str(caught.value)
+    assert main(["report", str(path)]) == 1  # the CLI's error path, not "unexpected ... (this is a bug)"
+
+
+def test_nan_seconds_keep_the_embedded_data_valid_json(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "nan.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [
+        step(1, seconds=float("nan")), step(2, compile_seconds=float("inf")), step(3, data_wait_seconds=float("-inf")),
+        step(4)]))
+    assert "NaN" in path.read_text()  # json.dumps writes NaN, which JSON.parse rejects
+    page = open(write_report(str(path)).path).read()
+    embedded = re.search(r'<script type="application/json" id="run-data">(.*?)</script>', page, re.S)
+    assert embedded is not None
+    data = json.loads(embedded.group(1), parse_constant=lambda c: pytest.fail(f"{c} in the embedded data"))
+    assert [s["total"] for s in data["steps"]][0] == 0.0 and data["steps"][1]["compile"] == 0.0
+    assert "3 step(s) recorded a time that is not a number (step 1, 2, 3): counted as 0 s." in page
+
+
+def test_a_crashed_run_followed_by_an_appended_run_is_read_as_two_runs(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from accelport.diagnose.report import load_runs
+
+    path = tmp_path / "appended.jsonl"
+    first = "".join(json.dumps(step(n, backend="cpu")) + "\n" for n in range(1, 6))
+    killed = json.dumps(step(6, backend="cpu"))[:25]  # the writer died mid-line, without its newline
+    second = "".join(json.dumps(step(n, signature=[[[8, 16], "float32"]])) + "\n" for n in range(1, 31))
+    path.write_text(first + killed + second)  # the next run's first record continues the partial line
+    runs = load_runs(str(path))
+    assert [[r["step"] for r in run.records] for run in runs] == [[1, 2, 3, 4, 5], list(range(1, 31))]
+    assert (runs[0].first_line, runs[0].last_line, runs[1].first_line, runs[1].last_line) == (1, 5, 6, 35)
+    assert main(["report", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["runs"] == 2 and out["lines"] == [6, 35]
+    page = (tmp_path / "appended.html").read_text()
+    assert "holds 2 runs, one after the other; this page is about the last one (lines 6 to 35)" in page
+    assert "backend xla · 30 steps" in page
+    # Appended without a crash: the step count starting again at 1 starts the next run.
+    clean = tmp_path / "clean.jsonl"
+    clean.write_text(first + second)
+    assert [len(run.records) for run in load_runs(str(clean))] == [5, 30]
+    assert main(["report", str(clean)]) == 0
+    assert "clean.jsonl holds 2 runs; the page is about the last one (lines 6 to 35)" in capsys.readouterr().out

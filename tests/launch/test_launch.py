@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 
 import accelport as ap
-from accelport.launch.plan import LaunchError, Rendezvous, build_plan, engine_for
-from accelport.launch.run import parent_launch_env
-from accelport.device_loader import shard_batches
 from accelport.cli import UsageError, main
 from accelport.contract import Probe
+from accelport.device_loader import shard_batches
 from accelport.eager import EagerBackend
+from accelport.launch.plan import LaunchError, Rendezvous, build_plan, engine_for
+from accelport.launch.run import parent_launch_env
 from tests.conftest import REPO
 
 SCRIPTS = Path(REPO) / "tests" / "scripts"
@@ -580,3 +580,20 @@ def test_json_meant_for_the_script_does_not_change_the_launchers_output(capsys: 
     assert main(["launch", "--backend", "cdua", "train.py", "--json"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.startswith("accelport: error: unknown backend 'cdua'")
+
+
+@pytest.mark.xla
+def test_print_of_text_alone_on_xla_comes_out_at_once_and_in_order(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    ap.use("xla")
+    loss = torch.tensor(2.0, device=ap.device()) + 1  # pending: no sync has run it yet
+    ap.print("epoch", 1, ["a"])
+    assert capsys.readouterr().out == "epoch 1 ['a']\n"  # nothing to wait for
+    ap.print("loss", loss)
+    ap.print("after the loss")  # queued behind the line that waits for the sync, not ahead of it
+    assert capsys.readouterr().out == ""
+    ap.sync()
+    assert capsys.readouterr().out == "loss 3.0\nafter the loss\n"
+    ap.print("done", {"k": [1]})
+    assert capsys.readouterr().out == "done {'k': [1]}\n"

@@ -190,8 +190,11 @@ class SlowDataset:
 def test_a_slow_dataset_without_workers_is_input_bound() -> None:
     ap.use("xla")
     model = Pooled(11)
+    # 120 ms of sleep per batch against a step of a few milliseconds: the loader stays the
+    # bottleneck even when two CPU-bound processes beside the test slow the step down tenfold
+    # (with 12 ms per batch, such a step caught up and the loop waited under 30% of the time).
     with pytest.warns(ap.DiagnosticWarning, match="input-bound"):
-        model.train(loader(SlowDataset(30 * 4, 0.003, 11), 4, pad_to_longest, num_workers=0))
+        model.train(loader(SlowDataset(16 * 4, 0.03, 11), 4, pad_to_longest, num_workers=0))
     assert kinds() == ["input-bound"]
     found = ap.diagnostics()[0]
     assert found.evidence["num_workers"] == 0 and found.evidence["data_wait_share"] >= 0.3

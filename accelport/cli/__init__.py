@@ -28,6 +28,7 @@ COMMANDS: tuple[str, ...] = (
     "accelport.cli.matrix",
     "accelport.cli.ci_matrix",
     "accelport.cli.report",
+    "accelport.cli.diagnose",
 )
 
 
@@ -101,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return 2
         with warnings.catch_warnings(record=as_json) as caught:
-            if not as_json:
+            if not as_json and not getattr(args, "keep_warning_filters", False):
                 warnings.simplefilter("default")
             code = int(args.func(args) or 0)
         del caught

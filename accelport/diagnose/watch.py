@@ -189,6 +189,7 @@ class Watcher:
         self._hook: Any = None
         self._showwarning: Any = None
         self._copies: Callable[[], int] | None = None
+        self._prebuilt: Runtime | None = None
 
     # -- installing and removing -------------------------------------------------------
     def install(self) -> None:
@@ -201,6 +202,7 @@ class Watcher:
             "torch_xla.distributed.parallel_loader": self._on_parallel_loader,
         }
         self._active = self._feeding = True
+        self._prebuilt = self._prebuild()
         self._showwarning = warnings.showwarning
         warnings.showwarning = self._show_warning
         self._finder = _PostImport({name: self._guarded(fn) for name, fn in callbacks.items()
@@ -327,16 +329,38 @@ class Watcher:
         if self.backend is not None:
             self.tracker.step_end(self.backend, self.host)
 
-    def _select(self, optimizer: Any) -> Backend | None:
-        """The backend whose counters describe this run, chosen at its first step; None (said why) if none."""
-        device_type = _device_type(optimizer)
-        on_host = device_type in (None, "cpu") and self._backend_name in (None, "cpu")
+    def _runtime(self, on_host: bool) -> Runtime:
+        """A runtime of the watcher's own (not the process's ``ap.*`` one), reading the watcher's settings."""
         # The host-read trace (file and line of each .item()) where the device is not the host; on
         # cpu there is no such read to find, and its Tensor wrappers are best kept from compiled code.
         overrides = {"ACCELPORT_DIAGNOSTICS": "1" if on_host else "trace"}
         if self._metrics_file:
             overrides["ACCELPORT_METRICS_FILE"] = self._metrics_file
-        runtime = Runtime(_Overlay(overrides, self._environ))
+        return Runtime(_Overlay(overrides, self._environ))
+
+    def _prebuild(self) -> Runtime | None:
+        """The plugin host and matrix for a run on the host CPU, built before the script starts.
+
+        Loading the plugins and the matrix costs tens of milliseconds, which would otherwise land
+        in the script's first step; on an accelerator steps are longer, and the trace needs a host
+        of its own, built at the first step.
+        """
+        if self._backend_name not in (None, "cpu"):
+            return None
+        runtime = self._runtime(on_host=True)
+        try:
+            runtime.host()
+            runtime.matrix()
+        except Exception:  # said, if it matters, when the first step tries again
+            return None
+        return runtime
+
+    def _select(self, optimizer: Any) -> Backend | None:
+        """The backend whose counters describe this run, chosen at its first step; None (said why) if none."""
+        device_type = _device_type(optimizer)
+        on_host = device_type in (None, "cpu") and self._backend_name in (None, "cpu")
+        runtime = self._prebuilt if on_host and self._prebuilt is not None else self._runtime(on_host)
+        self._prebuilt = None
         host = runtime.host()
         name = self._backend_name or _backend_for(host, device_type)
         if name is None:

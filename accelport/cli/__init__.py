@@ -34,6 +34,7 @@ COMMANDS: tuple[str, ...] = (
     "accelport.cli.matrix",
     "accelport.cli.ci_matrix",
     "accelport.cli.report",
+    "accelport.cli.diagnose",
 )
 
 
@@ -97,7 +98,7 @@ class _Output:
         self.json_stream.flush()
 
     @contextlib.contextmanager
-    def session(self, as_json: bool) -> Iterator[None]:
+    def session(self, as_json: bool, wrap: bool = True) -> Iterator[None]:
         saved_out, saved_err = sys.stdout, sys.stderr
         for stream in (saved_out, saved_err):
             try:  # an undecodable value is printed escaped, whatever PYTHONIOENCODING says
@@ -115,8 +116,9 @@ class _Output:
                 self.json_stream = open(json_fd, "w", encoding=encoding, errors="backslashreplace", closefd=False)
             except OSError:  # no usable file descriptors: keep Python's streams apart only
                 json_fd, self.json_stream = None, saved_out
-        sys.stdout = _RedactingStream(saved_err if as_json else saved_out, self.redactor)
-        sys.stderr = _RedactingStream(saved_err, self.redactor)
+        if wrap:
+            sys.stdout = _RedactingStream(saved_err if as_json else saved_out, self.redactor)
+            sys.stderr = _RedactingStream(saved_err, self.redactor)
         try:
             yield
         finally:
@@ -231,11 +233,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def run() -> int:
         with warnings.catch_warnings(record=as_json):
-            if not as_json:
+            if not as_json and not getattr(args, "keep_warning_filters", False):
                 warnings.simplefilter("default")
             return int(args.func(args) or 0)
 
-    with _OUTPUT.session(as_json):
+    # `accelport diagnose` runs the user's own script: its output is its own, byte for byte.
+    with _OUTPUT.session(as_json, wrap=args.command != "diagnose"):
         return _guarded(run, as_json)
 
 

@@ -91,6 +91,7 @@ INPUT_BOUND_MIN_WAIT = 0.005  # ...and at least this many seconds per step (belo
 GRAPH_GROWTH_FACTOR = 4.0  # a graph this many times the usual step's graph...
 GRAPH_GROWTH_MIN_EXTRA = 300  # ...and at least this many nodes more
 GRAPH_GROWTH_ABSOLUTE = 100_000  # torch_xla trims graphs past this size itself
+UNSYNCED_STEPS = 5  # optimizer steps in a row with no sync between them (where records count syncs)
 FALLBACK_CHECK_STEPS = frozenset({1, 2, 5, 10, 20, 50, 100, 200, 500})  # then every 1000th step
 FALLBACK_CHECK_EVERY = 1000
 
@@ -164,6 +165,7 @@ class Diagnostics:
         self._seconds_sum = 0.0
         self._wait_sum = 0.0
         self._graph_sizes: deque[float] = deque(maxlen=50)
+        self._unsynced = 0  # steps in a row whose records say the script did not sync
 
     # -- reporting ------------------------------------------------------------------------
     def report(self, kind: str, message: str, step: int, **evidence: Any) -> None:
@@ -242,6 +244,13 @@ class Diagnostics:
                 self._input_bound(record)
 
         if record.lazy:
+            # Only records from a watched script count its syncs (accelport diagnose): ap.loader
+            # and ap.optimizer_step sync every step themselves.
+            syncs = delta.get("syncs")
+            if syncs is not None and record.counted_steps and "graph-growth" not in reported:
+                self._unsynced = 0 if syncs else self._unsynced + record.counted_steps
+                if self._unsynced >= UNSYNCED_STEPS:
+                    self._never_synced(record)
             size = delta.get("graph_nodes")
             if size:  # (the largest graph run since the last read: a small start-up graph hides behind it)
                 self._graph_growth(record, size)
@@ -389,6 +398,22 @@ class Diagnostics:
             record.step,
             graph_nodes=int(size),
             usual_graph_nodes=int(usual) if usual else None,
+        )
+
+    def _never_synced(self, record: StepRecord) -> None:
+        n = self._unsynced
+        self.report(
+            "graph-growth",
+            f"{n} optimizer steps in a row ran without a sync (steps {record.step - n + 1} to {record.step}): "
+            "the loop never syncs (no torch_xla.sync() or xm.mark_step() after optimizer.step(), and the batches "
+            "do not come through MpDeviceLoader), so on XLA nothing runs and one graph grows by a whole training "
+            "step every step: each value read compiles a larger graph, memory grows, and the weights on the "
+            "device are not updated until it finally runs. Add torch_xla.sync() (xm.mark_step() on older "
+            "torch_xla) right after optimizer.step(), or iterate the batches through "
+            "torch_xla.distributed.parallel_loader.MpDeviceLoader, which syncs once per batch; a ported loop "
+            "(ap.loader, ap.optimizer_step) syncs by itself.",
+            record.step,
+            steps_without_sync=n,
         )
 
     def _cpu_fallback(self, record: StepRecord) -> None:

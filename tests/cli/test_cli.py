@@ -144,4 +144,4 @@ def test_json_with_no_command_is_a_json_usage_error(capsys: pytest.CaptureFixtur
     data = json.loads(capsys.readouterr().out)
     assert data["kind"] == "usage"
     assert data["error"] == ("give a command: accelport --json COMMAND (one of backends, doctor, launch, "
-                             "matrix, ci-matrix, report)")
+                             "matrix, ci-matrix, report, diagnose)")

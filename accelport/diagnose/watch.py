@@ -1,0 +1,658 @@
+"""Watch an unmodified PyTorch or torch_xla script: the same step records, for the same rules, as ``ap.*`` gives.
+
+``accelport diagnose`` runs a script in this process (:func:`run_watched`) with a
+:class:`Watcher` installed. It sees, without a line of the script changed:
+
+- the steps: torch's global optimizer post-hook runs after every ``optimizer.step()``,
+  including the one inside ``xm.optimizer_step``;
+- on XLA, the syncs: ``torch_xla.sync`` (which ``xm.mark_step``, ``MpDeviceLoader`` and
+  ``xm.optimizer_step(barrier=True)`` call) or, on torch_xla releases before it, ``xm.mark_step``;
+  and the host reads made inside ``xm.add_step_closure`` callbacks (they wait for a step that
+  already ran, like ``ap.after_step``'s, so host-sync leaves them out);
+- the data: the wait for each batch and its shapes, from the torch DataLoader's iterator and
+  from torch_xla's per-device loader (``MpDeviceLoader``, ``ParallelLoader``), in the thread
+  that trains; the loader's ``num_workers`` and ``batch_size``.
+
+Each is installed when the script itself imports the module it lives in (a post-import hook
+on ``sys.meta_path``), so nothing is imported that the script does not import, and nothing
+is computed differently: every wrapper calls the original and returns what it returned.
+
+The backend is the one that drives the device of the parameters being stepped (or
+``--backend``). The steps go through the same :class:`~accelport.runtime.tracker.StepTracker`
+and the same backend counters (``step_delta``, ``compile_facts``) as ``ap.optimizer_step``, into
+a plugin host of their own, so every rule on ``accelport_step_end`` (the built-in diagnostics,
+the metrics file, a third party's) judges a diagnosed script exactly as a ported one. One
+fact only the watcher has: on a lazy backend, how many times the script synced during each
+step (``delta["syncs"]``), which the ``graph-growth`` rule reads.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import os
+import runpy
+import sys
+import threading
+import time
+import types
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from accelport.device_loader import describe_loader, signature
+from accelport.diagnose import tracer
+from accelport.errors import AccelportError, DiagnosticWarning
+from accelport.runtime.state import Runtime
+from accelport.runtime.tracker import StepTracker
+
+if TYPE_CHECKING:
+    from accelport.contract import Backend
+    from accelport.plugins.host import PluginHost
+
+__all__ = ["Watcher", "Outcome", "run_watched", "user_site", "where"]
+
+#: Top-level packages whose frames are never "the user's line".
+_LIBRARIES = frozenset({
+    "accelport", "torch", "torch_xla", "torch_neuronx", "torch_tpu", "typing_extensions", "runpy", "threading",
+    "warnings", "contextlib", "functools", "importlib", "_weakrefset",
+})
+
+#: Which place a finding of each kind is best shown at: the loop over the data (where
+#: batches come from) or the optimizer step (where a sync belongs).
+_PLACE = {"recompilation": "loop", "input-bound": "loop", "graph-growth": "step"}
+
+
+def user_site(frame: types.FrameType | None = None) -> tuple[str, int] | None:
+    """(file, line) of the innermost frame outside torch, torch_xla, accelport and the import machinery."""
+    frame = frame or sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__") or ""
+        if module.partition(".")[0] not in _LIBRARIES and not frame.f_code.co_filename.startswith("<frozen "):
+            return frame.f_code.co_filename, frame.f_lineno
+        frame = frame.f_back
+    return None
+
+
+def where(finding: Any, sites: Mapping[str, tuple[str, int]]) -> tuple[str, int] | None:
+    """The script's line a finding is best shown at: the host read itself, else the loop or the step."""
+    evidence = getattr(finding, "evidence", None) or {}
+    for site in evidence.get("sites") or ():
+        file, _, line = str(site).rpartition(":")
+        if file and line.isdigit():
+            return file, int(line)
+    kind = getattr(finding, "kind", "")
+    place = _PLACE.get(kind)
+    return (sites.get(place) if place else None) or sites.get(kind) or sites.get("step")
+
+
+class _Overlay(Mapping[str, str]):
+    """``top`` over ``base``: the watcher's settings over the process's environment, read as it changes."""
+
+    def __init__(self, top: Mapping[str, str], base: Mapping[str, str]) -> None:
+        self._top, self._base = top, base
+
+    def __getitem__(self, key: str) -> str:
+        return self._top[key] if key in self._top else self._base[key]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._top
+        yield from (key for key in self._base if key not in self._top)
+
+    def __len__(self) -> int:
+        return len(set(self._top) | set(self._base))
+
+
+class _PostImport(importlib.abc.MetaPathFinder):
+    """Calls back once a module has been imported (by the script), without importing anything itself."""
+
+    def __init__(self, callbacks: Mapping[str, Callable[[types.ModuleType], None]]) -> None:
+        self.pending = dict(callbacks)
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None) -> Any:
+        callback = self.pending.get(fullname)
+        if callback is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or isinstance(loader, type) or not hasattr(loader, "exec_module"):
+            return spec  # a loader shared by many modules (builtin, frozen): left alone
+        original = loader.exec_module
+        pending = self.pending
+
+        def exec_module(module: types.ModuleType) -> None:
+            # On this loader instance only (each file gets its own): the module's __loader__
+            # stays the real one, so source lookups and resources work as before.
+            original(module)
+            vars(loader).pop("exec_module", None)
+            if pending.pop(fullname, None) is not None:
+                callback(module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+@dataclass
+class Outcome:
+    """How the script ended: its exit status, and whether Ctrl-C ended it."""
+
+    exit_status: int
+    interrupted: bool = False
+
+
+class Watcher:
+    """Feeds a running script's steps, syncs and batches to a plugin host of its own.
+
+    ``environ`` is what the host reads (default: the process's, read as it changes);
+    ``backend`` names the backend whose counters are read (default: the one that drives
+    the device of the first parameter being stepped); ``metrics_file`` gets one JSON line
+    per step, as ``ACCELPORT_METRICS_FILE`` would.
+    """
+
+    def __init__(self, environ: Mapping[str, str] | None = None, *, backend: str | None = None,
+                 metrics_file: str | None = None) -> None:
+        self._environ = os.environ if environ is None else environ
+        self._backend_name = backend
+        self._metrics_file = metrics_file
+        self.tracker = StepTracker()
+        self.runtime: Runtime | None = None
+        self.backend: Backend | None = None
+        self.host: PluginHost | None = None
+        #: What is worth saying besides the findings: the backend read, what could not be watched.
+        self.notes: list[str] = []
+        #: Every optimizer step the script took (also those after the watching stopped).
+        self.steps = 0
+        #: "step" (the first optimizer step's line), "loop" (the line that asked for the first
+        #: step's batch) and each kind reported (the line it was reported at) -> (file, line).
+        self.sites: dict[str, tuple[str, int]] = {}
+        #: The script's syncs and the host reads of its step closures (lazy backends), running totals.
+        self.syncs = 0
+        self.closure_reads = 0
+        self._active = False  # between install() and finish(): the wrappers watch, else they only pass on
+        self._feeding = False  # steps and batches go to the tracker
+        self._open = False  # lazy: the last step waits for the script's next sync
+        self._sync_depth = 0
+        self._sync_seconds = 0.0
+        self._main = threading.main_thread().ident
+        self._interned: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self._patches: list[tuple[Any, str, Any, Any]] = []
+        self._finder: _PostImport | None = None
+        self._hook: Any = None
+        self._showwarning: Any = None
+        self._copies: Callable[[], int] | None = None
+        self._prebuilt: Runtime | None = None
+
+    # -- installing and removing -------------------------------------------------------
+    def install(self) -> None:
+        """Hook into torch and torch_xla as the script imports them (at once for what is already imported)."""
+        callbacks: dict[str, Callable[[types.ModuleType], None]] = {
+            "torch.optim.optimizer": self._on_optimizer,
+            "torch.utils.data.dataloader": self._on_dataloader,
+            "torch_xla": self._on_torch_xla,
+            "torch_xla.core.xla_model": self._on_xla_model,
+            "torch_xla.distributed.parallel_loader": self._on_parallel_loader,
+        }
+        self._active = self._feeding = True
+        self._prebuilt = self._prebuild()
+        self._showwarning = warnings.showwarning
+        warnings.showwarning = self._show_warning
+        self._finder = _PostImport({name: self._guarded(fn) for name, fn in callbacks.items()
+                                    if name not in sys.modules})
+        sys.meta_path.insert(0, self._finder)
+        for name, fn in callbacks.items():
+            if name in sys.modules:
+                self._guarded(fn)(sys.modules[name])
+
+    def uninstall(self) -> None:
+        """Take every hook and wrapper out again (where nothing replaced them since)."""
+        self._active = self._feeding = False
+        if self._finder is not None and self._finder in sys.meta_path:
+            sys.meta_path.remove(self._finder)
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        for owner, name, original, wrapper in reversed(self._patches):
+            if vars(owner).get(name) is wrapper:
+                setattr(owner, name, original)
+        self._patches = []
+        if warnings.showwarning == self._show_warning:
+            warnings.showwarning = self._showwarning
+
+    def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+        original = vars(owner).get(name)
+        if original is None:
+            return
+        wrapper = functools.wraps(original)(make(original))
+        setattr(owner, name, wrapper)
+        self._patches.append((owner, name, original, wrapper))
+
+    def _guarded(self, fn: Callable[..., None]) -> Callable[..., None]:
+        """``fn`` that never raises into the script: a failure stops the watching and is said at the end."""
+
+        def run(*args: Any) -> None:
+            if not self._feeding:
+                return
+            try:
+                fn(*args)
+            except Exception as exc:  # the script runs on as if it were not watched
+                self._stop(exc)
+
+        return run
+
+    def _stop(self, exc: BaseException) -> None:
+        if self._feeding:
+            self._feeding = False
+            self.notes.append(f"watching stopped at step {self.steps}: {type(exc).__name__}: {exc}")
+
+    # -- torch ----------------------------------------------------------------------------
+    def _on_optimizer(self, module: types.ModuleType) -> None:
+        register = getattr(module, "register_optimizer_step_post_hook", None)
+        if register is None:
+            self.notes.append("this torch has no global optimizer step hook (torch < 2.0): no step was seen")
+            return
+        self._hook = register(self._after_step)
+
+    def _on_dataloader(self, module: types.ModuleType) -> None:
+        watcher = self
+        clock = time.perf_counter
+        get_ident = threading.get_ident
+
+        def make_iter(original: Any) -> Any:
+            def __iter__(loader: Any) -> Any:
+                if watcher._feeding:
+                    watcher.tracker.loader_info = describe_loader(loader)
+                return original(loader)
+            return __iter__
+
+        # _next_data rather than __next__: torch warns from __next__ with stacklevel=2, and those
+        # warnings must go on pointing at the script's line, not at a wrapper.
+        def make_next(original: Any) -> Any:
+            def _next_data(it: Any) -> Any:
+                if not watcher._feeding or get_ident() != watcher._main:
+                    return original(it)  # a loader thread (MpDeviceLoader's): not the loop's own wait
+                start = clock()
+                batch = original(it)
+                watcher._batch(clock() - start, batch)
+                return batch
+            return _next_data
+
+        self._patch(module.DataLoader, "__iter__", make_iter)
+        base = getattr(module, "_BaseDataLoaderIter", None)
+        for cls in base.__subclasses__() if base is not None else ():
+            self._patch(cls, "_next_data", make_next)
+
+    def _batch(self, wait: float, batch: Any) -> None:
+        try:
+            sig = signature(batch)
+            sig = self._interned.setdefault(sig, sig)  # equal shapes, one object: as ap.loader hands them
+            if not self.steps:  # the batch of the first step: its line is the training loop's
+                site = user_site()
+                if site:
+                    self.sites["loop"] = site
+            self.tracker.batch_arrived(wait, sig)
+        except Exception as exc:
+            self._stop(exc)
+
+    # -- steps -----------------------------------------------------------------------------
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.steps += 1
+        if not self._feeding:
+            return
+        try:
+            if self.steps == 1:
+                site = user_site()
+                if site:
+                    self.sites["step"] = site
+            backend = self.backend or self._select(optimizer)
+            if backend is None:
+                return
+            if self._open:  # the step before never synced: it ends here, without its graph having run
+                self._close()
+            if backend.lazy:
+                self._open = True  # its graph runs at the script's next sync: the record waits for that
+            else:
+                self.tracker.step_end(backend, self.host)
+        except Exception as exc:  # never into the script's optimizer.step()
+            self._stop(exc)
+
+    def _close(self) -> None:
+        self._open = False
+        if self.backend is not None:
+            self.tracker.step_end(self.backend, self.host)
+
+    def _runtime(self, on_host: bool) -> Runtime:
+        """A runtime of the watcher's own (not the process's ``ap.*`` one), reading the watcher's settings."""
+        # The host-read trace (file and line of each .item()) where the device is not the host; on
+        # cpu there is no such read to find, and its Tensor wrappers are best kept from compiled code.
+        overrides = {"ACCELPORT_DIAGNOSTICS": "1" if on_host else "trace"}
+        if self._metrics_file:
+            overrides["ACCELPORT_METRICS_FILE"] = self._metrics_file
+        return Runtime(_Overlay(overrides, self._environ))
+
+    def _prebuild(self) -> Runtime | None:
+        """The plugin host and matrix for a run on the host CPU, built before the script starts.
+
+        Loading the plugins and the matrix costs tens of milliseconds, which would otherwise land
+        in the script's first step; on an accelerator steps are longer, and the trace needs a host
+        of its own, built at the first step.
+        """
+        if self._backend_name not in (None, "cpu"):
+            return None
+        runtime = self._runtime(on_host=True)
+        try:
+            runtime.host()
+            runtime.matrix()
+        except Exception:  # said, if it matters, when the first step tries again
+            return None
+        return runtime
+
+    def _select(self, optimizer: Any) -> Backend | None:
+        """The backend whose counters describe this run, chosen at its first step; None (said why) if none."""
+        device_type = _device_type(optimizer)
+        on_host = device_type in (None, "cpu") and self._backend_name in (None, "cpu")
+        runtime = self._prebuilt if on_host and self._prebuilt is not None else self._runtime(on_host)
+        self._prebuilt = None
+        host = runtime.host()
+        name = self._backend_name or _backend_for(host, device_type)
+        if name is None:
+            self._feeding = False
+            self.notes.append(f"no accelport backend drives the parameters' device type {device_type!r}, so "
+                              "nothing was diagnosed; --backend NAME reads the counters of the backend named")
+            return None
+        backend = host.backends[name]
+        if backend.lazy:
+            self._count_syncs(backend)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                runtime.use(name)
+        except AccelportError as exc:
+            self._feeding = False
+            self.notes.append(f"the {name} backend's counters cannot be read here, so nothing was diagnosed: {exc}")
+            return None
+        why = f"--backend {name}" if self._backend_name else f"the parameters being stepped are on {device_type}"
+        self.notes.append(f"counters from the {name} backend ({why})")
+        # Said at the end with the findings: in the middle of the first step they would be lost.
+        self.notes += [str(w.message) for w in caught]
+        runtime.tracker = self.tracker  # the batches before this first step belong to it
+        self.runtime, self.host, self.backend = runtime, host, runtime.backend()
+        return self.backend
+
+    def _count_syncs(self, backend: Backend) -> None:
+        # The script syncs by itself (no ap.optimizer_step does it for it): its syncs, and the
+        # host reads of its step closures, go with this backend's per-step counters, so the
+        # tracker's deltas and the metrics file carry them like any other counter.
+        own = backend.step_counters
+
+        def step_counters() -> dict[str, float]:
+            out = own()
+            out["syncs"] = self.syncs
+            if "after_step_reads" in out:
+                out["after_step_reads"] += self.closure_reads
+            return out
+
+        backend.step_counters = step_counters  # type: ignore[method-assign]
+
+    # -- torch_xla -------------------------------------------------------------------------
+    def _on_torch_xla(self, module: types.ModuleType) -> None:
+        self._patch(module, "sync", self._sync_wrapper)
+        counter = getattr(getattr(module, "_XLAC", None), "_xla_counter_value", None)
+        if counter is not None:
+            # Every host read of an XLA tensor goes through one of these two ops (see accelport.lazy).
+            self._copies = lambda: (counter("xla::_to_cpu") or 0) + (counter("xla::_to_copy") or 0)
+
+    def _on_xla_model(self, module: types.ModuleType) -> None:
+        mark_step = getattr(module, "mark_step", None)
+        # Where mark_step is deprecated it calls torch_xla.sync, which is watched: wrapping it too
+        # would point its DeprecationWarning at the wrapper instead of at the script's line.
+        if mark_step is not None and not getattr(mark_step, "__deprecated__", None):
+            self._patch(module, "mark_step", self._sync_wrapper)
+        watcher = self
+
+        def make(original: Any) -> Any:
+            def add_step_closure(closure: Any, *args: Any, **kwargs: Any) -> Any:
+                return original(watcher._counted(closure), *args, **kwargs)
+            return add_step_closure
+
+        self._patch(module, "add_step_closure", make)
+
+    def _counted(self, closure: Callable[..., Any]) -> Callable[..., Any]:
+        """``closure``, counting the host reads it makes (they come after the step ran, as ap.after_step's)."""
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            copies = self._copies
+            before = copies() if copies is not None else 0
+            try:
+                return closure(*args, **kwargs)
+            finally:
+                if copies is not None:
+                    self.closure_reads += copies() - before
+
+        return counted
+
+    def _sync_wrapper(self, original: Any) -> Any:
+        watcher = self
+        clock = time.perf_counter
+
+        def sync(*args: Any, **kwargs: Any) -> Any:
+            if watcher._sync_depth or not watcher._active:  # (xm.mark_step calling torch_xla.sync: one sync)
+                return original(*args, **kwargs)
+            watcher._sync_depth += 1
+            start = clock()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                watcher._sync_depth -= 1
+                watcher._synced(clock() - start)
+
+        return sync
+
+    def _synced(self, seconds: float) -> None:
+        self.syncs += 1
+        self._sync_seconds += seconds
+        if self._open and self._feeding:
+            try:
+                self._close()
+            except Exception as exc:
+                self._stop(exc)
+
+    def _on_parallel_loader(self, module: types.ModuleType) -> None:
+        watcher = self
+        clock = time.perf_counter
+        get_ident = threading.get_ident
+
+        def make(original: Any) -> Any:
+            def next_batch(loader: Any) -> Any:
+                if not watcher._feeding or get_ident() != watcher._main:
+                    return original(loader)
+                synced = watcher._sync_seconds
+                start = clock()
+                batch = original(loader)
+                # It syncs first (the step before runs then, and its record ends), then waits for data.
+                wait = clock() - start - (watcher._sync_seconds - synced)
+                if watcher._open and watcher._feeding:
+                    watcher._close()  # it did not sync this time (batches_per_execution > 1)
+                watcher._batch(max(wait, 0.0), batch)
+                return batch
+            return next_batch
+
+        self._patch(module.PerDeviceLoader, "next", make)
+
+    # -- warnings --------------------------------------------------------------------------
+    def _show_warning(self, message: Any, category: type[Warning], filename: str, lineno: int,
+                      file: Any = None, line: str | None = None) -> None:
+        # A diagnosis is raised inside torch's optimizer hook or a sync: show it at the script's
+        # line, where a ported script's warning would point, and remember that line.
+        if isinstance(category, type) and issubclass(category, DiagnosticWarning):
+            text = str(message)
+            kind = text[1:text.find("]")] if text.startswith("[") and "]" in text else ""
+            here = user_site()
+            if kind and here:
+                self.sites.setdefault(kind, here)
+            finding = next((f for f in reversed(self.findings) if f.kind == kind), None)
+            site = (where(finding, self.sites) if finding is not None else None) or here
+            if site is not None:
+                filename, lineno, line = site[0], site[1], None
+        self._showwarning(message, category, filename, lineno, file, line)
+
+    # -- results -----------------------------------------------------------------------------
+    def finish(self) -> None:
+        """End the last step and hand every step to the observers: the script is done."""
+        try:
+            if self._feeding:
+                if self._open:
+                    self._close()
+                self.tracker.flush()
+        except Exception as exc:
+            self._stop(exc)
+        finally:
+            self._active = self._feeding = False
+
+    @property
+    def findings(self) -> list[Any]:
+        """The diagnoses so far (``Diagnosis`` items, as ``ap.diagnostics()`` gives them)."""
+        plugin = self.host.pm.get_plugin("diagnostics") if self.host is not None else None
+        return list(getattr(plugin, "findings", []))
+
+    @property
+    def backend_name(self) -> str | None:
+        return self.backend.name if self.backend is not None else None
+
+    def metrics(self) -> dict[str, Any]:
+        """``ap.metrics()`` of the watched run as a dict; empty when no backend was read."""
+        if self.runtime is None or self.backend is None:
+            return {}
+        return self.runtime.metrics().to_dict()
+
+
+def _device_type(optimizer: Any) -> str | None:
+    for group in getattr(optimizer, "param_groups", ()):
+        for p in group.get("params", ()):
+            device = getattr(p, "device", None)
+            if device is not None:
+                return str(device.type)
+    return None
+
+
+def _backend_for(host: PluginHost, device_type: str | None) -> str | None:
+    """The backend for a device type; where several drive it (xla, neuron-xla), one that can run here."""
+    candidates = [b for b in host.backends.values() if getattr(b, "device_type", None) == (device_type or "cpu")]
+    available = [b for b in candidates if b.probe().available]
+    chosen = (available or candidates)[:1]
+    return chosen[0].name if chosen else None
+
+
+# -- running the script ------------------------------------------------------------------------
+
+#: Files of the wrappers above and of the host-read trace: never part of the script's traceback.
+_WRAPPER_FILES = frozenset({os.path.abspath(__file__), os.path.abspath(tracer.__file__)})
+
+
+def _leading(tb: types.TracebackType) -> bool:
+    """A frame of what runs the script (accelport's CLI, runpy), before the script's own."""
+    frame = tb.tb_frame
+    module = frame.f_globals.get("__name__") or ""
+    return module.partition(".")[0] in ("accelport", "runpy") or frame.f_code.co_filename == "<frozen runpy>"
+
+
+def _script_traceback(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` as the script alone would have it: without the frames that ran it or watched it."""
+    while tb is not None and _leading(tb):
+        tb = tb.tb_next
+    head = tb
+    while tb is not None:
+        following = tb.tb_next
+        while following is not None and os.path.abspath(following.tb_frame.f_code.co_filename) in _WRAPPER_FILES:
+            following = following.tb_next
+        tb.tb_next = following
+        tb = following
+    return head
+
+
+def _exit_status(code: Any) -> int:
+    """What Python makes of ``SystemExit(code)``: None is 0, an int itself, anything else is printed and is 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _run_file(path: str) -> None:
+    """Run the file at ``path`` as ``python path`` does: a fresh ``__main__`` whose ``__file__`` (and code) has
+    the absolute path, while ``sys.argv[0]`` stays as typed (``runpy.run_path`` would change it)."""
+    import builtins
+    from importlib.machinery import SourceFileLoader
+
+    full = os.path.abspath(path)
+    with open(full, "rb") as f:  # bytes: compile() honours a coding declaration, as python does
+        source = f.read()
+    code = compile(source, full, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=full, __cached__=None, __loader__=SourceFileLoader("__main__", full),
+                         __spec__=None, __package__=None, __builtins__=builtins, __annotations__={})
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
+
+
+def run_watched(watcher: Watcher, *, script: str | None = None, module: str | None = None,
+                args: Sequence[str] = ()) -> Outcome:
+    """Run ``script`` (a path) or ``module`` (as ``python -m`` does) as ``__main__`` with ``args``, watched.
+
+    As ``python`` would: ``sys.argv`` is the script and its arguments, ``sys.path[0]`` the
+    script's directory (the working directory for a module); the working directory and the
+    standard streams are the process's own. An exception is printed through
+    ``sys.excepthook`` without accelport's frames and gives status 1 (Ctrl-C: 130, and
+    ``interrupted``); ``SystemExit`` gives its code. ``sys.argv`` and ``sys.path[0]`` are
+    put back afterwards, and every hook is taken out.
+    """
+    if (script is None) == (module is None):
+        raise ValueError("run_watched runs a script or a module: give one of them")
+    saved_argv = sys.argv[:]
+    home = os.path.dirname(os.path.abspath(script)) if script is not None else os.getcwd()
+    saved_first = sys.path[0] if sys.path else None
+    if sys.path:
+        sys.path[0] = home
+    else:
+        sys.path.append(home)
+    sys.argv = [script if script is not None else str(module), *args]
+    outcome = Outcome(0)
+    watcher.install()
+    try:
+        if script is not None and not os.path.isdir(script):
+            _run_file(script)
+        elif script is not None:  # a directory with a __main__.py, as python runs one
+            runpy.run_path(script, run_name="__main__")
+        else:
+            runpy.run_module(str(module), run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        outcome = Outcome(_exit_status(exc.code))
+    except BaseException as exc:  # the script's own error: its traceback, as Python prints it
+        # (the display reads the exception's own traceback, so it is trimmed there)
+        tb = _script_traceback(exc.__traceback__)
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        outcome = Outcome(130, interrupted=True) if isinstance(exc, KeyboardInterrupt) else Outcome(1)
+    finally:
+        try:
+            watcher.finish()
+        finally:
+            watcher.uninstall()
+            sys.argv = saved_argv
+            if saved_first is not None and sys.path and sys.path[0] == home:
+                sys.path[0] = saved_first
+    return outcome

@@ -1,0 +1,277 @@
+"""``accelport diagnose`` on unmodified plain-PyTorch scripts (cpu): run as ``python`` would, judged by the rules.
+
+The scripts under ``scripts/`` never import accelport. Most runs are real subprocesses of
+the CLI, compared with the same script run by plain ``python``; the in-process ones check
+what a subprocess cannot see (every hook taken out again).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import warnings
+from typing import Any
+
+import pytest
+
+from accelport.cli import main
+from accelport.contract import StepRecord
+
+SCRIPTS = pathlib.Path(__file__).resolve().parent / "scripts"
+REPO = SCRIPTS.parent.parent.parent
+
+
+def run(*args: str, cwd: pathlib.Path | str = REPO, stdin: str | None = None,
+        diagnose: bool = True) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "accelport", "diagnose", *args] if diagnose else [sys.executable, *args]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELPORT_")}
+    return subprocess.run(command, cwd=cwd, input=stdin, capture_output=True, text=True, timeout=300, env=env)
+
+
+def line_of(script: pathlib.Path, text: str) -> int:
+    """The number of the first line of ``script`` that contains ``text``."""
+    return next(n for n, line in enumerate(script.read_text().splitlines(), 1) if text in line)
+
+
+@pytest.fixture(scope="module")
+def healthy(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """cpu_healthy.py run plainly and under diagnose (with every output), from a directory of its own."""
+    where = tmp_path_factory.mktemp("healthy")
+    script = str(SCRIPTS / "cpu_healthy.py")
+    (where / "out").mkdir()
+    plain = run(script, "--steps", "30", "--read-stdin", cwd=where, stdin="hello\n", diagnose=False)
+    watched = run("--output", "out/findings.json", "--report", "out/run.html", "--metrics-file", "out/steps.jsonl",
+                  script, "--steps", "30", "--read-stdin", cwd=where, stdin="hello\n")
+    return {"dir": where, "plain": plain, "watched": watched}
+
+
+def test_a_healthy_script_runs_as_under_python_and_has_no_finding(healthy: dict[str, Any]) -> None:
+    plain, watched = healthy["plain"], healthy["watched"]
+    assert plain.returncode == 0 and watched.returncode == 0, watched.stderr
+    # The script's stdout is the script's: argv, working directory, __name__, stdin, and the
+    # trained weights, to the last digit (diagnose changes nothing it computes).
+    assert watched.stdout == plain.stdout
+    assert f"argv ['{SCRIPTS / 'cpu_healthy.py'}', '--steps', '30', '--read-stdin']" in watched.stdout
+    assert f"cwd {healthy['dir']}" in watched.stdout and "name __main__" in watched.stdout
+    assert "stdin hello" in watched.stdout
+    assert "torch imported before the script False" in watched.stdout  # diagnose imports no torch of its own
+    summary = watched.stderr
+    assert summary.startswith(f"accelport diagnose: {SCRIPTS / 'cpu_healthy.py'} took 30 optimizer step(s) on cpu "
+                              "and exited with status 0\n"), summary
+    assert "[ok  ] no finding: nothing in this run looks slow or wrong" in summary
+    result = json.loads((healthy["dir"] / "out" / "findings.json").read_text())
+    assert set(result) == {"findings", "metrics", "steps", "backend", "exit_status"}
+    assert result["findings"] == [] and result["steps"] == 30 and result["backend"] == "cpu"
+    assert result["exit_status"] == 0 and result["metrics"]["steps"] == 30
+    assert result["metrics"]["batch_signatures"] == 1
+    lines = (healthy["dir"] / "out" / "steps.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, 31))
+    assert json.loads(lines[0])["loader"] == {"type": "DataLoader", "num_workers": 0, "batch_size": 16,
+                                              "drop_last": False}
+
+
+def test_input_bound_is_found_and_shown_at_the_loop(capfd: pytest.CaptureFixture[str],
+                                                    tmp_path: pathlib.Path) -> None:
+    import torch.optim.optimizer as optimizer_module
+    import torch.utils.data.dataloader as dataloader_module
+
+    script = SCRIPTS / "cpu_slow_data.py"
+    hooks_before = dict(optimizer_module._global_optimizer_post_hooks)
+    meta_path_before = list(sys.meta_path)
+    showwarning_before = warnings.showwarning
+    out = tmp_path / "findings.json"
+    assert main(["diagnose", "--output", str(out), str(script), "--steps", "16"]) == 0
+    result = json.loads(out.read_text())
+    assert [f["kind"] for f in result["findings"]] == ["input-bound"]
+    finding = result["findings"][0]
+    assert set(finding) == {"kind", "message", "step", "evidence"}
+    assert "num_workers=0" in finding["message"] and "Set num_workers to" in finding["message"]
+    assert finding["evidence"]["num_workers"] == 0 and finding["evidence"]["data_wait_share"] > 0.3
+    loop = f"{script}:{line_of(script, 'for x, y in loader:')}"
+    assert finding["evidence"]["where"] == loop
+    err = capfd.readouterr().err
+    assert re.search(r"\[WARN\] input-bound at step \d+: the training loop waited for data", err), err
+    assert f"at {loop}" in err
+    # Everything the watcher put in is taken out again.
+    assert optimizer_module._global_optimizer_post_hooks == hooks_before
+    assert sys.meta_path == meta_path_before and warnings.showwarning is showwarning_before
+    assert not hasattr(dataloader_module.DataLoader.__iter__, "__wrapped__")
+    assert not hasattr(dataloader_module._SingleProcessDataLoaderIter._next_data, "__wrapped__")
+
+
+def test_exit_status_3_is_kept_and_the_findings_still_written(tmp_path: pathlib.Path) -> None:
+    script = SCRIPTS / "cpu_slow_data.py"
+    out = run("--output", str(tmp_path / "f.json"), str(script), "--exit", "3")
+    assert out.returncode == 3, out.stderr
+    result = json.loads((tmp_path / "f.json").read_text())
+    assert result["exit_status"] == 3 and result["steps"] == 16
+    assert [f["kind"] for f in result["findings"]] == ["input-bound"]
+    # Live, once, at the script's own line (not inside torch's optimizer), like a ported script's warning.
+    loop = line_of(script, "for x, y in loader:")
+    assert out.stderr.count("InputBoundWarning: [input-bound]") == 1
+    assert f"{script}:{loop}: InputBoundWarning: [input-bound] the training loop waited" in out.stderr
+    assert "exited with status 3: 1 finding(s)" in out.stderr
+
+
+def test_a_script_that_raises_prints_its_own_traceback(tmp_path: pathlib.Path) -> None:
+    script = str(SCRIPTS / "ends.py")
+    plain = run(script, "raise", diagnose=False)
+    watched = run("--output", str(tmp_path / "f.json"), script, "raise")
+    assert plain.returncode == watched.returncode == 1
+    assert watched.stdout == plain.stdout == "started ['raise']\n"
+    # The same traceback, frame for frame: none of accelport's or runpy's.
+    assert plain.stderr.startswith("Traceback (most recent call last):\n")
+    assert watched.stderr.startswith(plain.stderr), watched.stderr
+    assert "accelport" not in watched.stderr[:len(plain.stderr)] and "runpy" not in watched.stderr
+    assert watched.stderr[len(plain.stderr):].startswith("accelport diagnose: ")
+    assert "[note] no optimizer step ran in this process" in watched.stderr
+    assert json.loads((tmp_path / "f.json").read_text()) == {
+        "findings": [], "metrics": {}, "steps": 0, "backend": None, "exit_status": 1}
+
+
+@pytest.mark.parametrize("args,status,stderr_start", [
+    (["exit", "0"], 0, "accelport diagnose: "),
+    (["exit", "4"], 4, "accelport diagnose: "),
+    (["exit-text", "stopped: bad config"], 1, "stopped: bad config\naccelport diagnose: "),
+])
+def test_system_exit_gives_the_status_python_gives(capfd: pytest.CaptureFixture[str], args: list[str],
+                                                  status: int, stderr_start: str) -> None:
+    assert main(["diagnose", str(SCRIPTS / "ends.py"), *args]) == status
+    captured = capfd.readouterr()
+    assert captured.out == f"started {args!r}\n" and captured.err.startswith(stderr_start), captured.err
+    assert f"exited with status {status}" in captured.err
+
+
+def test_ctrl_c_ends_it_as_it_would_have(tmp_path: pathlib.Path) -> None:
+    script = str(SCRIPTS / "ends.py")
+    plain = run(script, "interrupt", diagnose=False)
+    watched = run("--output", str(tmp_path / "f.json"), script, "interrupt")
+    # Killed by SIGINT, as Python ends after an unhandled KeyboardInterrupt (a calling shell stops too).
+    assert plain.returncode == watched.returncode == -signal.SIGINT, watched.stderr
+    assert plain.stderr.startswith("Traceback") and plain.stderr.rstrip().endswith("KeyboardInterrupt")
+    assert watched.stderr.startswith(plain.stderr), watched.stderr
+    assert json.loads((tmp_path / "f.json").read_text())["exit_status"] == 130
+
+
+def test_a_module_runs_as_with_python_m(tmp_path: pathlib.Path) -> None:
+    package = tmp_path / "mypkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text(
+        "import os, sys\nprint(__name__, sys.argv, sys.path[0] == os.getcwd(), __spec__.name)\nsys.exit(5)\n")
+    plain = subprocess.run([sys.executable, "-m", "mypkg.train", "--epochs", "1"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120)
+    watched = run("-m", "mypkg.train", "--epochs", "1", cwd=tmp_path)
+    assert plain.returncode == watched.returncode == 5, watched.stderr
+    assert watched.stdout == plain.stdout == f"__main__ ['{package / 'train.py'}', '--epochs', '1'] True mypkg.train\n"
+    assert watched.stderr.startswith("accelport diagnose: -m mypkg.train took 0 optimizer step(s) and exited with "
+                                     "status 5")
+
+
+@pytest.mark.parametrize("case", ["missing script", "a directory", "missing module", "output directory missing",
+                                  "report directory missing", "no script", "unknown backend"])
+def test_bad_input_is_a_specific_error_with_exit_2(tmp_path: pathlib.Path, case: str) -> None:
+    marker = tmp_path / "ran"
+    script = tmp_path / "train.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (tmp_path / "data").mkdir()
+    args, words = {
+        "missing script": (["nope.py"], "diagnose: nope.py: no such file; give the path of the training script"),
+        "a directory": (["data"], "diagnose: data is a directory, not a Python script"),
+        "missing module": (["-m", "no_such_pkg.train"], "diagnose: -m no_such_pkg.train: no module of that name"),
+        "output directory missing": (["--output", "missing/f.json", "train.py"],
+                                     "diagnose: --output missing/f.json: the directory"),
+        "report directory missing": (["--report", "missing/r.html", "train.py"],
+                                     "diagnose: --report missing/r.html: the directory"),
+        "no script": ([], "diagnose: give the script to run"),
+        "unknown backend": (["--backend", "tpuu", "train.py"], "unknown backend 'tpuu' (from --backend)."),
+    }[case]
+    out = run(*args, cwd=tmp_path)
+    assert out.returncode == 2 and out.stdout == "", out.stderr
+    assert out.stderr.startswith("accelport: error: ") and words in out.stderr, out.stderr
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+    assert not marker.exists()  # refused before the script ran
+    if case == "output directory missing":
+        assert "does not exist; create it first or write somewhere else" in out.stderr
+
+
+def test_json_asked_for_is_a_json_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--json", "diagnose", str(SCRIPTS / "ends.py"), "exit", "0"]) == 2
+    data = json.loads(capsys.readouterr().out)
+    assert data["kind"] == "usage" and "--output FILE.json" in data["error"]
+    # After the script, --json is the script's own argument.
+    assert main(["diagnose", str(SCRIPTS / "ends.py"), "exit", "0", "--json"]) == 0
+
+
+# -- the graph-growth rule for loops that never sync, on step records -------------------------
+
+
+def lazy_step(n: int, syncs: int, counted: int = 1) -> StepRecord:
+    """A step record as the watcher makes one on XLA: ``syncs`` the script made during it."""
+    return StepRecord(n, "xla", True, 0.01, 0.0, None, {"compilations": 0, "syncs": syncs} if counted else {},
+                      float(n), {}, counted)
+
+
+def test_steps_without_a_sync_are_graph_growth_and_steps_with_one_are_not() -> None:
+    from accelport.diagnose.rules import Diagnostics
+
+    never = Diagnostics(environ={})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in range(1, 9):
+            never.accelport_step_end(lazy_step(n, 0))
+    assert [(f.kind, f.step) for f in never.findings] == [("graph-growth", 5)]
+    assert "the loop never syncs" in never.findings[0].message and "torch_xla.sync()" in never.findings[0].message
+    assert never.findings[0].evidence["steps_without_sync"] == 5
+    assert [str(w.message)[:14] for w in caught] == ["[graph-growth]"]
+
+    # Two optimizers and one sync per batch (a GAN), a quiet stretch read 16 steps at a time,
+    # and a ported loop (its records carry no sync count): silent.
+    two_optimizers = [lazy_step(n, n % 2) for n in range(1, 41)]
+    quiet = [lazy_step(n, 1) for n in range(1, 41)] + [
+        lazy_step(n, 16, 16) if n % 16 == 0 else lazy_step(n, 0, 0) for n in range(41, 97)]
+    ported = [StepRecord(n, "xla", True, 0.01, 0.0, None, {"compilations": 0}, float(n), {}) for n in range(1, 41)]
+    for records in (two_optimizers, quiet, ported):
+        rules = Diagnostics(environ={})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for record in records:
+                rules.accelport_step_end(record)
+        assert rules.findings == []
+
+
+def test_a_recorded_run_that_never_synced_is_diagnosed_by_accelport_report(tmp_path: pathlib.Path) -> None:
+    from accelport.diagnose.metrics_log import record_to_dict
+    from accelport.diagnose.report import diagnose, load_records
+
+    path = tmp_path / "steps.jsonl"
+    path.write_text("".join(json.dumps(record_to_dict(lazy_step(n, 0))) + "\n" for n in range(1, 9)))
+    assert [f.kind for f in diagnose(load_records(str(path)))] == ["graph-growth"]
+
+
+# -- the report page, in a real browser --------------------------------------------------------
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"),
+                    reason="Debian's chromium is not installed (`make test` installs it where it can)")
+def test_the_report_page_renders_in_a_headless_browser(healthy: dict[str, Any]) -> None:
+    assert CHROMIUM, "CI must have chromium: the Makefile's test target installs it"
+    page = healthy["dir"] / "out" / "run.html"
+    assert f"wrote {healthy['dir'] / 'out' / 'findings.json'}, {page}" in healthy["watched"].stderr
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+    with tempfile.TemporaryDirectory() as profile:
+        dom = subprocess.run([CHROMIUM, *flags, f"--user-data-dir={profile}", "--dump-dom", f"file://{page}"],
+                             capture_output=True, text=True, timeout=120).stdout
+    assert 'data-drawn="30"' in dom, "the script did not draw the chart"
+    assert re.findall(r'class="seg seg-(\w+)"', dom).count("rest") == 30
+    assert "accelport diagnose: " in dom and "No diagnosis: nothing in this run looks slow or wrong" in dom

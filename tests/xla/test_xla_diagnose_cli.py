@@ -1,0 +1,92 @@
+"""``accelport diagnose`` on unmodified torch_xla scripts, for real on XLA:CPU.
+
+The scripts (tests/diagnose_cli/scripts/xla_*.py) never import accelport. Three run in this
+process through the CLI's ``main`` (torch_xla is already loaded here: one XLA start less
+each); the loop that never syncs runs as its own process, where the hooks go in as the script
+imports torch_xla. Each script uses its own feature size, so no two share a cached graph.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from accelport.cli import main
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.xla
+
+SCRIPTS = pathlib.Path(REPO) / "tests" / "diagnose_cli" / "scripts"
+
+
+def line_of(script: pathlib.Path, text: str) -> int:
+    return next(n for n, line in enumerate(script.read_text().splitlines(), 1) if text in line)
+
+
+def diagnose(script: pathlib.Path, tmp_path: pathlib.Path,
+             capfd: pytest.CaptureFixture[str]) -> tuple[dict[str, Any], str, str]:
+    """The --output JSON, the script's stdout and the stderr of `accelport diagnose SCRIPT`, run in this process."""
+    out = tmp_path / "findings.json"
+    assert main(["diagnose", "--output", str(out), str(script)]) == 0
+    captured = capfd.readouterr()
+    return json.loads(out.read_text()), captured.out, captured.err
+
+
+def test_padding_each_batch_to_its_longest_is_recompilation_naming_the_input(tmp_path, capfd) -> None:  # type: ignore[no-untyped-def]
+    result, _, err = diagnose(SCRIPTS / "xla_padded.py", tmp_path, capfd)
+    assert result["backend"] == "xla" and result["steps"] == 12
+    assert [f["kind"] for f in result["findings"]] == ["recompilation"], err
+    message = result["findings"][0]["message"]
+    assert re.search(r"input 0 changed from \(8, \d+, 11\) to \(8, \d+, 11\)", message), message
+    assert result["metrics"]["compilations"] >= 10 and result["metrics"]["batch_signatures"] == 12
+
+
+def test_loss_item_every_step_is_host_sync_at_that_line(tmp_path, capfd) -> None:  # type: ignore[no-untyped-def]
+    script = SCRIPTS / "xla_item.py"
+    result, _, err = diagnose(script, tmp_path, capfd)
+    assert [f["kind"] for f in result["findings"]] == ["host-sync"], err
+    site = f"{script}:{line_of(script, 'total += loss.item()')}"
+    assert f"It happens at {site}" in result["findings"][0]["message"]
+    assert result["findings"][0]["evidence"]["where"] == site and f"at {site}" in err
+
+
+def test_a_healthy_torch_xla_loop_has_no_finding(tmp_path, capfd) -> None:  # type: ignore[no-untyped-def]
+    # MpDeviceLoader, xm.optimizer_step, and the loss read every step inside xm.add_step_closure
+    # (after the step ran: not a host sync, as ap.after_step's reads are not).
+    result, out, err = diagnose(SCRIPTS / "xla_healthy.py", tmp_path, capfd)
+    assert result["findings"] == [] and result["steps"] == 30, err
+    assert "30 losses logged" in out and "[ok  ] no finding" in err
+    assert result["metrics"]["device_to_host"] >= 30  # the closures' reads happened, and were left out
+
+
+def test_a_loop_that_never_syncs_is_graph_growth_saying_where_to_sync(tmp_path: pathlib.Path) -> None:
+    script = SCRIPTS / "xla_no_sync.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELPORT_")}
+    out = subprocess.run([sys.executable, "-m", "accelport", "diagnose", "--output", str(tmp_path / "f.json"),
+                          str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((tmp_path / "f.json").read_text())
+    assert result["backend"] == "xla" and result["steps"] == 8
+    assert [f["kind"] for f in result["findings"]] == ["graph-growth"]
+    finding = result["findings"][0]
+    assert "the loop never syncs" in finding["message"] and "Add torch_xla.sync()" in finding["message"]
+    step = f"{script}:{line_of(script, 'opt.step()')}"
+    assert finding["evidence"] == {"steps_without_sync": 5, "where": step}
+    assert "[FAIL] graph-growth at step 5: 5 optimizer steps in a row ran without a sync" in out.stderr
+    assert f"at {step}" in out.stderr and f"{step}: GraphGrowthWarning: [graph-growth]" in out.stderr
+
+
+def test_a_plain_pytorch_script_never_gets_torch_xla_imported() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELPORT_")}
+    out = subprocess.run([sys.executable, "-m", "accelport", "diagnose", str(SCRIPTS / "cpu_healthy.py"),
+                          "--steps", "12"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "torch_xla imported False" in out.stdout  # installed here, never imported for it
+    assert "took 12 optimizer step(s) on cpu" in out.stderr

@@ -191,7 +191,7 @@ def optimizer_step(optimizer: Any, **kwargs: Any) -> Any:
 
 def sync() -> None:
     """Wait for all queued device work (eager) or execute the pending graph (lazy)."""
-    _RT.backend().sync()
+    _RT.sync()
 
 
 def metrics() -> Metrics:
@@ -222,9 +222,11 @@ def after_step(fn: Callable[..., Any], *tensors: Any) -> None:
 def diagnostics() -> list[Any]:
     """What the built-in diagnostics found so far in this run (``Diagnosis`` items).
 
-    Each has ``kind`` (recompilation, host-sync, input-bound, graph-growth,
-    cpu-fallback, deprecated-config), ``message`` (cause and fix), ``step`` and
-    ``evidence``. Empty when diagnostics are disabled (``ACCELPORT_DIAGNOSTICS=0``).
+    Each has ``kind`` (recompilation, compile-limit, graph-break, host-sync,
+    input-bound, graph-growth, cpu-fallback, non-finite, precision,
+    deprecated-config), ``message`` (cause and fix), ``step``, ``evidence`` and
+    ``severity`` ("problem" for compile-limit and non-finite). Empty when
+    diagnostics are disabled (``ACCELPORT_DIAGNOSTICS=0``).
     """
     _RT.tracker.flush()  # steps not yet handed to the observers (see StepRecord)
     plugin = _RT.host().pm.get_plugin("diagnostics")

@@ -293,6 +293,14 @@ class Backend(abc.ABC):
         """
         fn(*(to_host(t) for t in tensors))
 
+    def diagnostic_read(self, fn: Callable[..., Any], tensors: tuple[Any, ...]) -> None:
+        """:meth:`after_step` for accelport's own diagnostics, whose reads the transfer counts leave out.
+
+        ``ap.metrics().device_to_host`` describes the user's run; a backend that counts
+        transfers itself subtracts these (the lazy family does).
+        """
+        self.after_step(fn, tensors)
+
     # -- checkpoints ------------------------------------------------------------------
     def save(self, obj: Any, path: str | os.PathLike[str]) -> None:
         """Write ``obj`` to ``path`` from the main process only, atomically (:func:`accelport.checkpoint.save_file`)."""

@@ -76,6 +76,7 @@ class EagerBackend(Backend):
         self._device_counters_broken = False
         # Host reads: counted on accelerators (see accelport.diagnose.tracer), never on the host.
         self._reads: Callable[[str], int] | None = None
+        self._guard_compiles: Callable[[], None] = lambda: None
         self._observer: Any = None  # torch.compile's records (accelport.diagnose.dynamo)
         self._compile_seconds_seen = 0.0
         self._world_env = 1
@@ -94,6 +95,7 @@ class EagerBackend(Backend):
         if self.sync_api != "none":  # an accelerator: a host read stalls it (on cpu, the host is the device)
             tracer.count_reads(self.device_type)
             self._reads = tracer.reads
+            self._guard_compiles = tracer.guard_compiles
         world = self._world_env = env_int(os.environ, "WORLD_SIZE", 1)
         if world > 1 and self.per_process_device and self.sync_api != "none":
             set_device = self.device_api("set_device")
@@ -203,10 +205,9 @@ class EagerBackend(Backend):
         # process group, once initialised, decides; before that, WORLD_SIZE as read at prepare().
         dist = self._dist_module
         if dist is None and "torch.distributed" in sys.modules:
-            import torch.distributed as dist
+            import torch.distributed
 
-            self._dist_module = dist if dist.is_available() else False
-            dist = self._dist_module
+            dist = self._dist_module = torch.distributed if torch.distributed.is_available() else False
         world = dist.get_world_size() if dist and dist.is_initialized() else self._world_env
         if world > 1:
             self._average_gradients(optimizer)
@@ -281,7 +282,7 @@ class EagerBackend(Backend):
             # Batches already live on the device: by default no thread, which would only move
             # the loop's own iteration elsewhere (a DataLoader's workers prefetch already) and
             # cost a hand-over per batch. prefetch=N still loads ahead in a thread.
-            return prefetch_iter(iterable, depth=prefetch or 0)
+            return prefetch_iter(iterable, depth=prefetch) if prefetch else iter(iterable)
         if prefetch is None:
             prefetch = self.default_prefetch
         device = self.device()
@@ -369,6 +370,8 @@ class EagerBackend(Backend):
         out: dict[str, float] = {
             "compilations": int(utils.counters.get("stats", {}).get("unique_graphs", 0)) if utils else 0}
         if utils is not None:  # torch.compile ran: its graph breaks and recompile-limit hits
+            if self._reads is not None:
+                self._guard_compiles()  # (again after a torch._dynamo.reset())
             out["graph_breaks"] = len(getattr(utils, "graph_break_reasons", ()))
             if self._observer is not None:
                 out["compile_limit_hits"] = self._observer.limit_hit_count()

@@ -23,6 +23,7 @@ once something else imported it.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import threading
@@ -38,13 +39,15 @@ __all__ = ["CompileObserver", "FunctionCompiles", "GraphBreak", "LimitHit", "Siz
 LIMIT_LOGGER = "torch._dynamo.convert_frame"
 LIMIT_PREFIX = "torch._dynamo hit config."
 
-_SIZE = re.compile(r"^(?:\d+/\d+: )?tensor '(?P<arg>[^']+)' (?P<what>size|stride) mismatch at index (?P<dim>\d+)\. "
+_SIZE = re.compile(r"^(?:\d+/\d+: )?tensor '(?P<arg>.+?)' (?P<what>size|stride) mismatch at index (?P<dim>\d+)\. "
                    r"expected (?P<expected>\d+), actual (?P<actual>\d+)")
-_DTYPE = re.compile(r"^(?:\d+/\d+: )?tensor '(?P<arg>[^']+)' dtype mismatch\. expected (?P<expected>\w+), "
+_DTYPE = re.compile(r"^(?:\d+/\d+: )?tensor '(?P<arg>.+?)' dtype mismatch\. expected (?P<expected>\w+), "
                     r"actual (?P<actual>\w+)")
 _VALUE = re.compile(r"^(?:\d+/\d+: )?(?P<arg>\S+) (?:==|<=|>=|<|>|!=) ")
 _RESUME = re.compile(r"^torch_dynamo_resume_in_(?P<parent>.+)_at_(?P<line>\d+)$")
 _LOCAL = re.compile(r"^L\['(?P<name>[^']+)'\]$")
+#: accelport's own frames are never where the user's graph breaks.
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _arg_name(raw: str) -> str:
@@ -318,7 +321,7 @@ class CompileObserver:
         new = breaks[base:] if len(breaks) >= base else breaks
         counts: Counter[tuple[str, str, str, str]] = Counter()
         for b in new:
-            stack = getattr(b, "user_stack", None) or []
+            stack = [f for f in getattr(b, "user_stack", None) or [] if not str(f.filename).startswith(_OWN_DIR)]
             frame = stack[-1] if stack else None
             reason = (str(getattr(b, "reason", "")) or "?").splitlines()[0].strip()
             where = _where(frame.filename, frame.lineno) if frame is not None else "?"

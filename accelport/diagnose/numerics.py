@@ -190,6 +190,7 @@ class NumericsWatch:
         self._batch: Any = None  # host mode: this step's batch; deferred: what check_batch said
         self._low: list[Any] | None = None  # low-precision parameters (None: not looked yet)
         self._sample: _Sample | None = None
+        self._next_sample = PRECISION_FIRST  # the next step _precision has anything to do at
         self._stalled_runs: dict[int, int] = {}  # id(param) -> samples in a row that found it stalled
         self._last_shares: dict[int, float] = {}
         #: Reads handed to after_step that have not run yet (lazy: they run after the next sync).
@@ -238,12 +239,14 @@ class NumericsWatch:
                 self._kept.append((step, grad.detach().clone() if self._clone else grad))
             if len(self._kept) >= CHECK_EVERY:
                 self.read()
-        elif grad is not None:
+        elif grad is not None and not math.isfinite(abs(grad.sum().item())):
+            # A NaN or Inf survives the sum (2 us, against 11 for isfinite().all()); a sum
+            # that overflows on its own is told apart by the exact check.
             import torch
 
             if not bool(torch.isfinite(grad).all()):
                 self._found(step, batch)
-        if self._low is None or self._low:
+        if step >= self._next_sample:
             self._precision(step, optimizer)
 
     def _select(self, optimizer: Any) -> None:
@@ -251,7 +254,8 @@ class NumericsWatch:
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         with_grad = [p for p in self._params if getattr(p, "grad", None) is not None]
         tail = with_grad[-CANARY_FROM_LAST:]
-        self._canary = min(tail, key=lambda p: p.numel()) if tail else None
+        # The smallest, and of equals the last: nearest the loss.
+        self._canary = min(reversed(tail), key=lambda p: p.numel()) if tail else None
         self._last_grad = None
         self._low = None
 
@@ -311,20 +315,24 @@ class NumericsWatch:
         sample = self._sample
         if sample is not None and step == sample.step + 1:
             self._sample = None
+            self._next_sample = sample.step + PRECISION_EVERY
             self._compare(sample, step)
             return
-        if step < PRECISION_FIRST or (step - PRECISION_FIRST) % PRECISION_EVERY:
+        self._sample = None
+        # Samples at PRECISION_FIRST, then every PRECISION_EVERY steps.
+        due = step >= PRECISION_FIRST and (step - PRECISION_FIRST) % PRECISION_EVERY == 0
+        self._next_sample = step + 1 if due else PRECISION_FIRST + (
+            (step - PRECISION_FIRST) // PRECISION_EVERY + 1) * PRECISION_EVERY
+        if not due:
             return
         if self._low is None:
-            self._low = [p for p in self._params if _dtype(p) in LOW_PRECISION and p.requires_grad]
-            if not self._lazy:
-                self._low = self._low[:PRECISION_MAX_PARAMS]
-            else:
-                self._low = [p for p in self._low if p.numel() <= PRECISION_LAZY_MAX][:PRECISION_MAX_PARAMS]
-            if not self._low:
-                return
+            low = [p for p in self._params if _dtype(p) in LOW_PRECISION and p.requires_grad]
+            if self._lazy:
+                low = [p for p in low if p.numel() <= PRECISION_LAZY_MAX]
+            self._low = low[:PRECISION_MAX_PARAMS]
         params = [p for p in self._low if p.grad is not None]
         if not params:
+            self._next_sample = step + PRECISION_EVERY
             return
         sample = _Sample(step, params)
         self._sample = sample

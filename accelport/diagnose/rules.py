@@ -210,7 +210,8 @@ class Diagnostics:
         self._seconds_sum = 0.0
         self._wait_sum = 0.0
         self._graph_sizes: deque[float] = deque(maxlen=50)
-        self._signature_counts: Counter[Any] = Counter()  # steps per batch signature
+        self._signature_counts: Counter[Any] = Counter()  # steps per batch signature, but for...
+        self._signature_run = 0  # ...the steps of the current run of equal signatures
         self._graph_breaks = 0  # from the records (replay); live runs read dynamo too
         self._limit_hits = 0
 
@@ -241,8 +242,11 @@ class Diagnostics:
 
         # Batch shapes: the loader hands the same signature object while shapes repeat.
         signature = record.signature
-        if signature is not None:
-            self._signature_counts[signature] += 1
+        if signature is self._prev_signature:
+            self._signature_run += 1  # counted into _signature_counts when the shape changes
+        else:
+            self._count_signatures()
+            self._signature_run = 1
         new_signature = False
         if signature is not self._prev_signature and signature is not None \
                 and signature not in self._signatures:
@@ -295,18 +299,20 @@ class Diagnostics:
                     self._wait_sum >= 0.999 * INPUT_BOUND_MIN_WAIT * len(timing):
                 self._input_bound(record)
 
-        # torch.compile's records, and what the step's numbers say (live runs).
-        self._limit_hits += delta.get("compile_limit_hits", 0)
-        if "compile-limit" not in reported and (self._limit_hits or self._observer.limit_hit_count(self._mark)):
-            self._compile_limit(record)
-        self._graph_breaks += delta.get("graph_breaks", 0)
+        # torch.compile's records, and what the step's numbers say (live runs): looked at on
+        # the records whose counters were read (a quiet block's last), so at most 15 steps late.
+        if delta:
+            self._limit_hits += int(delta.get("compile_limit_hits", 0))
+            if "compile-limit" not in reported and (self._limit_hits or self._observer.limit_hit_count(self._mark)):
+                self._compile_limit(record)
+            self._graph_breaks += int(delta.get("graph_breaks", 0))
+            runtime = self._runtime
+            watch = runtime.tracker.numerics if runtime is not None else None
+            if watch is not None and (watch.nonfinite is not None or watch.stalled is not None):
+                self._numerics(watch, step)
         if "graph-break" not in reported and step >= GRAPH_BREAK_MIN_STEP and \
                 (compiles > 0 or step == GRAPH_BREAK_MIN_STEP or self._graph_breaks):
             self._graph_break(record)
-        runtime = self._runtime
-        watch = runtime.tracker.numerics if runtime is not None else None
-        if watch is not None and (watch.nonfinite is not None or watch.stalled is not None):
-            self._numerics(watch, step)
 
         if record.lazy:
             size = delta.get("graph_nodes")
@@ -370,8 +376,14 @@ class Diagnostics:
             buckets=list(suggestion.buckets) if suggestion else None,
         )
 
+    def _count_signatures(self) -> None:
+        if self._signature_run and self._prev_signature is not None:
+            self._signature_counts[self._prev_signature] += self._signature_run
+        self._signature_run = 0
+
     def _suggestion(self) -> Any:
         """Buckets for the length that varies across the batches seen (None if none varies)."""
+        self._count_signatures()
         _, lengths = compiled.signature_lengths(self._signature_counts)
         return suggest(lengths) if len(lengths) > 1 else None
 
@@ -460,7 +472,7 @@ class Diagnostics:
                 "non-finite",
                 f"the gradients became NaN or Inf at step {found.step}: {source} ({found.detail}). Every step "
                 f"after it trains on NaN. {fixes[found.source]}",
-                max(step, found.step), first_step=found.step, source=found.source, names=list(found.names),
+                found.step, first_step=found.step, source=found.source, names=list(found.names),
             )
         stalled = watch.stalled
         if stalled is not None and "precision" not in self._reported:
@@ -476,7 +488,7 @@ class Diagnostics:
                 "pass under ap.autocast(torch.bfloat16); or use stochastic rounding "
                 "(NEURON_RT_STOCHASTIC_ROUNDING_EN=1 on Neuron), or an optimizer that compensates the rounding "
                 "(Kahan summation).",
-                max(step, stalled.step), params=[name for name, _, _ in stalled.params],
+                stalled.step, params=[name for name, _, _ in stalled.params],
                 unchanged_share={name: round(share, 3) for name, _, share in stalled.params},
             )
 
@@ -501,7 +513,7 @@ class Diagnostics:
         usual_text = f" (a step's graph is usually {int(usual)})" if usual else ""
         self.report(
             "graph-growth",
-            f"{where} executed a graph of {int(nodes)} nodes{usual_text} with no training step since the previous "
+            f"a graph of {int(nodes)} nodes ran at {where}{usual_text} with no training step since the previous "
             "sync: a loop ran many iterations without a sync (a hand-written accumulation or evaluation loop), "
             "so they compile and run as one huge graph (slow to compile, memory hungry). Call ap.sync() once per "
             "iteration of that loop, or iterate it with ap.loader, which syncs once per batch.",

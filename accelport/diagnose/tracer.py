@@ -15,18 +15,20 @@ per process (``print(tensor)`` goes through ``__repr__``; ``.cpu()`` and
   hosts (a run and doctor, or a test's) each keep their own counts.
 
 The wrappers cost a Python call per wrapped method call, so they are installed
-only when a backend counts or a trace listens.
+only when a backend counts or a trace listens, and never while torch.compile
+compiles (see :func:`guard_compiles`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import weakref
 from collections import Counter
 from typing import Any
 
-__all__ = ["HostSyncSites", "METHODS", "COPIES", "count_reads", "reads"]
+__all__ = ["HostSyncSites", "METHODS", "COPIES", "count_reads", "reads", "guard_compiles"]
 
 METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__format__", "__repr__", "numpy")
 #: Methods that read the host only when their result is on the CPU.
@@ -80,12 +82,12 @@ def _install() -> None:
     compiler = getattr(torch, "compiler", None)
     is_compiling = getattr(compiler, "is_compiling", None) or (lambda: False)
 
+    def internal(f: Any) -> bool:
+        name = f.f_code.co_filename
+        return name.startswith(torch_dir) or name.startswith(own_dir)
+
     def note(device_type: str) -> None:
         frame: Any = sys._getframe(2)  # the caller of the wrapped method
-
-        def internal(f: Any) -> bool:
-            name = f.f_code.co_filename
-            return name.startswith(torch_dir) or name.startswith(own_dir)
 
         # One per call from the user's code: torch reading its own tensors (formatting a
         # print, an optimizer's step count) is not another read.
@@ -93,9 +95,10 @@ def _install() -> None:
             counts[device_type] += 1
         if not _listeners or (device_type == "cpu" and device_type not in counts):
             return
-        while frame is not None and internal(frame):
+        # The site: the user's line, above torch's frames; accelport's own reads have none.
+        while frame is not None and frame.f_code.co_filename.startswith(torch_dir):
             frame = frame.f_back
-        if frame is not None:
+        if frame is not None and not frame.f_code.co_filename.startswith(own_dir):
             site = f"{frame.f_code.co_filename}:{frame.f_lineno}"
             for listener in list(_listeners):
                 listener.sites[site] += 1
@@ -125,7 +128,122 @@ def _install() -> None:
         return traced
 
     for name in METHODS:
-        setattr(torch.Tensor, name, wrap(getattr(torch.Tensor, name)))
+        _originals[name] = getattr(torch.Tensor, name)
+        _wrappers[name] = wrap(_originals[name])
     for name in COPIES:
-        setattr(torch.Tensor, name, wrap_copy(getattr(torch.Tensor, name)))
+        _originals[name] = getattr(torch.Tensor, name)
+        _wrappers[name] = wrap_copy(_originals[name])
+    _put(_wrappers)
+    _own_code.extend([note.__code__, internal.__code__, _wrappers[METHODS[0]].__code__, _wrappers[COPIES[0]].__code__])
     _installed = True
+    guard_compiles()
+
+
+# -- torch.compile must never see the wrappers ----------------------------------------------------
+# dynamo inlines a Python function found on torch.Tensor, and the C method it then calls
+# is one it cannot trace: each .to(), .cpu() or .item() in a compiled function would break
+# its graph there. So the plain methods are put back for the duration of every compilation
+# (dynamo's compile start and end callbacks wrap the whole of it, bytecode tracing included),
+# and the wrappers return when it ends. Reads made by other threads meanwhile are not counted.
+
+_originals: dict[str, Any] = {}
+_wrappers: dict[str, Any] = {}
+_own_code: list[Any] = []  # the wrappers' code: dynamo must run it as it is, never compile it
+_compiling = 0
+
+
+def _put(methods: dict[str, Any]) -> None:
+    import torch
+
+    for name, fn in methods.items():
+        setattr(torch.Tensor, name, fn)
+
+
+def _compile_started(*args: Any) -> None:
+    global _compiling
+    _compiling += 1
+    if _compiling == 1:
+        _put(_originals)
+        # A wrapper called at run time from a compiled function's eager part (after a graph
+        # break) would itself be a frame dynamo compiles, and breaks: have dynamo skip it.
+        skip = getattr(sys.modules.get("torch._dynamo.eval_frame"), "skip_code", None)
+        if skip is not None:
+            for code in _own_code:
+                skip(code)
+        _rearm_after_reset()
+
+
+def _compile_ended(*args: Any) -> None:
+    global _compiling
+    _compiling = max(_compiling - 1, 0)
+    if _compiling == 0:
+        _put(_wrappers)
+
+
+def guard_compiles() -> None:
+    """Have every torch.compile compilation run with the plain methods (idempotent, cheap).
+
+    Once dynamo is loaded, its callbacks are registered (again after ``torch._dynamo.reset()``,
+    which clears them); before that, an import hook registers them as dynamo loads, so
+    nothing here imports it.
+    """
+    if not _installed:
+        return
+    module = sys.modules.get("torch._dynamo.callback")
+    if module is None:
+        if not any(isinstance(f, _WhenDynamoLoads) for f in sys.meta_path):
+            sys.meta_path.insert(0, _WhenDynamoLoads())
+        return
+    handler = getattr(module, "callback_handler", None)
+    starts = getattr(handler, "start_callbacks", None)
+    if handler is not None and starts is not None and _compile_started not in starts:
+        handler.register_start_callback(_compile_started)
+        handler.register_end_callback(_compile_ended)
+    _rearm_after_reset()
+
+
+def _rearm_after_reset() -> None:
+    """``torch._dynamo.reset()`` (and ``torch.compiler.reset()``) clear the callbacks: register them again after it."""
+    dynamo = sys.modules.get("torch._dynamo")
+    reset = getattr(dynamo, "reset", None)
+    if reset is None or getattr(reset, "_accelport_rearms", False):
+        return  # (not yet defined while dynamo is still loading: the first compile start comes back here)
+
+    @functools.wraps(reset)
+    def rearming_reset(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return reset(*args, **kwargs)
+        finally:
+            guard_compiles()
+
+    rearming_reset._accelport_rearms = True  # type: ignore[attr-defined]
+    dynamo.reset = rearming_reset  # type: ignore[union-attr]
+
+
+class _WhenDynamoLoads:
+    """An import hook: when ``torch._dynamo.callback`` is executed, register the callbacks."""
+
+    target = "torch._dynamo.callback"
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != self.target:
+            return None
+        import importlib.util
+
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        loader = getattr(spec, "loader", None)
+        run = getattr(loader, "exec_module", None)
+        if run is None:
+            return spec
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            sys.modules[name] = module
+            guard_compiles()
+
+        loader.exec_module = exec_module  # type: ignore[union-attr]
+        return spec
+
+    def find_module(self, *args: Any) -> None:  # pragma: no cover - pre-3.4 protocol, never used
+        return None

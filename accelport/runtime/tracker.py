@@ -139,7 +139,7 @@ class StepTracker:
             watch.read()
             if watch.pending and backend.lazy:
                 backend.sync()  # runs the reads (step closures); nothing of the loop's is pending here
-        self._outside_steps(backend, host, "the end of the loop")
+        self._outside_steps(backend, host, "a point outside the training steps")
         plugin = host.pm.get_plugin("diagnostics")
         if plugin is not None and hasattr(plugin, "settle"):
             plugin.settle()
@@ -170,7 +170,7 @@ class StepTracker:
         self.synced()  # a loop left early: its last step is finished as it stands
         pending = self._pending
         backend, host = self._backend, self._host
-        if not pending or backend is None:
+        if not pending or backend is None or host is None:
             return
         self._pending = []
         delta = backend.step_delta()

@@ -184,9 +184,14 @@ def loader(
 
 def optimizer_step(optimizer: Any, **kwargs: Any) -> Any:
     """Average gradients over replicas, step the optimizer, and end the step (lazy work runs)."""
-    if not (callable(getattr(optimizer, "step", None)) and hasattr(optimizer, "param_groups")):
-        raise TypeError(f"ap.optimizer_step needs a torch.optim.Optimizer, not {type(optimizer).__name__}")
+    if optimizer is not _checked[0]:  # checked once per optimizer, not on every step
+        if not (callable(getattr(optimizer, "step", None)) and hasattr(optimizer, "param_groups")):
+            raise TypeError(f"ap.optimizer_step needs a torch.optim.Optimizer, not {type(optimizer).__name__}")
+        _checked[0] = optimizer
     return _RT.optimizer_step(optimizer, **kwargs)
+
+
+_checked: list[Any] = [object()]  # the last optimizer that passed the check
 
 
 def sync() -> None:

@@ -54,7 +54,8 @@ def signature(batch: Any) -> tuple[Any, ...]:
             if not isinstance(x, tensor):
                 break
             dtype = x.dtype
-            flat.append((tuple(x.shape), names.get(dtype) or _dtype_name(dtype)))
+            # torch.Size is a tuple (equal, same hash): no copy into a plain one.
+            flat.append((x.shape, names.get(dtype) or _dtype_name(dtype)))
         else:
             return tuple(flat)
     out: list[Any] = []

@@ -146,9 +146,10 @@ def test_healthy_compiled_loops_are_silent(case: str) -> None:
         silent(lambda: train(model, ap.compile(model), batches([8] * 16)))
         assert ap.metrics().compilations == 1
     elif case == "default compile, varying lengths":
-        # dynamo marks the length dynamic after the second shape: two compilations, not a problem.
+        # dynamo marks the length dynamic after the second shape: two compilations, not a problem
+        # (one, where the profile it keeps on disk from an earlier run says so at once).
         silent(lambda: train(model, ap.compile(model), batches([5 + i % 13 for i in range(24)])))
-        assert ap.metrics().compilations == 2
+        assert ap.metrics().compilations in (1, 2)
     else:
         lengths = [(8, 16, 24, 32)[(i * 3) % 4] for i in range(30)]
         data = batches(lengths) + batches([32], batch=1)  # and a short final batch

@@ -214,14 +214,19 @@ def loader(
 
 def optimizer_step(optimizer: Any, **kwargs: Any) -> Any:
     """Average gradients over replicas, step the optimizer, and end the step (lazy work runs)."""
-    if not (callable(getattr(optimizer, "step", None)) and hasattr(optimizer, "param_groups")):
-        raise TypeError(f"ap.optimizer_step needs a torch.optim.Optimizer, not {type(optimizer).__name__}")
+    if optimizer is not _checked[0]:  # checked once per optimizer, not on every step
+        if not (callable(getattr(optimizer, "step", None)) and hasattr(optimizer, "param_groups")):
+            raise TypeError(f"ap.optimizer_step needs a torch.optim.Optimizer, not {type(optimizer).__name__}")
+        _checked[0] = optimizer
     return _rt().optimizer_step(optimizer, **kwargs)
+
+
+_checked: list[Any] = [object()]  # the last optimizer that passed the check
 
 
 def sync() -> None:
     """Wait for all queued device work (eager) or execute the pending graph (lazy)."""
-    _rt().backend().sync()
+    _rt().sync()
 
 
 def metrics() -> Metrics:
@@ -252,9 +257,11 @@ def after_step(fn: Callable[..., Any], *tensors: Any) -> None:
 def diagnostics() -> list[Any]:
     """What the built-in diagnostics found so far in this run (``Diagnosis`` items).
 
-    Each has ``kind`` (recompilation, host-sync, input-bound, graph-growth,
-    cpu-fallback, deprecated-config), ``message`` (cause and fix), ``step`` and
-    ``evidence``. Empty when diagnostics are disabled (``ACCELPORT_DIAGNOSTICS=0``).
+    Each has ``kind`` (recompilation, compile-limit, graph-break, host-sync,
+    input-bound, graph-growth, cpu-fallback, non-finite, precision,
+    deprecated-config), ``message`` (cause and fix), ``step``, ``evidence`` and
+    ``severity`` ("problem" for compile-limit and non-finite). Empty when
+    diagnostics are disabled (``ACCELPORT_DIAGNOSTICS=0``).
     """
     rt = _rt()
     rt.tracker.flush()  # steps not yet handed to the observers (see StepRecord)

@@ -310,6 +310,14 @@ class Backend(abc.ABC):
 
         fn(*(to_host(t) for t in tensors))
 
+    def diagnostic_read(self, fn: Callable[..., Any], tensors: tuple[Any, ...]) -> None:
+        """:meth:`after_step` for accelport's own diagnostics, whose reads the transfer counts leave out.
+
+        ``ap.metrics().device_to_host`` describes the user's run; a backend that counts
+        transfers itself subtracts these (the lazy family does).
+        """
+        self.after_step(fn, tensors)
+
     # -- sharding ---------------------------------------------------------------------
     #: What ``ap.shard`` registered on this backend (an ``accelport.sharding.ShardRegistry``), None before.
     shard_registry: Any = None

@@ -56,7 +56,8 @@ def signature(batch: Any) -> tuple[Any, ...]:
             if not isinstance(x, tensor):
                 break
             dtype = x.dtype
-            flat.append((tuple(x.shape), names.get(dtype) or _dtype_name(dtype)))
+            # torch.Size is a tuple (equal, same hash): no copy into a plain one.
+            flat.append((x.shape, names.get(dtype) or _dtype_name(dtype)))
         else:
             return tuple(flat)
     out: list[Any] = []
@@ -197,19 +198,27 @@ def _unsharded_dataloader(iterable: Any) -> bool:
     return not any(isinstance(s, data.distributed.DistributedSampler) for s in samplers)
 
 
-def _signed(source: Iterable[Any], signatures: collections.deque[tuple[Any, ...]]) -> Iterator[Any]:
+def _signed(source: Iterable[Any], signatures: collections.deque[Any],
+            inspect: Callable[[Any, Any], Any] | None = None) -> Iterator[Any]:
     """``source``, appending each batch's signature to ``signatures`` as it is read.
 
     It runs where the backend reads its source: in the prefetch (or upload) thread
     when there is one, off the training loop's own thread. The host batch has the
     shapes and dtypes its device copy will have, and batches keep their order.
     Equal signatures come out as one object, so the loop compares them by identity.
+    ``inspect(batch, signature)`` (the diagnostics' look at the host batch) may hand
+    back something in the signature's place, which the step tracker unpacks.
     """
     append = signatures.append
     known: dict[tuple[Any, ...], tuple[Any, ...]] = {}
     intern = known.setdefault
+    if inspect is None:
+        for batch in source:
+            append(intern(sig := signature(batch), sig))
+            yield batch
+        return
     for batch in source:
-        append(intern(sig := signature(batch), sig))
+        append(inspect(batch, intern(sig := signature(batch), sig)))
         yield batch
 
 
@@ -273,8 +282,9 @@ class DeviceLoader:
         backend = runtime.backend()
         tracker = runtime.tracker
         tracker.loader_info = describe_loader(self.iterable)
-        signatures: collections.deque[tuple[Any, ...]] = collections.deque()
-        it = iter(backend.wrap_loader(_signed(self._source(backend), signatures), prefetch=self.prefetch))
+        signatures: collections.deque[Any] = collections.deque()
+        inspect = tracker.inspector(backend, runtime.host())
+        it = iter(backend.wrap_loader(_signed(self._source(backend), signatures, inspect), prefetch=self.prefetch))
         next_signature = signatures.popleft
         end_of_batch = backend.end_of_batch
         clock = time.perf_counter

@@ -76,6 +76,13 @@ class EagerBackend(Backend):
         self._torch: Any = None
         self._device: Any = None
         self._device_counters_broken = False
+        # Host reads: counted on accelerators (see accelport.diagnose.tracer), never on the host.
+        self._reads: Callable[[str], int] | None = None
+        self._guard_compiles: Callable[[], None] = lambda: None
+        self._observer: Any = None  # torch.compile's records (accelport.diagnose.dynamo)
+        self._compile_seconds_seen = 0.0
+        self._world_env = 1
+        self._dist_module: Any = None
 
     # -- lifecycle ---------------------------------------------------------------------
     def prepare(self) -> None:
@@ -84,7 +91,14 @@ class EagerBackend(Backend):
         self._torch = torch
         self._load_device_module(torch)
         self._check_device_count(torch)
-        world = env_int(os.environ, "WORLD_SIZE", 1)
+        from accelport.diagnose import dynamo, tracer
+
+        self._observer = dynamo.observer()
+        if self.sync_api != "none":  # an accelerator: a host read stalls it (on cpu, the host is the device)
+            tracer.count_reads(self.device_type)
+            self._reads = tracer.reads
+            self._guard_compiles = tracer.guard_compiles
+        world = self._world_env = env_int(os.environ, "WORLD_SIZE", 1)
         if world > 1 and self.per_process_device and self.sync_api != "none":
             set_device = self.device_api("set_device")
             if set_device is not None:
@@ -191,8 +205,16 @@ class EagerBackend(Backend):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         if self.shard_registry is not None:
             self.shard_registry.saw(optimizer)
+        # The world size as world_size() says it, without its lookups on every step: a
+        # process group, once initialised, decides; before that, WORLD_SIZE as read at prepare().
+        dist = self._dist_module
+        if dist is None and "torch.distributed" in sys.modules:
+            import torch.distributed
+
+            dist = self._dist_module = torch.distributed if torch.distributed.is_available() else False
+        world = dist.get_world_size() if dist and dist.is_initialized() else self._world_env
         # FSDP2 reduce-scatters (averages) the gradients of sharded parameters in backward.
-        if self.world_size() > 1 and not optimizer_is_sharded(optimizer):
+        if world > 1 and not optimizer_is_sharded(optimizer):
             self._average_gradients(optimizer)
         return optimizer.step(**kwargs)
 
@@ -269,10 +291,13 @@ class EagerBackend(Backend):
                         p.grad = reduced.clone()
 
     def wrap_loader(self, iterable: Iterable[Any], *, prefetch: int | None) -> Iterator[Any]:
+        if not self.transfer_batches:
+            # Batches already live on the device: by default no thread, which would only move
+            # the loop's own iteration elsewhere (a DataLoader's workers prefetch already) and
+            # cost a hand-over per batch. prefetch=N still loads ahead in a thread.
+            return prefetch_iter(iterable, depth=prefetch) if prefetch else iter(iterable)
         if prefetch is None:
             prefetch = self.default_prefetch
-        if not self.transfer_batches:
-            return prefetch_iter(iterable, depth=prefetch)  # batches already live on the device
         device = self.device()
         pin = self.pin_memory
 
@@ -341,6 +366,8 @@ class EagerBackend(Backend):
     def counters(self) -> dict[str, Any]:
         out = self._dynamo_counts()
         out.update(self._safe_device_counters())
+        if self._reads is not None:
+            out["device_to_host"] = self._reads(self.device_type)
         if self._torch is not None:
             for key, fn in (("memory_bytes", "memory_allocated"), ("peak_memory_bytes", "max_memory_allocated")):
                 api = self.device_api(fn)
@@ -356,10 +383,26 @@ class EagerBackend(Backend):
         utils = sys.modules.get("torch._dynamo.utils")
         out: dict[str, float] = {
             "compilations": int(utils.counters.get("stats", {}).get("unique_graphs", 0)) if utils else 0}
+        if utils is not None:  # torch.compile ran: its graph breaks and recompile-limit hits
+            if self._reads is not None:
+                self._guard_compiles()  # (again after a torch._dynamo.reset())
+            out["graph_breaks"] = len(getattr(utils, "graph_break_reasons", ()))
+            if self._observer is not None:
+                out["compile_limit_hits"] = self._observer.limit_hit_count()
         device = self._safe_device_counters()
         if "compilations" in device:
             out["compilations"] = device["compilations"]
+        if self._reads is not None:  # (ap.after_step's own reads are not counted: see the tracer)
+            out["device_to_host"] = self._reads(self.device_type)
         return out
+
+    def compile_facts(self) -> dict[str, float]:
+        # torch.compile's compile time since the last call (the step tracker asks when the count moved).
+        if self._observer is None:
+            return {}
+        total = self._observer.compile_seconds()
+        seconds, self._compile_seconds_seen = total - self._compile_seconds_seen, total
+        return {"compile_seconds": max(seconds, 0.0)}
 
     # -- distributed -------------------------------------------------------------------
     def _dist(self) -> Any:

@@ -147,6 +147,7 @@ class LazyBackend(Backend):
         # Host reads made by ap.after_step callbacks (each one transfer), and the state
         # step_counters() keeps to avoid reading the transfer metric on most steps.
         self._after_step_reads = 0
+        self._own_reads = 0  # those of them made by the diagnostics (diagnostic_read): not the user's
         self._reads_seen = (0, 0)
         self._to_host = 0
         self._compiled_seen = (0, 0.0)
@@ -389,7 +390,7 @@ class LazyBackend(Backend):
             _, out["compile_seconds"] = self._samples("CompileTime")
             finished, out["execute_seconds"] = self._samples("ExecuteTime")
             out["host_to_device"] = self._samples("TransferToDeviceTime")[0]
-            out["device_to_host"] = self._samples("TransferFromDeviceTime")[0]
+            out["device_to_host"] = self._samples("TransferFromDeviceTime")[0] - self._own_reads
             # Executions run asynchronously after the sync that launched them: the counters
             # tick as each starts, ExecuteTime only once it has finished. Older versions
             # may lack the counters.
@@ -439,8 +440,9 @@ class LazyBackend(Backend):
         else:
             self._to_host += deferred - seen_deferred
         self._reads_seen = (calls, deferred)
-        return {"compilations": counter("UncachedCompile") or 0, "device_to_host": self._to_host,
-                "after_step_reads": deferred}
+        own = self._own_reads
+        return {"compilations": counter("UncachedCompile") or 0, "device_to_host": self._to_host - own,
+                "after_step_reads": deferred - own}
 
     def compile_facts(self) -> dict[str, float]:
         # torch_xla records each synced graph's node count (TensorsGraphSize) and each
@@ -515,6 +517,12 @@ class LazyBackend(Backend):
 
     # -- host values -------------------------------------------------------------------
     def after_step(self, fn: Callable[..., Any], tensors: tuple[Any, ...]) -> None:
+        self._closure(fn, tensors, own=False)
+
+    def diagnostic_read(self, fn: Callable[..., Any], tensors: tuple[Any, ...]) -> None:
+        self._closure(fn, tensors, own=True)
+
+    def _closure(self, fn: Callable[..., Any], tensors: tuple[Any, ...], own: bool) -> None:
         # A step closure runs right after the next sync, when the tensors already hold
         # device data: reading them costs a transfer, never a second graph execution.
         xm = self._x()
@@ -531,7 +539,10 @@ class LazyBackend(Backend):
             values = [to_host(t) for t in ts]
             # Counted so the host-sync diagnosis leaves these reads out: they wait for the
             # step that already ran and cut no graph, which is the point of after_step.
-            self._after_step_reads += sum(1 for t in ts if isinstance(t, tensor) and t.device.type != "cpu")
+            n = sum(1 for t in ts if isinstance(t, tensor) and t.device.type != "cpu")
+            self._after_step_reads += n
+            if own:
+                self._own_reads += n
             fn(*values)
 
         xm.add_step_closure(run, args=tensors)

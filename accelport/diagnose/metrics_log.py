@@ -6,8 +6,11 @@ batch signature, and the change of every cheap backend counter over the step
 (compilations, transfers, executions where the backend measures them). Where
 the counters were read for several steps at once, the last of them carries the
 change and ``counted_steps`` (how many steps it covers); the others carry
-``counted_steps: 0`` and no counters. Lines are flushed as they are written, so
-a crashed run keeps its history.
+``counted_steps: 0`` and no counters. A diagnosis made on a step is written on
+its line (``"diagnoses"``: kind, message, step, evidence, severity), so the report
+shows what the live run found, with what only the live run can see (dynamo's
+reasons, parameter names). Lines are flushed as they are written, so a crashed
+run keeps its history.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ __all__ = ["MetricsFile", "create_plugin", "record_to_dict", "record_from_dict"]
 
 #: Keys of a line that are not counter deltas.
 _FIELDS = frozenset({"step", "time", "backend", "lazy", "seconds", "data_wait_seconds", "signature", "loader",
-                     "counted_steps"})
+                     "counted_steps", "diagnoses"})
 
 
 def record_to_dict(record: StepRecord) -> dict[str, Any]:
@@ -81,21 +84,39 @@ def record_from_dict(line: dict[str, Any]) -> StepRecord:
 class MetricsFile:
     """Appends one JSON line per step to ``path``."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, runtime: Any = None) -> None:
         self.path = path
         self._ready = False
         if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block the first step
             open_append(path, what="ACCELPORT_METRICS_FILE").close()  # raises, saying what it is
+        self._runtime = runtime
+        self._written = 0  # diagnoses already on a line
+
+    def _new_diagnoses(self) -> list[dict[str, Any]]:
+        # The diagnostics plugin observes each step before this one (it is registered first).
+        runtime = self._runtime
+        if runtime is None:
+            return []
+        plugin = runtime.host().pm.get_plugin("diagnostics")
+        findings = getattr(plugin, "findings", None) or []
+        if len(findings) <= self._written:
+            return []
+        new, self._written = findings[self._written:], len(findings)
+        return [d.to_dict() for d in new]
 
     @hookimpl
     def accelport_step_end(self, record: StepRecord) -> None:
         if not self._ready:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             self._ready = True
+        line = record_to_dict(record)
+        diagnoses = self._new_diagnoses()
+        if diagnoses:
+            line["diagnoses"] = diagnoses
         # Opened per line (tens of microseconds): nothing stays open when the run ends or crashes.
         # Never blocking: a FIFO put there after the run started is refused, not waited on.
         with open_append(self.path, what="ACCELPORT_METRICS_FILE") as f:
-            f.write((json.dumps(record_to_dict(record)) + "\n").encode("utf-8"))
+            f.write((json.dumps(line, default=str) + "\n").encode("utf-8"))
 
 
 class _Off:
@@ -105,4 +126,4 @@ class _Off:
 def create_plugin(environ: Mapping[str, str], runtime: object = None) -> Any:
     """A MetricsFile when ``ACCELPORT_METRICS_FILE`` names a file, else a plugin that implements nothing."""
     path = (environ.get("ACCELPORT_METRICS_FILE") or "").strip()
-    return MetricsFile(path) if path else _Off()
+    return MetricsFile(path, runtime) if path else _Off()

@@ -3,8 +3,9 @@
 Reads the per-step lines that ``ACCELPORT_METRICS_FILE`` wrote, runs the same
 diagnosis rules the live run uses, and writes one HTML file with no network
 access: a per-step chart of where time went (data wait, compilation,
-execution, the rest), compilation events marked, and the diagnoses with their
-fixes.
+execution, the rest), compilation events marked, the diagnoses with their
+fixes (problems first), and the distinct batch shapes with their steps,
+compilations and compile time.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from typing import Any
 from accelport.diagnose.metrics_log import record_from_dict
 from accelport.errors import AccelportError
 
-__all__ = ["ReportError", "Run", "Written", "load_runs", "load_records", "diagnose", "breakdown", "render_html",
-           "write_report"]
+__all__ = ["ReportError", "Run", "Written", "load_runs", "load_records", "diagnose", "batch_shapes", "breakdown",
+           "render_html", "write_report"]
 
 
 class ReportError(AccelportError, ValueError):
@@ -162,15 +163,52 @@ def load_records(path: str) -> list[dict[str, Any]]:
 
 
 def diagnose(records: Sequence[dict[str, Any]]) -> list[Any]:
-    """Run the live diagnosis rules over recorded steps (those that need the live backend are skipped)."""
-    from accelport.diagnose.rules import Diagnostics
+    """The run's diagnoses: those the live run wrote on its lines, then the rules replayed on the records.
 
+    The live ones come first and win for their kind: they saw what only a live run
+    can (dynamo's reasons, parameter names). Replaying finds the rest, and everything
+    in files written before diagnoses were recorded.
+    """
+    from accelport.diagnose.rules import Diagnosis, Diagnostics
+
+    found: list[Any] = []
+    for r in records:
+        for d in r.get("diagnoses") or ():
+            if isinstance(d, dict) and isinstance(d.get("kind"), str) and all(x.kind != d["kind"] for x in found):
+                found.append(Diagnosis(d["kind"], str(d.get("message", "")), int(d.get("step", r["step"])),
+                                       dict(d.get("evidence") or {}), str(d.get("severity", "warning"))))
     rules = Diagnostics(environ={})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for r in records:
             rules.accelport_step_end(record_from_dict(r))
-    return list(rules.findings)
+    found += [d for d in rules.findings if all(x.kind != d.kind for x in found)]
+    return found
+
+
+def batch_shapes(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each distinct batch shape: the steps that had it, the compilations and compile time at those steps."""
+    shapes: dict[str, dict[str, Any]] = {}
+    for r in records:
+        sig = r.get("signature") or []
+        key = json.dumps(sig)
+        entry = shapes.setdefault(key, {"signature": sig, "steps": 0, "compilations": 0, "compile_seconds": 0.0,
+                                        "first_step": r["step"]})
+        entry["steps"] += 1
+        entry["compilations"] += int(r.get("compilations", 0) or 0)
+        entry["compile_seconds"] += float(r.get("compile_seconds", 0.0) or 0.0)
+    return sorted(shapes.values(), key=lambda e: (-e["steps"], e["first_step"]))
+
+
+def _shape_text(signature: Sequence[Any]) -> str:
+    parts = []
+    for item in signature:
+        try:
+            shape, dtype = item
+            parts.append(f"({', '.join(str(n) for n in shape)}) {dtype}")
+        except (TypeError, ValueError):
+            parts.append(str(item))
+    return ", ".join(parts) or "(not known: the batches did not come through ap.loader)"
 
 
 def _seconds(record: dict[str, Any], key: str) -> float:
@@ -203,8 +241,10 @@ body{font:14px/1.45 system-ui,sans-serif;margin:24px auto;max-width:1100px;color
 h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:24px 0 8px}
 .sub{color:#57606a}table{border-collapse:collapse}td,th{padding:3px 12px 3px 0;text-align:left}
 .legend span{display:inline-block;margin-right:16px}.sw{display:inline-block;width:11px;height:11px;
-margin-right:5px;vertical-align:-1px}.diag{border-left:4px solid #cf222e;background:#fff5f5;padding:8px 12px;
+margin-right:5px;vertical-align:-1px}.diag{border-left:4px solid #d4a72c;background:#fff8e6;padding:8px 12px;
 margin:8px 0}.diag b{text-transform:uppercase;font-size:12px;letter-spacing:.04em}.ok{color:#1a7f37}
+.diag.problem{border-left:6px solid #cf222e;background:#ffebe9}.badge{background:#cf222e;color:#fff;
+border-radius:3px;padding:1px 6px;font-size:11px;margin-left:6px}
 svg{display:block;border:1px solid #d0d7de;background:#fff}
 """
 
@@ -273,10 +313,22 @@ def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], tit
         f"<tr><td><span class=sw style='background:{colors[k]}'></span>{labels[k]}</td>"
         f"<td>{v:.3f} s</td><td>{v / total:.0%}</td></tr>" for k, v in totals.items()
     )
+    shapes = batch_shapes(records)
+    shown = shapes[:50]
+    shape_rows = "".join(
+        f"<tr class=shape><td>{html.escape(_shape_text(e['signature']))}</td><td>{e['steps']}</td>"
+        f"<td>{e['compilations']}</td><td>{e['compile_seconds']:.2f} s</td><td>{e['first_step']}</td></tr>"
+        for e in shown)
+    more = f"<p class=sub>... and {len(shapes) - len(shown)} more shapes.</p>" if len(shapes) > len(shown) else ""
     if diagnoses:
+        # Problems (the run is wrong or crippled) first, marked as such.
+        ordered = sorted(diagnoses, key=lambda d: getattr(d, "severity", "warning") != "problem")
         diag_html = "".join(
-            f"<div class=diag><b>{html.escape(d.kind)}</b> (step {d.step})<br>{html.escape(d.message)}</div>"
-            for d in diagnoses)
+            f"<div class='diag{' problem' if getattr(d, 'severity', '') == 'problem' else ''}'>"
+            f"<b>{html.escape(d.kind)}</b>"
+            f"{'<span class=badge>problem</span>' if getattr(d, 'severity', '') == 'problem' else ''}"
+            f" (step {d.step})<br>{html.escape(d.message)}</div>"
+            for d in ordered)
     else:
         diag_html = "<p class=ok>No diagnosis: nothing in this run looks slow or wrong.</p>"
     return f"""<!doctype html>
@@ -294,6 +346,9 @@ def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], tit
 <noscript>The chart needs JavaScript; the totals below do not.</noscript>
 <h2>Totals</h2><table>{rows}</table>
 <h2>Diagnoses</h2>{diag_html}
+<h2>Batch shapes</h2>
+<table id=shapes><tr><th>shape of each input</th><th>steps</th><th>compilations</th><th>compile time</th>
+<th>first step</th></tr>{shape_rows}</table>{more}
 <script type="application/json" id="run-data">{data}</script>
 <script>{_SCRIPT}</script>
 </body></html>

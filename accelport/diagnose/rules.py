@@ -6,6 +6,13 @@ add rules by implementing the same hook. Each kind of finding is reported once
 as a warning (a subclass of :class:`accelport.DiagnosticWarning`) and kept for
 ``ap.diagnostics()``.
 
+The rules are fed by step records (what the backend's counters say) and, where a
+process is being watched live, by objects that need no ``ap.*`` call to work:
+dynamo's own records (:mod:`.dynamo`: recompilation reasons, the recompile limit,
+graph breaks) and the step's numbers (:mod:`.numerics`: non-finite gradients,
+updates that round away). Replaying a metrics file (``accelport report``) runs
+the same rules on the records alone.
+
 The thresholds are chosen so that healthy runs stay silent: a loop that
 compiles once per bucket shape, plus its first step and a final short batch,
 is never flagged; a loop that keeps compiling is flagged within 30 steps.
@@ -16,12 +23,15 @@ from __future__ import annotations
 import os
 import statistics
 import warnings
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from accelport.contract import StepRecord
+from accelport.diagnose import compiled
+from accelport.diagnose.buckets import suggest
+from accelport.diagnose.dynamo import observer
 from accelport.diagnose.tracer import HostSyncSites
 from accelport.errors import DiagnosticWarning, user_stacklevel
 from accelport.plugins.hookspecs import hookimpl
@@ -39,6 +49,11 @@ __all__ = [
     "GraphGrowthWarning",
     "CpuFallbackWarning",
     "DeprecatedConfigWarning",
+    "CompileLimitWarning",
+    "GraphBreakWarning",
+    "NonFiniteWarning",
+    "PrecisionWarning",
+    "PROBLEMS",
 ]
 
 
@@ -66,6 +81,22 @@ class DeprecatedConfigWarning(DiagnosticWarning):
     """A deprecated setting is in effect."""
 
 
+class CompileLimitWarning(DiagnosticWarning):
+    """A compiled function reached dynamo's recompile limit and now runs eagerly for new shapes."""
+
+
+class GraphBreakWarning(DiagnosticWarning):
+    """A compiled function breaks its graph on every call."""
+
+
+class NonFiniteWarning(DiagnosticWarning):
+    """The loss or the gradients became NaN or Inf."""
+
+
+class PrecisionWarning(DiagnosticWarning):
+    """Low-precision parameters whose updates round away: training stalls."""
+
+
 KINDS: Mapping[str, type[DiagnosticWarning]] = {
     "recompilation": RecompilationWarning,
     "host-sync": HostSyncWarning,
@@ -73,7 +104,13 @@ KINDS: Mapping[str, type[DiagnosticWarning]] = {
     "graph-growth": GraphGrowthWarning,
     "cpu-fallback": CpuFallbackWarning,
     "deprecated-config": DeprecatedConfigWarning,
+    "compile-limit": CompileLimitWarning,
+    "graph-break": GraphBreakWarning,
+    "non-finite": NonFiniteWarning,
+    "precision": PrecisionWarning,
 }
+#: Kinds that mean the run is wrong or silently crippled, not merely slower: they say so first.
+PROBLEMS = frozenset({"compile-limit", "non-finite"})
 
 # Thresholds (see the module docstring for what they must keep silent).
 WINDOW = 20  # steps the rolling rules look back over
@@ -94,6 +131,8 @@ GRAPH_GROWTH_ABSOLUTE = 100_000  # torch_xla trims graphs past this size itself
 UNSYNCED_STEPS = 5  # optimizer steps in a row with no sync between them (where records count syncs)
 FALLBACK_CHECK_STEPS = frozenset({1, 2, 5, 10, 20, 50, 100, 200, 500})  # then every 1000th step
 FALLBACK_CHECK_EVERY = 1000
+GRAPH_GROWTH_FIRST = 10_000  # a graph this large at ap.sync() with no earlier graph to compare with
+GRAPH_BREAK_MIN_STEP = 3  # graph breaks are judged from this step (they are recorded at compile time)
 
 
 @dataclass(frozen=True)
@@ -104,9 +143,12 @@ class Diagnosis:
     message: str
     step: int
     evidence: Mapping[str, Any] = field(default_factory=dict)
+    #: "problem" for the kinds in PROBLEMS (the run is wrong or crippled), else "warning".
+    severity: str = "warning"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "message": self.message, "step": self.step, "evidence": dict(self.evidence)}
+        return {"kind": self.kind, "message": self.message, "step": self.step, "evidence": dict(self.evidence),
+                "severity": self.severity}
 
 
 def describe_shape_change(before: Sequence[Any] | None, after: Sequence[Any] | None) -> str | None:
@@ -146,11 +188,15 @@ class Diagnostics:
         self._env = os.environ if environ is None else environ
         self._trace = (self._env.get("ACCELPORT_DIAGNOSTICS") or "").strip().lower() == "trace"
         self._sites = HostSyncSites()
+        #: dynamo's records, from here on (they are process-wide).
+        self._observer = observer()
+        self._mark = self._observer.mark()
         self._restart()
 
     def _restart(self) -> None:
         """Forget the rolling windows: a new run (its steps count from 1 again)."""
         self._step = 0
+        self._last_record: StepRecord | None = None
         self._seen = 0  # records since the (re)start: windows count records, not step numbers
         self._prev_signature: Any = None
         self._signatures: set[Any] = set()
@@ -166,6 +212,10 @@ class Diagnostics:
         self._wait_sum = 0.0
         self._graph_sizes: deque[float] = deque(maxlen=50)
         self._unsynced = 0  # steps in a row whose records say the script did not sync
+        self._signature_counts: Counter[Any] = Counter()  # steps per batch signature, but for...
+        self._signature_run = 0  # ...the steps of the current run of equal signatures
+        self._graph_breaks = 0  # from the records (replay); live runs read dynamo too
+        self._limit_hits = 0
 
     # -- reporting ------------------------------------------------------------------------
     def report(self, kind: str, message: str, step: int, **evidence: Any) -> None:
@@ -173,9 +223,11 @@ class Diagnostics:
         if kind in self._reported:
             return
         self._reported.add(kind)
-        diagnosis = Diagnosis(kind, message, step, evidence)
+        problem = kind in PROBLEMS
+        diagnosis = Diagnosis(kind, message, step, evidence, "problem" if problem else "warning")
         self.findings.append(diagnosis)
-        warnings.warn(f"[{kind}] {message}", KINDS.get(kind, DiagnosticWarning), stacklevel=user_stacklevel())
+        text = f"[{kind}] PROBLEM: {message}" if problem else f"[{kind}] {message}"
+        warnings.warn(text, KINDS.get(kind, DiagnosticWarning), stacklevel=user_stacklevel())
 
     # -- the hook --------------------------------------------------------------------------
     @hookimpl
@@ -184,6 +236,7 @@ class Diagnostics:
         if step <= self._step:
             self._restart()
         self._step = step
+        self._last_record = record
         self._seen += 1
         seen = self._seen
         delta = record.delta
@@ -191,6 +244,11 @@ class Diagnostics:
 
         # Batch shapes: the loader hands the same signature object while shapes repeat.
         signature = record.signature
+        if signature is self._prev_signature:
+            self._signature_run += 1  # counted into _signature_counts when the shape changes
+        else:
+            self._count_signatures()
+            self._signature_run = 1
         new_signature = False
         if signature is not self._prev_signature and signature is not None \
                 and signature not in self._signatures:
@@ -243,6 +301,21 @@ class Diagnostics:
                     self._wait_sum >= 0.999 * INPUT_BOUND_MIN_WAIT * len(timing):
                 self._input_bound(record)
 
+        # torch.compile's records, and what the step's numbers say (live runs): looked at on
+        # the records whose counters were read (a quiet block's last), so at most 15 steps late.
+        if delta:
+            self._limit_hits += int(delta.get("compile_limit_hits", 0))
+            if "compile-limit" not in reported and (self._limit_hits or self._observer.limit_hit_count(self._mark)):
+                self._compile_limit(record)
+            self._graph_breaks += int(delta.get("graph_breaks", 0))
+            runtime = self._runtime
+            watch = runtime.tracker.numerics if runtime is not None else None
+            if watch is not None and (watch.nonfinite is not None or watch.stalled is not None):
+                self._numerics(watch, step)
+        if "graph-break" not in reported and step >= GRAPH_BREAK_MIN_STEP and \
+                (compiles > 0 or step == GRAPH_BREAK_MIN_STEP or self._graph_breaks):
+            self._graph_break(record)
+
         if record.lazy:
             # Only records from a watched script count its syncs (accelport diagnose): ap.loader
             # and ap.optimizer_step sync every step themselves.
@@ -279,9 +352,17 @@ class Diagnostics:
         # Blame the shapes only if most of these compilations came with a new batch shape.
         reshaped = sum(1 for c in recent if c[3])
         change = self._last_change if 2 * reshaped >= len(recent) else None
-        if change:
+        suggestion = self._suggestion() if change else None
+        compiled_cause = None if record.lazy else self._compiled_cause(record, suggestion)
+        if compiled_cause == "graph-break":
+            return  # the recompilations are the graph break's: reported as that
+        if compiled_cause:
+            cause = compiled_cause
+        elif change:
+            buckets = (f"collate_fn={compiled.describe(suggestion, len(self._signatures))}" if suggestion else
+                       "collate_fn=ap.data.BucketCollate(buckets=(128, 256, 512))")
             cause = (f"{change}; {len(self._signatures)} distinct batch shapes so far. "
-                     "Pad to a fixed length, or bucket: collate_fn=ap.data.BucketCollate(buckets=(128, 256, 512))"
+                     f"Pad to a fixed length, or bucket: {buckets}"
                      " with ap.data.LengthGroupedBatchSampler to keep padding low")
         elif record.signature is None:
             cause = ("the batches did not come through ap.loader, so their shapes are unknown: iterate with "
@@ -301,7 +382,166 @@ class Diagnostics:
             compiling_steps=[c[1] for c in recent],
             distinct_signatures=len(self._signatures),
             last_change=change,
+            buckets=list(suggestion.buckets) if suggestion else None,
         )
+
+    def _count_signatures(self) -> None:
+        if self._signature_run and self._prev_signature is not None:
+            self._signature_counts[self._prev_signature] += self._signature_run
+        self._signature_run = 0
+
+    def _suggestion(self) -> Any:
+        """Buckets for the length that varies across the batches seen (None if none varies)."""
+        self._count_signatures()
+        _, lengths = compiled.signature_lengths(self._signature_counts)
+        return suggest(lengths) if len(lengths) > 1 else None
+
+    def _dynamic(self, record: StepRecord) -> bool | None:
+        runtime = self._runtime
+        return compiled.accepts_dynamic(record.backend, runtime.selected if runtime is not None else None)
+
+    def _compiled_cause(self, record: StepRecord, suggestion: Any) -> str | None:
+        """dynamo's reasons for the recompilations, in the user's terms; "graph-break" when a break explains them."""
+        functions = self._observer.functions(self._mark)
+        if not functions:
+            return None
+        if compiled.breaks_explain_recompiles(functions) and self._observer.graph_break_count(self._mark):
+            self._graph_break(record)
+            return "graph-break"
+        if suggestion is None:
+            suggestion = self._dynamo_suggestion(functions)
+        found = compiled.recompilation_cause(functions, record.backend, self._dynamic(record), suggestion,
+                                             len(self._signatures))
+        return found[0] if found else None
+
+    @staticmethod
+    def _dynamo_suggestion(functions: Sequence[Any]) -> Any:
+        """Buckets from the sizes dynamo saw (each once), where the batches' shapes are unknown."""
+        for f in functions:
+            if f.size_changes:
+                return suggest({size: 1 for size in f.size_changes[0].sizes})
+        return None
+
+    def _compile_limit(self, record: StepRecord) -> None:
+        hits = self._observer.limit_hits(self._mark)
+        functions = self._observer.functions(self._mark) if hits else []
+        suggestion = self._suggestion() or self._dynamo_suggestion(functions)
+        if hits:
+            hit = hits[0]
+            message = compiled.compile_limit_message(hit, functions, record.backend, self._dynamic(record),
+                                                     suggestion, len(self._signatures))
+            evidence: dict[str, Any] = {"function": f"{hit.function} ({hit.where})", "limit": hit.limit,
+                                        "limit_type": hit.limit_type}
+        else:  # replayed from a metrics file: the count, not dynamo's record
+            fix = f" Pad to a few lengths: collate_fn={compiled.describe(suggestion, len(self._signatures))}." \
+                if suggestion else " Pad or bucket the inputs (ap.data.BucketCollate) so it sees only a few shapes."
+            message = ("a compiled function reached torch._dynamo's recompile limit: from now on every new shape "
+                       "runs it eagerly, uncompiled and silently slower, for the rest of the run "
+                       f"({len(self._signatures)} distinct batch shapes so far).{fix}")
+            evidence = {}
+        evidence["distinct_signatures"] = len(self._signatures)
+        evidence["buckets"] = list(suggestion.buckets) if suggestion else None
+        self.report("compile-limit", message, record.step, **evidence)
+
+    def _graph_break(self, record: StepRecord) -> None:
+        live = self._observer.graph_break_count(self._mark)
+        if not live and not self._graph_breaks:
+            return
+        breaks = self._observer.graph_breaks(self._mark) if live else []
+        total = live or self._graph_breaks
+        message = compiled.graph_break_message(breaks, total)
+        self.report("graph-break", message, record.step, graph_breaks=total,
+                    sites=[f"{b.where}: {b.reason}" for b in breaks])
+
+    def _numerics(self, watch: Any, step: int) -> None:
+        from accelport.diagnose.numerics import PRECISION_EVERY, PRECISION_STALLED
+
+        found = watch.nonfinite
+        if found is not None and "non-finite" not in self._reported:
+            fixes = {
+                "input": ("Bad data: check the dataset for NaN/Inf (torch.isfinite(x).all() per sample) and "
+                          "drop or repair those samples."),
+                "loss": ("A learning rate too high (lower it, or warm it up), or a loss that overflows: clip "
+                         "gradients with torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) before "
+                         "ap.optimizer_step (without a Python branch on the returned norm, which recompiles on "
+                         "XLA), and compute the loss in fp32 (loss_fn(logits.float(), y)) under autocast."),
+                "gradient": ("An op whose backward is not finite at these values (sqrt, log or a division at 0: "
+                             "add an eps), or a learning rate too high: clip gradients with "
+                             "torch.nn.utils.clip_grad_norm_ (without a Python branch on the norm, which "
+                             "recompiles on XLA), and compute the loss in fp32."),
+            }
+            fixes["gradients"] = ("The inputs were finite, so the loss or a gradient overflowed: a learning rate "
+                                  "too high (lower it or warm it up), gradient clipping with "
+                                  "torch.nn.utils.clip_grad_norm_ (without a Python branch on the norm, which "
+                                  "recompiles on XLA), the loss computed in fp32.")
+            source = {"input": "it came from the input batch", "loss": "it came from the loss",
+                      "gradient": "it came from a parameter's gradient",
+                      "gradients": "it showed in the gradients"}[found.source]
+            self.report(
+                "non-finite",
+                f"the gradients became NaN or Inf at step {found.step}: {source} ({found.detail}). Every step "
+                f"after it trains on NaN. {fixes[found.source]}",
+                found.step, first_step=found.step, source=found.source, names=list(found.names),
+            )
+        stalled = watch.stalled
+        if stalled is not None and "precision" not in self._reported:
+            listed = ", ".join(f"{share:.0%} of {name} ({dtype})" for name, dtype, share in stalled.params[:5])
+            more = f" and {len(stalled.params) - 5} more" if len(stalled.params) > 5 else ""
+            self.report(
+                "precision",
+                f"updates of low-precision parameters round away: of the elements whose gradient was non-zero, "
+                f"{listed}{more} did not change over a step, in two samples {PRECISION_EVERY} steps apart "
+                f"({PRECISION_STALLED:.0%} or more counts), so training stalls: each update is smaller than "
+                "half the gap between neighbouring values (in bf16, 4096 + 1 = 4096). Keep the weights in fp32 and "
+                "run the forward "
+                "pass under ap.autocast(torch.bfloat16); or use stochastic rounding "
+                "(NEURON_RT_STOCHASTIC_ROUNDING_EN=1 on Neuron), or an optimizer that compensates the rounding "
+                "(Kahan summation).",
+                stalled.step, params=[name for name, _, _ in stalled.params],
+                unchanged_share={name: round(share, 3) for name, _, share in stalled.params},
+            )
+
+    # -- outside the steps ---------------------------------------------------------------------------
+    def graph_ran(self, nodes: int, where: str = "ap.sync()") -> None:
+        """A lazy backend ran a graph outside a training step (at ``ap.sync()``, or found at the end of the run).
+
+        Compared with the usual graph of the steps and syncs before it; with none to
+        compare with, flagged past GRAPH_GROWTH_FIRST nodes.
+        """
+        usual = statistics.median(self._graph_sizes) if self._graph_sizes else None
+        self._graph_sizes.append(nodes)
+        if "graph-growth" in self._reported:
+            return
+        if usual is None:
+            too_big = nodes >= GRAPH_GROWTH_FIRST
+        else:
+            too_big = nodes >= GRAPH_GROWTH_ABSOLUTE or (
+                nodes >= GRAPH_GROWTH_FACTOR * usual and nodes - usual >= GRAPH_GROWTH_MIN_EXTRA)
+        if not too_big:
+            return
+        usual_text = f" (a step's graph is usually {int(usual)})" if usual else ""
+        self.report(
+            "graph-growth",
+            f"a graph of {int(nodes)} nodes ran at {where}{usual_text} with no training step since the previous "
+            "sync: a loop ran many iterations without a sync (a hand-written accumulation or evaluation loop), "
+            "so they compile and run as one huge graph (slow to compile, memory hungry). Call ap.sync() once per "
+            "iteration of that loop, or iterate it with ap.loader, which syncs once per batch.",
+            self._step,
+            graph_nodes=int(nodes),
+            usual_graph_nodes=int(usual) if usual else None,
+            where=where,
+        )
+
+    def settle(self) -> None:
+        """The checks that need no new step: what the live objects found after the last record."""
+        if self._last_record is None:
+            return
+        runtime = self._runtime
+        watch = runtime.tracker.numerics if runtime is not None else None
+        if watch is not None:
+            self._numerics(watch, self._step)
+        if "compile-limit" not in self._reported and self._observer.limit_hit_count(self._mark):
+            self._compile_limit(self._last_record)
 
     def _host_sync(self, record: StepRecord) -> None:
         covered = self._read_steps
@@ -326,11 +566,13 @@ class Diagnostics:
         if "cpu-fallback" in self._reported:
             where += (" Some or all of them are the cpu-fallback ops reported above: each copies its "
                       "inputs to the host, so replacing those ops removes these reads too.")
+        stall = "stops the device and cuts the graph" if record.lazy else \
+            "makes the host wait there until the device has run everything queued before it"
         self.report(
             "host-sync",
             f"{per_step:.1f} device-to-host transfers per step in {syncing} of the last {covered} "
             "steps: something reads device values inside the step (.item(), print(tensor), .tolist(), "
-            "if tensor:), which stops the device and cuts the graph. Log with "
+            f"if tensor:), which {stall}. Log with "
             "ap.after_step(fn, loss) instead: it runs fn with host values once the step has run, "
             f"without an extra round trip.{where}",
             record.step,

@@ -107,7 +107,7 @@ class Runtime:
         """Step ``optimizer`` on the backend and end the step: the hot path of ``ap.optimizer_step``."""
         backend = self._backend or self.backend()  # (a call less per step once selected)
         result = backend.optimizer_step(optimizer, **kwargs)
-        self.tracker.step_end(backend, self._host)
+        self.tracker.step_end(backend, self._host, optimizer)
         return result
 
     def _warn_unmet_pjrt(self, backend: Backend) -> None:
@@ -118,6 +118,12 @@ class Runtime:
             unmet = pjrt_unmet(self.host().backends, self.environ, backend)
             if unmet:
                 warn_user(f"accelport: {unmet}.", CompatibilityWarning)
+
+    def sync(self) -> None:
+        """``ap.sync()``: run or wait for the queued work; on a lazy backend, look at the graph that ran."""
+        backend = self._backend or self.backend()
+        backend.sync()
+        self.tracker.user_synced(backend, self._host)
 
     def use(self, name: str) -> Backend:
         self.tracker.flush()  # the steps so far belong to the backend in use until now

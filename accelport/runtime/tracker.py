@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from accelport.contract import Backend, StepRecord
 
 if TYPE_CHECKING:
+    from accelport.diagnose.numerics import NumericsWatch
     from accelport.plugins.host import PluginHost
 
 __all__ = ["StepTracker"]
@@ -25,6 +26,11 @@ class StepTracker:
     between are kept as plain tuples and handed over together; the change found
     is counted on the last of them, with ``counted_steps`` saying how many steps
     it covers. Records still reach observers one per step and in order.
+
+    With the built-in diagnostics on, it also hands each step's optimizer to a
+    :class:`~accelport.diagnose.numerics.NumericsWatch` (non-finite gradients,
+    updates that round away), and on lazy backends looks at the graph an
+    ``ap.sync()`` ran outside the steps (a loop that grew one huge graph).
     """
 
     QUIET_EVERY = 16
@@ -50,8 +56,29 @@ class StepTracker:
         self._host: PluginHost | None = None
         # Wall-clock time of a perf_counter reading, without a second clock call per step.
         self._wall_offset = time.time() - time.perf_counter()
+        #: The step checks of the built-in diagnostics (None until a step runs with them on).
+        self.numerics: NumericsWatch | None = None
+        self._watching: PluginHost | None = None  # the host numerics was decided for
 
-    def batch_arrived(self, wait: float, sig: tuple[Any, ...]) -> None:
+    def inspector(self, backend: Backend, host: PluginHost | None) -> Any:
+        """What ``ap.loader`` runs on each host batch in its reading thread (None: nothing)."""
+        watch = self._watch(backend, host)
+        return watch.inspect if watch is not None else None
+
+    def _watch(self, backend: Backend, host: PluginHost | None) -> NumericsWatch | None:
+        if host is not self._watching:
+            self._watching = host
+            self.numerics = None
+            if host is not None and host.pm.get_plugin("diagnostics") is not None:
+                from accelport.diagnose.numerics import NumericsWatch
+
+                self.numerics = NumericsWatch(backend)
+        return self.numerics
+
+    def batch_arrived(self, wait: float, sig: Any) -> None:
+        if type(sig) is not tuple and self.numerics is not None:  # what the loader found in the batch
+            self.numerics.batch(sig.info)
+            sig = sig.signature
         if self._last_end is None:  # the first step starts when the loop first asks for data
             self._last_end = time.perf_counter() - wait
         self.data_wait += wait
@@ -60,9 +87,13 @@ class StepTracker:
             self.signatures.add(sig)
             self._last_signature = sig
 
-    def step_end(self, backend: Backend, host: PluginHost | None) -> None:
+    def step_end(self, backend: Backend, host: PluginHost | None, optimizer: Any = None) -> None:
         self.synced()  # a second step in the same batch (two optimizers): the first one ends here
         self.steps += 1
+        if optimizer is not None:
+            watch = self.numerics if host is self._watching else self._watch(backend, host)
+            if watch is not None:
+                watch.step_end(self.steps, optimizer)
         if backend.step_deferred():
             # Its graph runs when the loop asks for the next batch: finish the record then
             # (synced()), so the step's time and counters hold its own compile and run.
@@ -89,9 +120,52 @@ class StepTracker:
         pending.append((step, seconds, wait, self._last_signature, now + self._wall_offset))
         self._backend, self._host = backend, host
         if len(pending) >= self._every:
-            self.flush()
+            self._hand_over()
 
     def flush(self) -> None:
+        """Hand every finished step to the observers, and settle what is still open.
+
+        The end of an ``ap.loader`` loop, ``ap.diagnostics()``, a change of backend
+        and the end of the process call it: kept gradients are read, a graph run
+        outside the steps is looked at, and the diagnostics see what was found
+        since the last step.
+        """
+        self._hand_over()
+        backend, host = self._backend, self._host
+        if backend is None or host is None:
+            return
+        watch = self.numerics
+        if watch is not None and watch.deferred:
+            watch.read()
+            if watch.pending and backend.lazy:
+                backend.sync()  # runs the reads (step closures); nothing of the loop's is pending here
+        self._outside_steps(backend, host, "a point outside the training steps")
+        plugin = host.pm.get_plugin("diagnostics")
+        if plugin is not None and hasattr(plugin, "settle"):
+            plugin.settle()
+
+    def user_synced(self, backend: Backend, host: PluginHost | None) -> None:
+        """``ap.sync()`` ran: on a lazy backend, look at the graph it executed."""
+        if not backend.lazy or host is None or not host.has_step_observers:
+            return
+        self._backend, self._host = backend, host
+        self._hand_over()
+        self._outside_steps(backend, host, "ap.sync()")
+
+    def _outside_steps(self, backend: Backend, host: PluginHost, where: str) -> None:
+        # Counters are read for the steps first (_hand_over), so what moved since is the
+        # work run outside them; a graph that grew is a new graph, so it compiled.
+        if not backend.lazy:
+            return
+        delta = backend.step_delta()
+        if not delta.get("compilations"):
+            return
+        nodes = backend.compile_facts().get("graph_nodes")
+        plugin = host.pm.get_plugin("diagnostics")
+        if nodes and plugin is not None and hasattr(plugin, "graph_ran"):
+            plugin.graph_ran(int(nodes), where)
+
+    def _hand_over(self) -> None:
         """Read the counters and hand every finished step to the observers."""
         self.synced()  # a loop left early: its last step is finished as it stands
         pending = self._pending

@@ -1,0 +1,141 @@
+"""Per-step overhead of ap.loader + ap.optimizer_step against a raw loop, on the cpu backend.
+
+    python benchmarks/bench_eager_overhead.py [--rounds 21] [--steps 200] [--only eager|compiled]
+
+The same small model (a 32-64-4 MLP, batch 64, SGD: a step of well under a millisecond,
+where overhead shows most) trains in loops written two ways, eager and compiled,
+interleaved round by round in one process so machine noise hits all alike:
+
+- raw:        ``for x, y in batches:`` ... ``opt.step()`` (compiled: ``torch.compile(model)``)
+- accelport:  ``for x, y in ap.loader(batches):`` ... ``ap.optimizer_step(opt)`` with every
+              diagnosis on, as shipped (compiled: ``ap.compile(model)``)
+
+A step's time is the wall time between consecutive batches arriving in the loop.
+Reported: the median step time of each loop, the median over rounds of each round's
+ratio (the headline figure, target <= 1.03: pairing within a round cancels slow
+drifts of a shared machine), the same from each round's mean step time (work done
+once every few steps shows in the mean but hardly in the median), and the cost of
+accelport's per-step pieces timed alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import accelport as ap
+from accelport.runtime.state import RUNTIME
+
+
+def make_model(compiled: str | None) -> tuple[Any, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    if compiled == "torch":
+        return torch.compile(model), opt
+    if compiled == "ap":
+        return ap.compile(model), opt
+    return model, opt
+
+
+def epoch(batches: Any, model: Any, opt: torch.optim.Optimizer, step: Callable[[Any], Any]) -> list[float]:
+    """Train one pass; return the time of each step (batch arrival to next batch arrival)."""
+    times = []
+    last = None
+    for x, y in batches:
+        now = time.perf_counter()
+        if last is not None:
+            times.append(now - last)
+        last = now
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        step(opt)
+        opt.zero_grad()
+    return times
+
+
+def per_call(fn: Callable[[], Any], n: int = 5000) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--only", choices=("eager", "compiled"), default=None)
+    args = parser.parse_args()
+
+    ap.use("cpu")
+    torch.set_num_threads(1)  # the step's own work on one core: less noise from the machine's other work
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(64, 32, generator=g), torch.randn(64, 4, generator=g)) for _ in range(args.steps)]
+    kinds = [args.only] if args.only else ["eager", "compiled"]
+    runs: dict[str, Callable[[], list[float]]] = {}
+    for kind in kinds:
+        raw_model = make_model("torch" if kind == "compiled" else None)
+        ap_model = make_model("ap" if kind == "compiled" else None)
+        runs[f"raw {kind}"] = lambda m=raw_model: epoch(data, *m, lambda opt: opt.step())
+        runs[f"accelport {kind}"] = lambda m=ap_model: epoch(ap.loader(data), *m, ap.optimizer_step)
+    for fn in runs.values():  # compile and warm up every loop
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    per_round: dict[str, list[float]] = {k: [] for k in runs}
+    per_round_mean: dict[str, list[float]] = {k: [] for k in runs}
+    order = list(runs)
+    for r in range(args.rounds):
+        shift = r % len(order)
+        for name in order[shift:] + order[:shift]:  # rotate who goes first
+            got = runs[name]()
+            times[name].extend(got)
+            per_round[name].append(statistics.median(got))
+            per_round_mean[name].append(statistics.fmean(got))
+
+    host = RUNTIME.host()
+    watching = [name for name, _ in host._step_end or []]
+    print(f"torch {torch.__version__}, backend cpu, 1 intra-op thread; {args.rounds} rounds x {args.steps} steps "
+          f"each, interleaved; observers of the accelport loops: {watching or 'none'}; "
+          f"diagnoses during the run: {[d.kind for d in ap.diagnostics()] or 'none'}")
+    headline = {}
+    for kind in kinds:
+        raw, ours = f"raw {kind}", f"accelport {kind}"
+        by_median = statistics.median(a / b for a, b in zip(per_round[ours], per_round[raw]))
+        by_mean = statistics.median(a / b for a, b in zip(per_round_mean[ours], per_round_mean[raw]))
+        headline[kind] = by_median
+        for name in (raw, ours):
+            print(f"{name:20s} median step {statistics.median(times[name]) * 1e6:8.1f} us")
+        extra = (statistics.median(times[ours]) - statistics.median(times[raw])) * 1e6
+        print(f"{kind:9s} accelport / raw: median of per-round ratios {by_median:.3f} (of means {by_mean:.3f}); "
+              f"{extra:+.1f} us a step")
+
+    # accelport's own per-step pieces, timed alone.
+    backend = ap.backend()
+    tracker = RUNTIME.tracker
+    model, opt = make_model(None)
+    x, y = data[0]
+    torch.nn.functional.mse_loss(model(x), y).backward()
+
+    def loader_only() -> None:
+        for _ in ap.loader(data):
+            pass
+
+    pieces = (
+        ("ap.loader, per batch (nothing to move on cpu)", per_call(loader_only, 20) / len(data)),
+        ("step bookkeeping + diagnostics (tracker.step_end)", per_call(lambda: tracker.step_end(backend, host))),
+        ("backend.step_counters()", per_call(backend.step_counters)),
+    )
+    for name, cost in pieces:
+        print(f"{name:52s} {cost:7.2f} us per call")
+    for kind, ratio in headline.items():
+        print(f"{kind}: accelport / raw = {ratio:.3f} (target <= 1.03: {'yes' if ratio <= 1.03 else 'NO'})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""Training that goes wrong on real loops: non-finite gradients with their source, bf16 updates that
+round away; healthy loops stay silent. On cpu (checked as each step ends) and on the eager
+accelerators' own code through the constants-swapped stand-ins (read later, in blocks).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import accelport as ap
+from accelport.diagnose.numerics import CHECK_EVERY, PRECISION_EVERY, PRECISION_FIRST, check_batch, param_names
+from accelport.eager import EagerBackend
+from tests.backends.test_standins import STANDINS, Runtime, select
+
+
+class Net(torch.nn.Module):
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.hidden = torch.nn.Linear(8, 16)
+        self.out = torch.nn.Linear(16, 1)
+        self.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.hidden(x)))
+
+
+class RootBias(Net):
+    """A parameter enters through a square root; once ``hot``, of 0, where its gradient is Inf.
+
+    The loss stays finite: only that parameter's gradient is not.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tail = torch.nn.Module()  # a child registered last: its parameter comes last
+        self.tail.root = torch.nn.Parameter(torch.ones(1))
+        self.hot = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        offset = 0.0 if self.hot else 1.0
+        root = self.tail.root
+        return super().forward(x) + torch.sqrt(root - root.detach() + offset)
+
+
+def data(steps: int, *, scale: float = 1.0, nan_at: int | None = None,
+         dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 1, generator=g)
+    out = []
+    for i in range(steps):
+        x = torch.randn(32, 8, generator=g) * scale
+        y = x @ w
+        if i + 1 == nan_at:
+            x[3, 2] = float("nan")
+        out.append((x, y) if dtype == torch.float32 else (x.to(dtype), y.to(dtype)))
+    return out
+
+
+def train(model: torch.nn.Module, batches: list[Any], lr: float = 0.01, *, optimizer: str = "sgd",
+          inside: Callable[[int, Any, Any], None] | None = None,
+          autocast: torch.dtype | None = None) -> None:
+    model = model.to(ap.device())
+    opt: torch.optim.Optimizer = (torch.optim.SGD(model.parameters(), lr=lr) if optimizer == "sgd"
+                                  else torch.optim.AdamW(model.parameters(), lr=lr))
+    for i, (x, y) in enumerate(ap.loader(batches)):
+        if autocast is not None:
+            with ap.autocast(autocast):
+                out = model(x)
+            loss = torch.nn.functional.mse_loss(out.float(), y)
+        else:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if inside is not None:
+            inside(i, model, opt)
+        ap.optimizer_step(opt)
+        opt.zero_grad()
+
+
+def kinds() -> list[str]:
+    return [d.kind for d in ap.diagnostics()]
+
+
+def silent(fn: Callable[[], None]) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ap.DiagnosticWarning)
+        fn()
+    assert ap.diagnostics() == []
+
+
+# -- cpu: checked as each step ends ---------------------------------------------------------------
+
+
+def test_a_nan_in_one_input_batch_names_that_step_and_the_input() -> None:
+    ap.use("cpu")
+    with pytest.warns(ap.DiagnosticWarning, match=r"\[non-finite\] PROBLEM: "):
+        train(Net(), data(30, nan_at=7))
+    assert kinds() == ["non-finite"]
+    (found,) = ap.diagnostics()
+    assert found.evidence["first_step"] == 7 and found.evidence["source"] == "input" and found.step == 7
+    assert "at step 7: it came from the input batch (input 0: 1 of 256 values are NaN or Inf)" in found.message
+    assert "Bad data" in found.message and found.severity == "problem"
+
+
+def test_a_learning_rate_that_diverges_names_the_loss_and_the_fixes() -> None:
+    ap.use("cpu")
+    with pytest.warns(ap.DiagnosticWarning, match="non-finite"):
+        train(Net(), data(30, scale=10.0), lr=5.0)
+    (found,) = ap.diagnostics()
+    assert found.evidence["source"] == "loss" and 2 <= found.evidence["first_step"] <= 10
+    assert "it came from the loss (every gradient is NaN or Inf" in found.message
+    assert "learning rate too high" in found.message and "clip_grad_norm_" in found.message
+    assert "without a Python branch on the returned norm" in found.message and "fp32" in found.message
+
+
+def test_one_parameters_gradient_is_named_by_its_module_path() -> None:
+    ap.use("cpu")
+
+    def heat(i: int, model: Any, opt: Any) -> None:
+        model.hot = i >= 4  # (after step 5's backward: step 6 is the first with an Inf gradient)
+
+    with pytest.warns(ap.DiagnosticWarning, match="non-finite"):
+        train(RootBias(), data(20), inside=heat)
+    (found,) = ap.diagnostics()
+    assert found.evidence["source"] == "gradient" and found.evidence["first_step"] == 6
+    assert "the gradient of tail.root" in found.message and found.evidence["names"] == ["tail.root"]
+
+
+def test_bf16_weights_with_a_tiny_learning_rate_stall_and_are_named() -> None:
+    ap.use("cpu")
+    steps = PRECISION_FIRST + PRECISION_EVERY + 2
+    with pytest.warns(ap.DiagnosticWarning, match=r"\[precision\]"):
+        train(Net(torch.bfloat16), data(steps, dtype=torch.bfloat16), lr=1e-5)
+    assert kinds() == ["precision"]
+    (found,) = ap.diagnostics()
+    assert found.step == PRECISION_FIRST + PRECISION_EVERY + 1  # the second sample in a row
+    assert set(found.evidence["params"]) >= {"hidden.weight", "out.weight"}
+    assert all(share >= 0.5 for share in found.evidence["unchanged_share"].values())
+    assert "of hidden.weight (bfloat16)" in found.message
+    assert "ap.autocast" in found.message and "NEURON_RT_STOCHASTIC_ROUNDING_EN=1" in found.message
+    assert "Kahan" in found.message
+
+
+@pytest.mark.parametrize("case", ["bf16 autocast, fp32 weights", "fp32, a small learning rate",
+                                  "a learning-rate schedule of Python floats", "bf16 weights, AdamW"])
+def test_healthy_loops_are_silent(case: str) -> None:
+    ap.use("cpu")
+    steps = PRECISION_FIRST + 2 * PRECISION_EVERY + 2  # two full precision samples
+    if case == "bf16 autocast, fp32 weights":
+        silent(lambda: train(Net(), data(steps), autocast=torch.bfloat16))
+    elif case == "fp32, a small learning rate":
+        silent(lambda: train(Net(), data(steps), lr=1e-6))
+    elif case == "a learning-rate schedule of Python floats":
+        def schedule(i: int, model: Any, opt: Any) -> None:
+            for group in opt.param_groups:
+                group["lr"] = 0.02 * min(1.0, (i + 1) / 20) / (1 + i / 50)
+
+        silent(lambda: train(Net(), data(steps), inside=schedule))
+    else:  # AdamW moves every weight by about lr, far above half a bf16 step at these sizes
+        silent(lambda: train(Net(torch.bfloat16), data(steps, dtype=torch.bfloat16), lr=1e-2, optimizer="adamw"))
+    assert ap.metrics().steps == steps
+
+
+def test_each_step_is_looked_at_through_a_sum_not_isfinite(monkeypatch: pytest.MonkeyPatch) -> None:
+    # isfinite().all() costs five times a sum read back (and a NaN or Inf survives the sum).
+    calls: list[int] = []
+    real = torch.isfinite
+    monkeypatch.setattr(torch, "isfinite", lambda t: calls.append(1) or real(t))
+    ap.use("cpu")
+    train(Net(), data(20))
+    assert calls == [] and ap.diagnostics() == []
+
+
+def test_what_the_loader_thread_says_about_a_host_batch() -> None:
+    x = torch.zeros(4, 3)
+    assert check_batch((x, torch.arange(4))) is None
+    x[1, 1] = float("inf")
+    assert check_batch({"ids": torch.arange(4), "pixels": x}) == "input 'pixels': 1 of 12 values are NaN or Inf"
+    assert check_batch([torch.ones(2), (torch.ones(1), x)]) == "input 1[1]: 1 of 12 values are NaN or Inf"
+
+
+def test_parameters_are_named_from_the_module_that_holds_them_even_compiled() -> None:
+    net = Net()
+    compiled = torch.compile(net)  # (not called: the wrapper's names carry _orig_mod.)
+    names = param_names(list(net.parameters()))
+    assert list(names.values()) == ["hidden.weight", "hidden.bias", "out.weight", "out.bias"]
+    assert compiled is not None
+
+
+# -- eager accelerators, through the stand-ins: read in blocks, never per step ---------------------
+
+
+@pytest.fixture
+def runtime(monkeypatch: pytest.MonkeyPatch) -> Runtime:
+    monkeypatch.setattr(torch, "neuron", None, raising=False)
+    return Runtime(monkeypatch)
+
+
+@pytest.fixture(params=sorted(STANDINS))
+def standin(request: pytest.FixtureRequest, runtime: Runtime) -> EagerBackend:
+    return select(STANDINS[request.param]())
+
+
+def test_on_accelerators_a_nan_batch_is_found_late_but_named_exactly(standin: EagerBackend) -> None:
+    watch_reads: list[int] = []
+    with pytest.warns(ap.DiagnosticWarning, match="non-finite"):
+        train(Net(), data(CHECK_EVERY + 10, nan_at=5),
+              inside=lambda i, m, o: watch_reads.append(ap.metrics().device_to_host or 0))
+    (found,) = ap.diagnostics()
+    # Read CHECK_EVERY steps later, but the first bad step and its input are exact.
+    assert found.evidence["first_step"] == 5 and found.evidence["source"] == "input"
+    assert "input 0: 1 of 256 values" in found.message
+    # No host read inside the steps: the checks read through after_step's path, not the user's.
+    assert watch_reads == [0] * len(watch_reads) and "host-sync" not in kinds()
+
+
+def test_on_accelerators_a_diverging_loss_is_reported_from_the_gradients(standin: EagerBackend) -> None:
+    with pytest.warns(ap.DiagnosticWarning, match="non-finite"):
+        train(Net(), data(CHECK_EVERY + 4, scale=10.0), lr=5.0)
+    (found,) = ap.diagnostics()
+    assert found.evidence["source"] == "gradients" and found.evidence["first_step"] <= 10
+    assert "the inputs were finite" in found.message.lower() and "(seen in out.bias)" in found.message
+
+
+def test_on_accelerators_healthy_training_is_silent(standin: EagerBackend) -> None:
+    silent(lambda: train(Net(), data(2 * CHECK_EVERY + 3)))
+    assert math.isfinite(ap.metrics().step_seconds)

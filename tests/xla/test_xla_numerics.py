@@ -1,0 +1,150 @@
+"""Lazy cases on real XLA:CPU loops: non-finite gradients and bf16 updates that round away (read
+through step closures, no extra graph, no transfer the user sees), and graph growth without steps.
+Runs in the xla environment: ``PJRT_DEVICE=CPU pytest -m xla``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import accelport as ap
+from accelport.diagnose.numerics import CHECK_EVERY, PRECISION_EVERY, PRECISION_FIRST
+
+pytestmark = pytest.mark.xla
+
+
+def data(steps: int, features: int, *, scale: float = 1.0, nan_at: int | None = None, bf16: bool = False) -> list[Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(features, 1, generator=g)
+    out = []
+    for i in range(steps):
+        x = torch.randn(16, features, generator=g) * scale
+        y = x @ w
+        if i + 1 == nan_at:
+            x[2, 1] = float("nan")
+        out.append((x.bfloat16(), y.bfloat16()) if bf16 else (x, y))
+    return out
+
+
+def train(features: int, batches: list[Any], lr: float = 0.01, bf16: bool = False) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(features, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    if bf16:
+        model = model.bfloat16()
+    model = model.to(ap.device())
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for x, y in ap.loader(batches):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        ap.optimizer_step(opt)
+        opt.zero_grad()
+
+
+def kinds() -> list[str]:
+    return [d.kind for d in ap.diagnostics()]
+
+
+def silent(run: Callable[[], None]) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ap.DiagnosticWarning)
+        run()
+    assert ap.diagnostics() == []
+
+
+def test_a_nan_input_batch_is_named_exactly_without_an_extra_graph_or_transfer() -> None:
+    ap.use("xla")
+    start = ap.metrics()
+    with pytest.warns(ap.DiagnosticWarning, match=r"\[non-finite\] PROBLEM"):
+        train(11, data(CHECK_EVERY + 8, 11, nan_at=6))
+    assert kinds() == ["non-finite"]
+    (found,) = ap.diagnostics()
+    assert found.evidence["first_step"] == 6 and found.evidence["source"] == "input"
+    assert "input 0: 1 of 176 values are NaN or Inf" in found.message
+    m = ap.metrics()
+    # The step's graph and the optimizer's start-up, as without the check; the gradients
+    # kept were read after the loop's syncs, and those reads are not the user's.
+    assert m.compilations - start.compilations <= 2
+    assert m.device_to_host - start.device_to_host == 0
+
+
+def test_a_diverging_loss_is_reported_from_the_gradients() -> None:
+    ap.use("xla")
+    with pytest.warns(ap.DiagnosticWarning, match="non-finite"):
+        train(12, data(CHECK_EVERY + 4, 12, scale=30.0), lr=10.0)
+    (found,) = ap.diagnostics()
+    assert found.evidence["source"] == "gradients" and found.evidence["first_step"] <= CHECK_EVERY
+    assert "The inputs were finite" in found.message and "clip_grad_norm_" in found.message
+
+
+def test_bf16_weights_with_a_tiny_learning_rate_stall() -> None:
+    ap.use("xla")
+    start = ap.metrics()
+    with pytest.warns(ap.DiagnosticWarning, match=r"\[precision\]"):
+        train(13, data(PRECISION_FIRST + PRECISION_EVERY + 3, 13, bf16=True), lr=1e-5, bf16=True)
+    assert kinds() == ["precision"]
+    (found,) = ap.diagnostics()
+    assert found.step == PRECISION_FIRST + PRECISION_EVERY + 1
+    assert "0.weight" in found.evidence["params"]
+    assert ap.metrics().compilations - start.compilations <= 2  # whole parameters read: no slice graph
+
+
+def test_healthy_fp32_training_stays_silent_with_one_graph_and_no_transfers() -> None:
+    ap.use("xla")
+    start = ap.metrics()
+    silent(lambda: train(14, data(2 * CHECK_EVERY + 5, 14), lr=1e-4))
+    m = ap.metrics()
+    assert m.compilations - start.compilations <= 2 and m.device_to_host - start.device_to_host == 0
+
+
+def _steps_then(loop: Callable[[Any, list[Any]], None]) -> None:
+    import torch
+
+    ap.use("xla")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(15, 1).to(ap.device())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for x, y in ap.loader(data(6, 15)):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        ap.optimizer_step(opt)
+        opt.zero_grad()
+    xs = [x.to(ap.device()) for x, _ in data(50, 15)]
+    ap.sync()  # the uploads
+    loop(model, xs)
+
+
+def test_a_loop_that_accumulates_without_a_sync_is_flagged_at_its_sync() -> None:
+    def accumulate(model: Any, xs: list[Any]) -> None:
+        import torch
+
+        total = torch.zeros((), device=ap.device())
+        for x in xs:  # 50 iterations, one graph
+            total = total + model(x).pow(2).mean()
+        ap.sync()
+
+    with pytest.warns(ap.DiagnosticWarning, match=r"\[graph-growth\] a graph of \d+ nodes ran at ap.sync\(\)"):
+        _steps_then(accumulate)
+    assert kinds() == ["graph-growth"]
+    (found,) = ap.diagnostics()
+    assert found.evidence["where"] == "ap.sync()"
+    assert found.evidence["graph_nodes"] >= 4 * found.evidence["usual_graph_nodes"]
+    assert "with no training step since the previous sync" in found.message
+    assert "ap.sync() once per iteration" in found.message
+
+
+def test_a_loop_that_syncs_each_iteration_is_silent() -> None:
+    def evaluate(model: Any, xs: list[Any]) -> None:
+        import torch
+
+        with torch.no_grad():
+            for x in xs:
+                model(x).pow(2).mean()
+                ap.sync()
+
+    silent(lambda: _steps_then(evaluate))

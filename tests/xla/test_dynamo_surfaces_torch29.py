@@ -6,11 +6,31 @@ same ones on torch 2.13 (tests/diagnose/test_dynamo_surfaces.py).
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from tests.diagnose import dynamo_surfaces as surfaces
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.xla
+
+
+class _Isolated:
+    """Each check in a fresh interpreter: dynamo's counters and config are process-wide, and the
+    XLA tests before these (torch_xla imported, models compiled) must not change what they see."""
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        def run() -> None:
+            code = f"from tests.diagnose import dynamo_surfaces as s\ns.{name}()\n"
+            out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                                 timeout=600)
+            assert out.returncode == 0, f"{name} failed:\n{out.stderr[-3000:]}"
+
+        return run
+
+
+surfaces = _Isolated()
 
 
 def test_this_torch_version_is_pinned() -> None:

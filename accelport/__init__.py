@@ -68,6 +68,7 @@ __all__ = [
     "backend",
     "backends",
     "barrier",
+    "broadcast",
     "compile",
     "compile_cache",
     "data",
@@ -327,6 +328,39 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         raise TypeError(f"all_reduce(op='mean') needs a floating-point tensor, not {tensor.dtype}; "
                         "convert it with .float() or reduce with op='sum'")
     return b.all_reduce(tensor, op)
+
+
+def broadcast(obj: Any, src: int = 0) -> Any:
+    """Give every replica rank ``src``'s values: a tensor, a list of tensors, or a module's parameters
+    and buffers (``xm.broadcast_master_param``), overwritten in place; returns ``obj``.
+
+    Call it on every replica, e.g. after building the model, so all start from the
+    same weights. A no-op alone.
+    """
+    b = _rt().backend()
+    import torch
+
+    if isinstance(obj, torch.nn.Module):
+        tensors = list({id(t): t for t in (*obj.parameters(), *obj.buffers())}.values())  # shared ones once
+    elif isinstance(obj, torch.Tensor):
+        tensors = [obj]
+    elif isinstance(obj, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in obj):
+        tensors = list(obj)
+    else:
+        raise TypeError(f"ap.broadcast needs a tensor, a list of tensors or a torch.nn.Module, not "
+                        f"{type(obj).__name__}")
+    world = b.world_size()
+    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world:
+        raise ValueError(f"ap.broadcast(src=...) takes the rank whose values every replica gets, between 0 and "
+                         f"{world - 1} here (world size {world}), not {src!r}")
+    if world == 1:
+        return obj
+    send = getattr(b, "broadcast", None)
+    if send is None:
+        raise AccelportError(f"backend {b.name!r} has no broadcast: copy rank {src}'s values with ap.all_reduce "
+                             "(zeros on the other ranks, op='sum'), or ask the backend's authors for one")
+    send(tensors, src)
+    return obj
 
 
 def print(*values: Any, sep: str = " ", end: str = "\n", file: Any = None, flush: bool = False) -> None:

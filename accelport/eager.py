@@ -36,6 +36,75 @@ ACCELERATOR_EQUIVALENTS: Mapping[str, str] = {
 #: Gradients are averaged in buckets of about this many bytes, one collective each
 #: (DistributedDataParallel's default bucket size).
 BUCKET_BYTES = 25 * 1024 * 1024
+#: Seconds a replica that finished waits at exit for the others before it tears its process
+#: group down all the same (``ACCELPORT_EXIT_BARRIER_S``): enough for a main process that
+#: writes a last checkpoint, bounded for a replica whose peers will never come.
+EXIT_BARRIER_S = 60
+_teardowns = 0  # process groups torn down in this process: names each exit barrier
+
+
+def _exit_barrier(dist: Any, timeout: float) -> bool:
+    """Wait until every replica reached its exit, through the rendezvous store; False after ``timeout``.
+
+    Not a collective: a replica that finished early would pair its barrier with a peer's
+    gradient all-reduce. torchrun's store is at MASTER_ADDR:MASTER_PORT (the agent's).
+    """
+    from datetime import timedelta
+
+    world = dist.get_world_size()
+    if world == 1:
+        return True
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    wait = timedelta(seconds=max(timeout, 0.001))
+    if host and port and port.isdigit():
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=wait)
+    else:  # a group the script set up another way: its own store
+        store = dist.distributed_c10d._get_default_store()
+    key = "/".join(["accelport-exit", os.environ.get("TORCHELASTIC_RUN_ID", ""),
+                    os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), str(_teardowns)])
+    if store.add(key + "/arrived", 1) >= world:
+        store.set(key + "/all", "1")
+    try:
+        store.wait([key + "/all"], wait)
+    except Exception:  # DistStoreError (torch >= 2.4) or RuntimeError: the others did not come in time
+        return False
+    return True
+
+
+def teardown_process_group(timeout: float | None = None) -> bool | None:
+    """Destroy the default process group once every replica has finished (or ``timeout`` passed).
+
+    Left to interpreter exit, gloo's threads are destroyed while a peer may still talk to
+    them, and about one launch in twelve of a correct two-process script ended in SIGABRT
+    ("terminate called without an active exception"). Returns True when every replica
+    arrived, False when the wait timed out (the group is destroyed all the same), None
+    when there was no group.
+    """
+    global _teardowns
+    if "torch.distributed" not in sys.modules:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    wait = env_int(os.environ, "ACCELPORT_EXIT_BARRIER_S", EXIT_BARRIER_S) if timeout is None else timeout
+    try:
+        met = _exit_barrier(dist, wait)
+    except Exception:  # no store to meet at: destroy without waiting, as before
+        met = False
+    _teardowns += 1
+    try:
+        dist.destroy_process_group()
+    except Exception:  # already torn down by the script, or the runtime is going away
+        pass
+    return met
+
+
+def _teardown_at_exit() -> None:
+    # After an uncaught exception the peers may be inside a collective this process will
+    # never join: waiting for them, or destroying gloo's threads under them, could hang.
+    if getattr(sys, "last_exc", None) is None and getattr(sys, "last_value", None) is None:
+        teardown_process_group()
 
 
 class EagerBackend(Backend):
@@ -108,6 +177,9 @@ class EagerBackend(Backend):
 
             if dist.is_available() and not dist.is_initialized():
                 dist.init_process_group(backend=self.dist_backend)
+                import atexit
+
+                atexit.register(_teardown_at_exit)  # the group accelport made, it tears down
 
     def _load_device_module(self, torch: Any) -> None:
         """Make sure torch.<device_module> exists, importing the vendor module if needed."""
@@ -424,6 +496,34 @@ class EagerBackend(Backend):
         dist = self._dist()
         if dist is not None:
             dist.barrier()
+
+    def broadcast(self, tensors: list[Any], src: int) -> None:
+        """Overwrite ``tensors`` in place with rank ``src``'s values, one collective per bucket.
+
+        Tensors are grouped by (device, dtype) and packed like the gradients; bool
+        tensors travel as uint8 (not every backend broadcasts bool).
+        """
+        dist = self._dist()
+        if dist is None or dist.get_world_size() == 1 or not tensors:
+            return
+        torch = self._t()
+        groups: dict[tuple[Any, Any], list[Any]] = {}
+        for t in tensors:
+            groups.setdefault((t.device, t.dtype), []).append(t)
+        with torch.no_grad():
+            pending = []
+            for (_, dtype), members in groups.items():
+                wire = torch.uint8 if dtype == torch.bool else dtype
+                for bucket in _buckets(members, BUCKET_BYTES):
+                    flat = torch.cat([t.detach().reshape(-1).to(wire) for t in bucket])
+                    pending.append((dist.broadcast(flat, src, async_op=True), flat, bucket))
+            for work, flat, bucket in pending:
+                work.wait()
+                offset = 0
+                for t in bucket:
+                    n = t.numel()
+                    t.copy_(flat[offset:offset + n].view(t.shape).to(t.dtype))
+                    offset += n
 
     def all_reduce(self, tensor: Any, op: str = "sum") -> Any:
         # tensor and op are checked once, in ap.all_reduce, for every backend.

@@ -505,6 +505,14 @@ class LazyBackend(Backend):
         if self.world_size() > 1:
             xm.rendezvous("accelport.barrier")
 
+    def broadcast(self, tensors: list[Any], src: int) -> None:
+        """torch_xla's collective_broadcast (what xm.broadcast_master_param runs), then a sync."""
+        xm = self._x()
+        if self.world_size() == 1 or not tensors:
+            return
+        xm.collective_broadcast(tensors, root_ordinal=src)
+        self._sync()
+
     def all_reduce(self, tensor: Any, op: str = "sum") -> Any:
         # tensor and op are checked once, in ap.all_reduce, for every backend.
         xm = self._x()

@@ -29,6 +29,12 @@ def register(sub: Any) -> None:
                    help="worker processes per host (default: one per device the backend sees; 1 on cpu)")
     p.add_argument("--backend", default=None,
                    help="backend for the workers (default: ACCELPORT_BACKEND, else the selection)")
+    p.add_argument("--oversubscribe", action="store_true",
+                   help="allow --nprocs above this host's devices (CPU cores on cpu), e.g. to test a larger world")
+    p.add_argument("--timeout", type=int, default=None, metavar="SECONDS",
+                   help="stop the job when a worker goes this long without ending a training step "
+                        "(ap.optimizer_step; from its start until the first step): a hang ends instead of waiting "
+                        "for ever (default: no limit)")
     hosts = p.add_argument_group("several hosts (torchrun rendezvous; the same values on every host; "
                                  "refused with --nnodes 1)")
     hosts.add_argument("--nnodes", default="1", help="number of hosts, or MIN:MAX (default 1)")
@@ -77,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
                       master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint,
                       rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id, rdzv_timeout=args.rdzv_timeout)
     backend = _backend(args.backend, args.dry_run)
-    plan = build_plan(backend, args.script, args.script_args, nprocs=args.nprocs, rdzv=rdzv)
+    plan = build_plan(backend, args.script, args.script_args, nprocs=args.nprocs, rdzv=rdzv, timeout=args.timeout,
+                      oversubscribe=args.oversubscribe)
     if args.dry_run:
         if args.json:
             emit_json(plan.to_dict())
@@ -100,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             first = exc.first
             where = f" on {first.host}" if first.host else ""
-            print(f"accelport: error: rank {first.rank}{where} failed first: {first.error}", file=sys.stderr)
+            print(f"accelport: error: rank {first.rank}{where} {first.headline}", file=sys.stderr)
             for other in exc.failures:
                 if other is not first:
                     print(f"accelport:   then rank {other.rank}: {other.error}", file=sys.stderr)

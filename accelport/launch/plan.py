@@ -98,6 +98,8 @@ class LaunchPlan:
     #: Where the hosts meet, on several hosts: option, host, port, timeout_s. Empty on one host.
     #: ``run_plan`` checks that the host resolves before anything starts.
     rendezvous: dict[str, Any] = field(default_factory=dict)
+    #: --timeout: seconds a worker may go without ending a training step before the job is stopped.
+    timeout: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -154,17 +156,23 @@ def build_plan(
     environ: Mapping[str, str] | None = None,
     platform: str | None = None,
     python: str | None = None,
+    timeout: int | None = None,
+    oversubscribe: bool = False,
 ) -> LaunchPlan:
     """The command and environment that start ``script`` on ``backend``. Imports nothing heavy.
 
-    Raises the CLI's usage error for bad input (no such script, ``nprocs`` < 1,
-    rendezvous options that cannot work), with what to do instead.
+    Raises the CLI's usage error for bad input (no such script, ``nprocs`` < 1 or more
+    than the host's devices without ``oversubscribe``, a ``timeout`` < 1, rendezvous
+    options that cannot work), with what to do instead.
     """
     environ = os.environ if environ is None else environ
     rdzv = rdzv or Rendezvous()
     python = python or sys.executable
     if nprocs is not None and (isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1):
         raise _usage(f"--nprocs must be at least 1 (worker processes per host), not {nprocs!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 1):
+        raise _usage(f"--timeout must be at least 1 (seconds a worker may go without ending a training step "
+                     f"before the job is stopped), not {timeout!r}")
     if not os.path.isfile(script):
         what = "is a directory" if os.path.isdir(script) else f"not found (relative to {os.getcwd()})"
         raise _usage(f"script {script!r} {what}; give the path of the training script to run")
@@ -172,6 +180,8 @@ def build_plan(
     _check_rendezvous(rdzv)
     probe = backend.probe()
     engine = engine_for(backend)
+    if engine == "torchrun" and nprocs is not None and not oversubscribe:
+        _check_room(backend, nprocs, probe.available, probe.device_count)
     env = {"ACCELPORT_BACKEND": backend.name}
     notes: list[str] = []
     if engine == "xla":
@@ -191,8 +201,22 @@ def build_plan(
         parent_env_function=backend.launch_env_function, parent_env_kwargs=kwargs,
         parent_env_preload=getattr(backend, "vendor_module", None),
         available=probe.available, reason=probe.reason, notes=notes,
-        rendezvous=_meeting_point(rdzv) if engine == "torchrun" else {},
+        rendezvous=_meeting_point(rdzv) if engine == "torchrun" else {}, timeout=timeout,
     )
+
+
+def _check_room(backend: Backend, nprocs: int, available: bool, device_count: int | None) -> None:
+    """Refuse more workers than this host has devices (CPU cores on cpu): they would share them."""
+    if getattr(backend, "device_type", None) == "cpu":
+        room, what = os.cpu_count() or 1, "CPU cores"
+    elif available and device_count:
+        room, what = device_count, f"{backend.name} devices"
+    else:
+        return  # nothing counted here (a plan for another machine): the launch itself will tell
+    if nprocs > room:
+        raise _usage(f"--nprocs {nprocs} is more than the {room} {what} of this host: workers would share them "
+                     f"and run slower than {room} would. Use --nprocs {room} or fewer (per host; add hosts with "
+                     "--nnodes), or --oversubscribe to start them anyway (e.g. to test a larger world size)")
 
 
 def _meeting_point(rdzv: Rendezvous) -> dict[str, Any]:

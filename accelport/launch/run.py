@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from accelport.errors import AccelportError
+from accelport.launch.heartbeat import DONE_PREFIX, HEARTBEAT_PREFIX, read, write_json
 from accelport.launch.plan import LaunchError, LaunchPlan, check_resolves
 
 __all__ = ["WorkerFailure", "WorkerFailedError", "parent_launch_env", "run_plan"]
@@ -35,6 +39,15 @@ class WorkerFailure:
     host: str = ""
     pid: int | None = None
     time: float | None = None
+    #: raised, exit, signal, stopped (by the launcher), stalled (no progress within --timeout),
+    #: ended-early (its script returned while the others still needed it).
+    cause: str = ""
+
+    @property
+    def headline(self) -> str:
+        """How this worker ended, after "rank N": the launch's one-line summary when it is the first."""
+        verb = {"stalled": "stopped making progress", "ended-early": "ended early"}.get(self.cause, "failed first")
+        return f"{verb}: {self.error}"
 
 
 class WorkerFailedError(AccelportError):
@@ -47,7 +60,7 @@ class WorkerFailedError(AccelportError):
         tail = ""
         if others:
             tail = "; then " + ", ".join(f"rank {f.rank} ({_short(f.error)})" for f in others)
-        super().__init__(f"rank {first.rank} failed first: {first.error}{tail}")
+        super().__init__(f"rank {first.rank} {first.headline}{tail}")
 
     @property
     def exit_status(self) -> int:
@@ -120,6 +133,7 @@ def run_plan(plan: LaunchPlan, environ: Mapping[str, str] | None = None) -> None
                                      python=plan.command[0], preload=plan.parent_env_preload))
     launch_dir = tempfile.mkdtemp(prefix="accelport-launch-")
     env["ACCELPORT_LAUNCH_DIR"] = launch_dir
+    env["ACCELPORT_LAUNCHER_PID"] = str(os.getpid())  # each worker dies with this process (worker.py)
     try:
         if plan.engine == "torchrun":
             _run_torchrun(plan, env, launch_dir)
@@ -127,6 +141,189 @@ def run_plan(plan: LaunchPlan, environ: Mapping[str, str] | None = None) -> None
             _run_subprocess(plan, env, launch_dir)
     finally:
         shutil.rmtree(launch_dir, ignore_errors=True)
+
+
+# -- --timeout: a job that stops making progress -------------------------------------------
+
+#: Seconds between SIGTERM and SIGKILL for a worker the launcher stops.
+STOP_GRACE_S = 10.0
+
+
+def _ranked(launch_dir: str, prefix: str, suffix: str = "") -> dict[int, dict[str, Any]]:
+    out: dict[int, dict[str, Any]] = {}
+    try:
+        names = os.listdir(launch_dir)
+    except OSError:
+        return out
+    for name in names:
+        number = name[len(prefix):len(name) - len(suffix)] if suffix else name[len(prefix):]
+        if name.startswith(prefix) and name.endswith(suffix) and number.isdigit():
+            record = read(os.path.join(launch_dir, name))
+            if record is not None:
+                out[int(number)] = record
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux /proc); [] where that cannot be read."""
+    found: list[int] = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 1 and fields[1] == str(pid):
+            found.append(int(entry))
+    return found
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    """``sig`` to ``pid``'s process group where it leads one (torchrun's workers do), else to ``pid``."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+    except OSError:
+        pass  # it ended already
+
+
+def _stop(pids: list[int]) -> None:
+    """SIGTERM ``pids`` (their groups), then SIGKILL whatever is left after :data:`STOP_GRACE_S`."""
+    for pid in pids:
+        _signal_group(pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while time.monotonic() < deadline:
+        if not any(_alive(pid) for pid in pids):
+            return
+        time.sleep(0.1)
+    for pid in pids:
+        _signal_group(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return False
+        return True
+
+
+class _Watchdog(threading.Thread):
+    """Stops the job when a worker has not ended a step for ``timeout`` seconds (see launch.heartbeat).
+
+    Progress is a training step ending (``ap.optimizer_step``) on each worker that has not
+    finished its script; before its first step, the time since the worker started counts.
+    A stalled worker gets a failure record saying so, then every worker is stopped and the
+    engine reports them as failed, so the launch ends like any other failure.
+    """
+
+    def __init__(self, launch_dir: str, timeout: int, expected: int | None,
+                 workers: Callable[[], list[int]]) -> None:
+        super().__init__(name="accelport-launch-watchdog", daemon=True)
+        self.launch_dir, self.timeout, self.expected, self.workers = launch_dir, timeout, expected, workers
+        self.started_at = time.time()
+        self.fired = False
+        self._done = threading.Event()
+
+    def close(self) -> None:
+        self._done.set()
+
+    def run(self) -> None:
+        poll = min(1.0, self.timeout / 5)
+        while not self._done.wait(poll):
+            if self.check(time.time()):
+                return
+
+    def check(self, now: float) -> bool:
+        """Stop the job if it stalled at ``now``; True when it did."""
+        beats = _ranked(self.launch_dir, HEARTBEAT_PREFIX)
+        done = _ranked(self.launch_dir, DONE_PREFIX, ".json")
+        stalled = {rank: beat for rank, beat in beats.items()
+                   if rank not in done and now - float(beat.get("time") or 0) > self.timeout}
+        missing = (self.expected or 0) - len(beats)
+        if not stalled and not (missing > 0 and now - self.started_at > self.timeout):
+            return False
+        self.fired = True
+        from accelport.launch.worker import FAILURE_PREFIX
+
+        for rank, beat in stalled.items():
+            step = int(beat.get("step") or 0)
+            since = now - float(beat.get("time") or now)
+            last = f"last heartbeat at step {step}" if step else "none since it started"
+            write_json(os.path.join(self.launch_dir, f"{FAILURE_PREFIX}{rank}.json"), {
+                "rank": rank, "pid": beat.get("pid"), "host": os.uname().nodename, "time": now,
+                "stalled": True, "step": step,
+                "error": f"no training step ended for {since:.0f} s ({last}), more than --timeout {self.timeout}; "
+                         "stopped by the launcher (a hang outside a collective, or a wait inside one for a rank "
+                         "that hangs)"})
+        pids = {int(b["pid"]) for b in beats.values() if isinstance(b.get("pid"), int)}
+        _stop(sorted(pids | set(self.workers())))
+        return True
+
+
+def _watch(plan: LaunchPlan, launch_dir: str, workers: Callable[[], list[int]]) -> _Watchdog | None:
+    if not plan.timeout:
+        return None
+    dog = _Watchdog(launch_dir, plan.timeout, plan.nprocs if plan.engine == "torchrun" else None, workers)
+    dog.start()
+    return dog
+
+
+#: Errors of a worker whose peer went away (it waited for it in a collective).
+_LOST_PEER = re.compile(r"Connection (closed|reset) by peer|Broken pipe|DistNetworkError|DistBackendError|"
+                        r"gloo|NCCL|timed out|Timeout", re.IGNORECASE)
+
+
+def _explain(failures: list[WorkerFailure], launch_dir: str,
+             dog: _Watchdog | None) -> tuple[WorkerFailure, list[WorkerFailure]]:
+    """The first failure and all of them, with a rank that finished early named as the cause.
+
+    A rank whose script returned (exit status 0) while the others still ran leaves them
+    waiting for it in a collective it never joins: they fail with a lost connection or
+    stall, and the one torchrun reports first is a victim, not the cause.
+    """
+    if dog is not None and dog.fired:  # the launcher stopped them: say why, not "another worker failed"
+        beats = _ranked(launch_dir, HEARTBEAT_PREFIX)
+        for i, f in enumerate(failures):
+            if f.cause != "stopped":
+                continue
+            if f.rank in beats:
+                f.error = f"stopped by the launcher (--timeout {dog.timeout}) when another rank stopped making progress"
+            else:
+                failures[i] = WorkerFailure(
+                    f.rank, f.exitcode, f"never started its script within --timeout {dog.timeout} s of the launch "
+                    "(stuck starting Python or importing?); stopped by the launcher", "", f.host, f.pid, f.time,
+                    "stalled")
+    first = _first(failures)
+    early = [d for d in _ranked(launch_dir, DONE_PREFIX, ".json").values()
+             if d.get("peers_met") is not True and isinstance(d.get("rank"), int)
+             and float(d.get("time") or 0) <= (first.time or float("inf"))]
+    if not early or not (first.cause == "stalled" or _LOST_PEER.search(first.error)):
+        return first, failures
+    ended = min(early, key=lambda d: float(d.get("time") or 0))
+    others = sorted(f.rank for f in failures if f.rank != ended["rank"])
+    steps = f" after {ended['steps']} step(s)" if isinstance(ended.get("steps"), int) else ""
+    who = ", ".join(map(str, others)) or "the others"
+    error = (f"its script returned{steps} (exit status 0) while rank {who} still ran and waited for it in a "
+             f"collective it never joined; then rank {first.rank}: {_short(first.error)}. Every rank must run "
+             "the same steps and collectives: give each the same number of batches (ap.loader(..., shard=True) "
+             "does) and keep collectives out of branches that depend on the rank")
+    cause = WorkerFailure(ended["rank"], 0, error, "", os.uname().nodename, ended.get("pid"),
+                          float(ended.get("time") or 0), "ended-early")
+    rest = [f for f in failures if f.rank != ended["rank"]]
+    return cause, [cause, *rest]
 
 
 def _records(launch_dir: str) -> dict[int, dict[str, Any]]:
@@ -163,11 +360,13 @@ def _first(failures: list[WorkerFailure]) -> WorkerFailure:
     """
     def key(f: WorkerFailure) -> tuple[int, float]:
         sig = _signal_name(f.exitcode)
+        if f.cause == "stalled":  # the launcher's own verdict, stopped with SIGTERM by it
+            return (2, f.time or 0.0)
         if sig is not None and sig not in ("SIGTERM", "SIGINT"):
             return (0, f.time or 0.0)
         if f.traceback:
             return (1, f.time or 0.0)
-        return (2 if sig is None else 3, f.time or 0.0)
+        return (3 if sig is None else 4, f.time or 0.0)
 
     return min(failures, key=key)
 
@@ -175,17 +374,18 @@ def _first(failures: list[WorkerFailure]) -> WorkerFailure:
 def _failure_from(rank: int, exitcode: int | None, record: dict[str, Any] | None,
                   pid: int | None = None, observed: float | None = None) -> WorkerFailure:
     if record is not None:
+        cause = "stalled" if record.get("stalled") else "raised"
         return WorkerFailure(rank, exitcode, record.get("error", ""), record.get("traceback", ""),
-                             record.get("host", ""), record.get("pid", pid), record.get("time"))
+                             record.get("host", ""), record.get("pid", pid), record.get("time"), cause)
     sig = _signal_name(exitcode)
     if sig == "SIGTERM":
-        error = "stopped by the launcher after another worker failed (SIGTERM)"
+        error, cause = "stopped by the launcher after another worker failed (SIGTERM)", "stopped"
     elif sig is not None:
         hint = " (out of memory?)" if sig == "SIGKILL" else ""
-        error = f"killed by {sig}{hint}"
+        error, cause = f"killed by {sig}{hint}", "signal"
     else:
-        error = f"exited with status {exitcode} without raising a Python exception"
-    return WorkerFailure(rank, exitcode, error, "", os.uname().nodename, pid, observed)
+        error, cause = f"exited with status {exitcode} without raising a Python exception", "exit"
+    return WorkerFailure(rank, exitcode, error, "", os.uname().nodename, pid, observed, cause)
 
 
 def _run_torchrun(plan: LaunchPlan, env: dict[str, str], launch_dir: str) -> None:
@@ -201,6 +401,8 @@ def _run_torchrun(plan: LaunchPlan, env: dict[str, str], launch_dir: str) -> Non
         from torch.distributed.elastic.rendezvous.api import RendezvousError
 
         args = torchrun.parse_args(plan.command[3:])
+        launcher = os.getpid()  # torchrun runs here: its workers are this process's children
+        dog = _watch(plan, launch_dir, lambda: _children(launcher))
         try:
             torchrun.run(args)
         except ChildFailedError as exc:
@@ -209,7 +411,7 @@ def _run_torchrun(plan: LaunchPlan, env: dict[str, str], launch_dir: str) -> Non
                 _failure_from(int(rank), pf.exitcode, records.get(int(rank)), pf.pid, float(pf.timestamp))
                 for rank, pf in sorted(exc.failures.items())
             ]
-            raise WorkerFailedError(_first(failures), failures) from None
+            raise WorkerFailedError(*_explain(failures, launch_dir, dog)) from None
         except (RendezvousError, DistError) as exc:
             # A static rendezvous (--master-addr) fails with the store's DistError (a client that
             # cannot connect, a master whose clients never came); c10d with a RendezvousError.
@@ -223,17 +425,31 @@ def _run_torchrun(plan: LaunchPlan, env: dict[str, str], launch_dir: str) -> Non
                 "if the hosts start far apart") from None
         except SignalException as exc:
             raise LaunchError(f"the launch received {exc.sigval.name}; all workers were stopped") from None
+        finally:
+            if dog is not None:
+                dog.close()
     finally:
         os.environ.clear()
         os.environ.update(saved)
 
 
 def _run_subprocess(plan: LaunchPlan, env: dict[str, str], launch_dir: str) -> None:
-    code = subprocess.run(plan.command, env=env).returncode
+    # A session of its own: the watchdog (and an interrupt) stop torch_xla's replicas with it.
+    proc = subprocess.Popen(plan.command, env=env, start_new_session=True)
+    dog = _watch(plan, launch_dir, lambda: [proc.pid])
+    try:
+        code = proc.wait()
+    except BaseException:
+        _signal_group(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    finally:
+        if dog is not None:
+            dog.close()
     if code == 0:
         return
     records = _records(launch_dir)
     failures = [_failure_from(rank, code, rec) for rank, rec in sorted(records.items())]
     if not failures:
         failures = [_failure_from(0, code, None)]
-    raise WorkerFailedError(_first(failures), failures)
+    raise WorkerFailedError(*_explain(failures, launch_dir, dog))

@@ -20,4 +20,5 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("default-selection", "accelport.runtime.selection"),
     ("diagnostics", "accelport.diagnose.rules:create_plugin"),
     ("metrics-file", "accelport.diagnose.metrics_log:create_plugin"),
+    ("launch-heartbeat", "accelport.launch.heartbeat:create_plugin"),
 )

@@ -23,9 +23,9 @@ from tests.conftest import REPO
 SCRIPTS = Path(REPO) / "tests" / "scripts"
 
 
-def launch(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+def launch(*args: str, timeout: float = 180, **extra: str) -> subprocess.CompletedProcess[str]:
     """`accelport launch ...` in a fresh process, as a user runs it. The timeout only guards a hang."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELPORT_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELPORT_")} | extra
     return subprocess.run([sys.executable, "-m", "accelport", "launch", *args], capture_output=True,
                           text=True, env=env, timeout=timeout, cwd=REPO)
 
@@ -92,7 +92,7 @@ def test_default_nprocs_is_one_per_device(script: str) -> None:
 def test_the_printed_command_is_what_torchrun_parses(script: str) -> None:
     from torch.distributed.run import parse_args
 
-    plan = build_plan(cpu(), script, ["--lr", "0.1"], nprocs=3,
+    plan = build_plan(cpu(), script, ["--lr", "0.1"], nprocs=3, oversubscribe=True,  # 3 on any host
                       rdzv=Rendezvous(nnodes="2", rdzv_endpoint="10.0.0.1:29400", rdzv_id="job7"))
     args = parse_args(plan.command[3:])
     assert (args.nproc_per_node, args.nnodes, args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id) == \
@@ -276,6 +276,10 @@ def test_dry_run_imports_no_torch(script: str) -> None:
         (["--nnodes", "2", "--node-rank", "-1"], "usage", 2, "--node-rank must be between 0 and 1"),
         (["--master-port", "99999"], "usage", 2, "--master-port must be a TCP port"),
         (["--rdzv-endpoint", "node0:abc"], "usage", 2, "--rdzv-endpoint must be HOST:PORT"),
+        (["--nprocs", "500"], "usage", 2, rf"--nprocs 500 is more than the {os.cpu_count()} CPU cores of this "
+                                          r"host: workers would share them .* or --oversubscribe to start them"),
+        (["--timeout", "0"], "usage", 2, r"--timeout must be at least 1 \(seconds a worker may go without ending"),
+        (["--timeout", "-5"], "usage", 2, "--timeout must be at least 1"),
     ],
 )
 def test_bad_input_is_a_specific_error_and_valid_json(script: str, capsys: pytest.CaptureFixture[str],
@@ -597,3 +601,181 @@ def test_print_of_text_alone_on_xla_comes_out_at_once_and_in_order(capsys: pytes
     assert capsys.readouterr().out == "loss 3.0\nafter the loss\n"
     ap.print("done", {"k": [1]})
     assert capsys.readouterr().out == "done {'k': [1]}\n"
+
+
+# -- launches that always end -----------------------------------------------------------------
+
+
+def test_oversubscribing_is_allowed_when_asked_and_the_timeout_is_in_the_plan(
+        script: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", "--dry-run", "--json", "--nprocs", "500", "--oversubscribe", "--timeout", "90",
+                 script]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["nprocs"] == 500 and plan["timeout"] == 90
+    # Not counted here (a plan for a GPU host prepared elsewhere): not refused either.
+    assert main(["launch", "--dry-run", "--json", "--backend", "cuda", "--nprocs", "64", script]) == 0
+    assert json.loads(capsys.readouterr().out)["nprocs"] == 64
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie waiting for init: gone
+    except OSError:
+        return True
+
+
+def _until(condition: Any, tries: int = 600) -> bool:
+    """Poll ``condition`` (a bound on the number of tries, not a time the test asserts)."""
+    import time
+
+    for _ in range(tries):
+        if condition():
+            return True
+        time.sleep(0.1)
+    return bool(condition())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_workers_end_when_the_launcher_is_killed(tmp_path: Path) -> None:
+    job = tmp_path / "sleeper.py"
+    job.write_text("import os, sys, time\n"
+                   "open(os.path.join(sys.argv[1], f\"pid{os.environ['RANK']}\"), 'w').write(str(os.getpid()))\n"
+                   "time.sleep(300)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELPORT_")}
+    launcher = subprocess.Popen([sys.executable, "-m", "accelport", "launch", "--backend", "cpu", "--nprocs", "2",
+                                 str(job), str(tmp_path)], env=env, cwd=REPO, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    pids: list[int] = []
+    try:
+        assert _until(lambda: all((tmp_path / f"pid{r}").exists() and (tmp_path / f"pid{r}").read_text()
+                                  for r in (0, 1))), "the workers did not start"
+        pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
+        launcher.kill()  # SIGKILL: the launcher cannot stop anything itself
+        launcher.wait()
+        assert _until(lambda: all(_gone(p) for p in pids)), [p for p in pids if not _gone(p)]
+    finally:
+        launcher.kill()
+        for pid in pids:
+            if not _gone(pid):
+                os.kill(pid, 9)  # only the workers this test started
+
+
+STEPPING = """
+import sys, time
+import torch
+import accelport as ap
+
+model = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(int(sys.argv[1 + ap.rank()])):
+    if ap.rank() == 1 and step == int(sys.argv[3]):
+        time.sleep(300)  # a hang outside any collective
+    model(torch.ones(4, 2)).sum().backward()
+    ap.optimizer_step(opt)  # the gradient all-reduce: a collective every step
+    opt.zero_grad()
+"""
+
+
+def test_a_job_that_stops_making_progress_ends_after_the_timeout(tmp_path: Path) -> None:
+    job = tmp_path / "hang.py"
+    job.write_text(STEPPING)
+    proc = launch("--json", "--backend", "cpu", "--nprocs", "2", "--timeout", "5", str(job), "1000", "1000", "3",
+                  timeout=240)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    assert data["kind"] == "WorkerFailedError", data
+    stalled = [f for f in data["failures"] if f["cause"] == "stalled"]
+    assert {f["rank"] for f in stalled} == {0, 1}, data  # rank 1 sleeps, rank 0 waits for it in the all-reduce
+    assert " stopped making progress: no training step ended for " in data["error"]
+    assert "more than --timeout 5; stopped by the launcher" in data["error"]
+    assert data["first"]["exitcode"] in (-15, -9)
+
+
+def test_a_rank_that_ends_early_is_named_not_the_peer_it_left_waiting(tmp_path: Path) -> None:
+    job = tmp_path / "uneven.py"
+    job.write_text(STEPPING)
+    # Rank 0 runs 6 steps, rank 1 only 2: rank 0 then waits in an all-reduce rank 1 never joins.
+    proc = launch("--json", "--backend", "cpu", "--nprocs", "2", "--timeout", "60", str(job), "6", "2", "-1",
+                  timeout=240, ACCELPORT_EXIT_BARRIER_S="2")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    first = data["first"]
+    assert (first["rank"], first["exitcode"], first["cause"]) == (1, 0, "ended-early"), data
+    assert data["error"].startswith("rank 1 ended early: its script returned after 2 step(s) (exit status 0) "
+                                    "while rank 0 still ran and waited for it in a collective it never joined; "
+                                    "then rank 0: "), data["error"]
+    assert "give each the same number of batches" in data["error"]
+
+
+TEARDOWN = """
+import atexit, os, sys
+import torch
+
+def check():  # registered first, so it runs last: after accelport's own clean-up
+    ok = torch.distributed.is_available() and not torch.distributed.is_initialized()
+    open(os.path.join(sys.argv[1], f"destroyed{os.environ['RANK']}"), "w").write(str(ok))
+
+atexit.register(check)
+import accelport as ap
+
+rank = ap.rank()
+torch.manual_seed(rank)  # every replica starts from other weights...
+model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+model[1].num_batches_tracked.fill_(10 + rank)
+flags = torch.tensor([rank == 0, rank == 1])
+ap.broadcast(model)  # ...and from rank 0's after this
+ap.broadcast(flags, src=1)
+ap.broadcast([t := torch.full((2, 3), float(rank)).t()], src=1)  # not contiguous
+state = {k: v.clone() for k, v in model.state_dict().items()}
+try:
+    ap.broadcast(model, src=2)
+except ValueError as exc:
+    state["src_error"] = str(exc)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    model(torch.randn(4, 3)).sum().backward()
+    ap.optimizer_step(opt)
+    opt.zero_grad()
+torch.save({"state": state, "flags": flags, "t": t}, os.path.join(sys.argv[1], f"rank{rank}.pt"))
+"""
+
+
+def test_replicas_start_from_one_ranks_weights_and_the_group_is_destroyed_at_exit(tmp_path: Path) -> None:
+    import torch
+
+    job = tmp_path / "job.py"
+    job.write_text(TEARDOWN)
+    proc = launch("--backend", "cpu", "--nprocs", "2", str(job), str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr
+    assert [(tmp_path / f"destroyed{r}").read_text() for r in (0, 1)] == ["True", "True"]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    torch.manual_seed(0)
+    expected = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2)).state_dict()
+    for key, value in expected.items():
+        if key.endswith("num_batches_tracked"):
+            value = torch.tensor(10)  # rank 0's buffer, an integer one
+        assert torch.equal(r0["state"][key], value) and torch.equal(r1["state"][key], value), key
+    assert r0["flags"].tolist() == r1["flags"].tolist() == [False, True]  # bool, from rank 1
+    assert torch.equal(r0["t"], torch.ones(3, 2)) and torch.equal(r1["t"], torch.ones(3, 2))
+    assert r0["state"]["src_error"] == ("ap.broadcast(src=...) takes the rank whose values every replica gets, "
+                                        "between 0 and 1 here (world size 2), not 2")
+
+
+def test_broadcast_alone_is_a_no_op_and_bad_input_says_what_to_pass() -> None:
+    import torch
+
+    ap.use("cpu")
+    model = torch.nn.Linear(2, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert ap.broadcast(model) is model
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    t = torch.ones(2)
+    assert ap.broadcast(t) is t
+    with pytest.raises(TypeError, match="needs a tensor, a list of tensors or a torch.nn.Module, not dict"):
+        ap.broadcast({"w": t})
+    with pytest.raises(ValueError, match=r"between 0 and 0 here \(world size 1\), not 1"):
+        ap.broadcast(t, src=1)
+    with pytest.raises(ValueError, match="not True"):
+        ap.broadcast(t, src=True)  # type: ignore[arg-type]

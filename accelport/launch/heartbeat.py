@@ -1,0 +1,85 @@
+"""What a launched worker tells the launcher while it runs: that it makes progress, and that it finished.
+
+``accelport launch --timeout SECONDS`` defines progress as *a training step ended*
+(``ap.optimizer_step``) on every worker: each one rewrites
+``$ACCELPORT_LAUNCH_DIR/heartbeat-rank<N>`` when it starts and then at most once a
+second as its steps end (a built-in plugin on ``accelport_step_end``, named
+``launch-heartbeat``, active only where the worker wrapper set
+``ACCELPORT_HEARTBEAT``). A worker whose last beat is older than the timeout has
+stopped making progress. When its script returns, the worker writes
+``done-rank<N>.json``: a rank that finished is never taken for one that hangs, and
+a rank that finished while the others still ran is named as the cause of their
+failure.
+
+The files hold small JSON objects, written to a temporary name and renamed, so
+the launcher never reads half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from accelport.plugins.hookspecs import hookimpl
+
+__all__ = ["HEARTBEAT_PREFIX", "DONE_PREFIX", "INTERVAL_S", "Heartbeat", "beat", "create_plugin", "read",
+           "write_json"]
+
+HEARTBEAT_PREFIX = "heartbeat-rank"
+DONE_PREFIX = "done-rank"
+#: At most one beat per this many seconds: a file write per second, not per step.
+INTERVAL_S = 1.0
+
+
+def write_json(path: str, record: Mapping[str, Any]) -> None:
+    """Write ``record`` to ``path`` atomically; a failure to write is ignored (the launcher falls back)."""
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(dict(record), f)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
+
+
+def read(path: str) -> dict[str, Any] | None:
+    """The JSON object in ``path``, or None if it is missing or unreadable."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def beat(path: str, step: int) -> None:
+    """Say this worker is alive at ``step`` (0: started, before any step)."""
+    write_json(path, {"pid": os.getpid(), "step": step, "time": time.time()})
+
+
+class Heartbeat:
+    """Rewrites the heartbeat file at most every :data:`INTERVAL_S` seconds as steps end."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._next = 0.0
+
+    @hookimpl
+    def accelport_step_end(self, record: Any) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + INTERVAL_S
+        beat(self.path, int(record.step))
+
+
+class _Off:
+    """Registered outside a launched worker: implements no hook, costs nothing."""
+
+
+def create_plugin(environ: Mapping[str, str], runtime: object = None) -> Any:
+    """A Heartbeat where the worker wrapper set ``ACCELPORT_HEARTBEAT`` (its file), else nothing."""
+    path = (environ.get("ACCELPORT_HEARTBEAT") or "").strip()
+    return Heartbeat(path) if path else _Off()

@@ -174,7 +174,7 @@ def worker_memory(args: argparse.Namespace, sharded: bool) -> None:
 
 
 def run(argv: list[str], kind: str, nprocs: int, env: dict[str, str] | None = None) -> dict[str, object]:
-    cmd = [sys.executable, "-m", "accelport", "launch", "--backend", "cpu", "--nprocs", str(nprocs),
+    cmd = [sys.executable, "-m", "accelport", "launch", "--backend", "cpu", "--nprocs", str(nprocs), "--oversubscribe",
            os.path.abspath(__file__), *argv, "--worker", kind]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if proc.returncode != 0:

@@ -42,7 +42,9 @@ def train(steps: int, inside: Callable[[Any], None] | None = None) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)) for _ in range(steps)]
-    for x, y in ap.loader(data):
+    # prefetch=0: batches come straight from the list, so the data wait stays far below the
+    # input-bound threshold even when a busy machine is slow to schedule a prefetch thread.
+    for x, y in ap.loader(data, prefetch=0):
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         if inside is not None:

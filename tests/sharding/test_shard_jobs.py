@@ -32,6 +32,7 @@ def _env() -> dict[str, str]:
 def launch(nprocs: int, *args: str) -> subprocess.CompletedProcess[str]:
     """`accelport launch` in a fresh process, as a user runs it; the timeout only guards a hang."""
     return subprocess.run([sys.executable, "-m", "accelport", "launch", "--backend", "cpu", "--nprocs", str(nprocs),
+                           "--oversubscribe",
                            str(SCRIPT), *args], capture_output=True, text=True, env=_env(), timeout=600, cwd=REPO)
 
 

@@ -737,7 +737,9 @@ for _ in range(3):
     model(torch.randn(4, 3)).sum().backward()
     ap.optimizer_step(opt)
     opt.zero_grad()
-torch.save({"state": state, "flags": flags, "t": t}, os.path.join(sys.argv[1], f"rank{rank}.pt"))
+import json
+beat = json.load(open(os.environ["ACCELPORT_HEARTBEAT"]))  # rewritten as steps end (the first one at once)
+torch.save({"state": state, "flags": flags, "t": t, "beat": beat}, os.path.join(sys.argv[1], f"rank{rank}.pt"))
 """
 
 
@@ -759,6 +761,7 @@ def test_replicas_start_from_one_ranks_weights_and_the_group_is_destroyed_at_exi
         assert torch.equal(r0["state"][key], value) and torch.equal(r1["state"][key], value), key
     assert r0["flags"].tolist() == r1["flags"].tolist() == [False, True]  # bool, from rank 1
     assert torch.equal(r0["t"], torch.ones(3, 2)) and torch.equal(r1["t"], torch.ones(3, 2))
+    assert r0["beat"]["step"] >= 1 and r1["beat"]["step"] >= 1  # a heartbeat from a training step, not the start
     assert r0["state"]["src_error"] == ("ap.broadcast(src=...) takes the rank whose values every replica gets, "
                                         "between 0 and 1 here (world size 2), not 2")
 
@@ -779,3 +782,20 @@ def test_broadcast_alone_is_a_no_op_and_bad_input_says_what_to_pass() -> None:
         ap.broadcast(t, src=1)
     with pytest.raises(ValueError, match="not True"):
         ap.broadcast(t, src=True)  # type: ignore[arg-type]
+
+
+def test_the_heartbeat_is_written_at_most_once_an_interval(tmp_path: Path) -> None:
+    from accelport.contract import StepRecord
+    from accelport.launch.heartbeat import Heartbeat, create_plugin, read
+
+    path = str(tmp_path / "heartbeat-rank0")
+    plugin = Heartbeat(path)
+    plugin.accelport_step_end(StepRecord(1, "cpu", False, 0.01, 0.0, None, {}, 1.0, {}))
+    assert read(path) == {"pid": os.getpid(), "step": 1, "time": read(path)["time"]}  # type: ignore[index]
+    plugin.accelport_step_end(StepRecord(2, "cpu", False, 0.01, 0.0, None, {}, 1.0, {}))
+    assert read(path)["step"] == 1  # type: ignore[index]  # within the interval: no write
+    plugin._next = 0.0  # the interval has passed
+    plugin.accelport_step_end(StepRecord(3, "cpu", False, 0.01, 0.0, None, {}, 1.0, {}))
+    assert read(path)["step"] == 3  # type: ignore[index]
+    assert not hasattr(create_plugin({}), "accelport_step_end")  # outside a launched worker: no hook at all
+    assert isinstance(create_plugin({"ACCELPORT_HEARTBEAT": path}), Heartbeat)

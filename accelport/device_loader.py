@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from accelport.contract import Backend
 from accelport.errors import DiagnosticWarning
 
 if TYPE_CHECKING:
@@ -286,13 +287,16 @@ class DeviceLoader:
         inspect = tracker.inspector(backend, runtime.host())
         it = iter(backend.wrap_loader(_signed(self._source(backend), signatures, inspect), prefetch=self.prefetch))
         next_signature = signatures.popleft
+        # Eager backends neither run a graph between batches nor defer a step's record.
+        between = getattr(backend.end_of_batch, "__func__", None) is not Backend.end_of_batch or \
+            getattr(backend.step_deferred, "__func__", None) is not Backend.step_deferred
         end_of_batch = backend.end_of_batch
         clock = time.perf_counter
         bar = _progress_bar(self) if self.progress else None
         first = True
         try:
             while True:
-                if not first:
+                if between and not first:
                     # The loop body is done with the previous batch; a lazy backend runs the
                     # step's graph now, and that (compile, dispatch) is not waiting for data.
                     end_of_batch()

@@ -1,6 +1,6 @@
 """Per-step overhead of ap.loader + ap.optimizer_step against a raw loop, on the cpu backend.
 
-    python benchmarks/bench_eager_overhead.py [--rounds 21] [--steps 200] [--only eager|compiled]
+    python benchmarks/bench_eager_overhead.py [--rounds 21] [--steps 200] [--only eager|compiled] [--threads 1]
 
 The same small model (a 32-64-4 MLP, batch 64, SGD: a step of well under a millisecond,
 where overhead shows most) trains in loops written two ways, eager and compiled,
@@ -14,8 +14,9 @@ A step's time is the wall time between consecutive batches arriving in the loop.
 Reported: the median step time of each loop, the median over rounds of each round's
 ratio (the headline figure, target <= 1.03: pairing within a round cancels slow
 drifts of a shared machine), the same from each round's mean step time (work done
-once every few steps shows in the mean but hardly in the median), and the cost of
-accelport's per-step pieces timed alone.
+once every few steps shows in the mean but hardly in the median) and from each
+round's CPU time (which leaves out the time other processes take the core away),
+and the cost of accelport's per-step pieces timed alone.
 """
 
 from __future__ import annotations
@@ -43,10 +44,19 @@ def make_model(compiled: str | None) -> tuple[Any, torch.optim.Optimizer]:
     return model, opt
 
 
+CPU_TIME: dict[int, float] = {}  # id(list of step times) -> the pass's CPU time per step
+
+
 def epoch(batches: Any, model: Any, opt: torch.optim.Optimizer, step: Callable[[Any], Any]) -> list[float]:
-    """Train one pass; return the time of each step (batch arrival to next batch arrival)."""
+    """Train one pass; return the time of each step (batch arrival to next batch arrival).
+
+    The pass's CPU time per step (this thread's, where the step's work runs with one
+    intra-op thread) is kept beside it: unlike wall time, it leaves out the time other
+    processes on a shared machine take the core away.
+    """
     times = []
     last = None
+    cpu = time.thread_time()
     for x, y in batches:
         now = time.perf_counter()
         if last is not None:
@@ -56,6 +66,7 @@ def epoch(batches: Any, model: Any, opt: torch.optim.Optimizer, step: Callable[[
         loss.backward()
         step(opt)
         opt.zero_grad()
+    CPU_TIME[id(times)] = (time.thread_time() - cpu) / max(len(times) + 1, 1)
     return times
 
 
@@ -71,10 +82,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--only", choices=("eager", "compiled"), default=None)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads (1: the step's work in this thread, less noise; 0: torch's default)")
     args = parser.parse_args()
 
     ap.use("cpu")
-    torch.set_num_threads(1)  # the step's own work on one core: less noise from the machine's other work
+    if args.threads:
+        torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(64, 32, generator=g), torch.randn(64, 4, generator=g)) for _ in range(args.steps)]
     kinds = [args.only] if args.only else ["eager", "compiled"]
@@ -89,6 +103,7 @@ def main() -> None:
     times: dict[str, list[float]] = {k: [] for k in runs}
     per_round: dict[str, list[float]] = {k: [] for k in runs}
     per_round_mean: dict[str, list[float]] = {k: [] for k in runs}
+    per_round_cpu: dict[str, list[float]] = {k: [] for k in runs}
     order = list(runs)
     for r in range(args.rounds):
         shift = r % len(order)
@@ -97,10 +112,12 @@ def main() -> None:
             times[name].extend(got)
             per_round[name].append(statistics.median(got))
             per_round_mean[name].append(statistics.fmean(got))
+            per_round_cpu[name].append(CPU_TIME.pop(id(got)))
 
     host = RUNTIME.host()
     watching = [name for name, _ in host._step_end or []]
-    print(f"torch {torch.__version__}, backend cpu, 1 intra-op thread; {args.rounds} rounds x {args.steps} steps "
+    print(f"torch {torch.__version__}, backend cpu, {torch.get_num_threads()} intra-op thread(s); "
+          f"{args.rounds} rounds x {args.steps} steps "
           f"each, interleaved; observers of the accelport loops: {watching or 'none'}; "
           f"diagnoses during the run: {[d.kind for d in ap.diagnostics()] or 'none'}")
     headline = {}
@@ -108,12 +125,15 @@ def main() -> None:
         raw, ours = f"raw {kind}", f"accelport {kind}"
         by_median = statistics.median(a / b for a, b in zip(per_round[ours], per_round[raw]))
         by_mean = statistics.median(a / b for a, b in zip(per_round_mean[ours], per_round_mean[raw]))
+        by_cpu = statistics.median(a / b for a, b in zip(per_round_cpu[ours], per_round_cpu[raw]))
         headline[kind] = by_median
         for name in (raw, ours):
-            print(f"{name:20s} median step {statistics.median(times[name]) * 1e6:8.1f} us")
+            print(f"{name:20s} median step {statistics.median(times[name]) * 1e6:8.1f} us, "
+                  f"CPU {statistics.median(per_round_cpu[name]) * 1e6:8.1f} us")
         extra = (statistics.median(times[ours]) - statistics.median(times[raw])) * 1e6
-        print(f"{kind:9s} accelport / raw: median of per-round ratios {by_median:.3f} (of means {by_mean:.3f}); "
-              f"{extra:+.1f} us a step")
+        extra_cpu = statistics.median(a - b for a, b in zip(per_round_cpu[ours], per_round_cpu[raw])) * 1e6
+        print(f"{kind:9s} accelport / raw: median of per-round ratios {by_median:.3f} (of means {by_mean:.3f}, "
+              f"of CPU time {by_cpu:.3f}); {extra:+.1f} us a step ({extra_cpu:+.1f} us of CPU)")
 
     # accelport's own per-step pieces, timed alone.
     backend = ap.backend()

@@ -7,10 +7,14 @@ step (``ap.optimizer_step``), at a cost that stays out of the step:
   last few parameters: next to the loss, so a NaN or Inf loss, or a NaN input,
   reaches it in the same step). Where the host is the device (``cpu``) it is
   checked at once; on accelerators and lazy backends a reference to it is kept
-  (no device work, nothing added to a graph) and every :data:`CHECK_EVERY` steps the
-  kept ones are read the way ``ap.after_step`` reads, when the step's values are
-  ready anyway (on XLA, right after the loop's sync: a transfer, never an extra
-  execution or compilation; left out of ``ap.metrics().device_to_host``). Input batches are checked on the host, in the
+  (no device work, nothing added to a graph) and every :data:`CHECK_EVERY` steps
+  the newest is read the way ``ap.after_step`` reads, when the step's values are
+  ready anyway; only when it is bad are the others read, for the first bad step. On
+  XLA only the newest is kept (each sync looks at every live tensor) and read every
+  :data:`CHECK_EVERY_LAZY` steps and at the end of each loop, right after the loop's
+  sync (a transfer, never an extra execution or compilation; left out of
+  ``ap.metrics().device_to_host``): a bad input batch is still named at its step
+  (the loader's thread checked it), a diverging loss between two reads. Input batches are checked on the host, in the
   loader's thread, before they go to the device. The first bad step found names
   its source: the input batch, the loss (every gradient non-finite) or one
   parameter's gradient (the first in module order). A gradient that turns NaN in
@@ -34,8 +38,12 @@ from typing import Any
 __all__ = ["NumericsWatch", "NonFinite", "Stalled", "Inspected", "check_batch", "param_names",
            "CHECK_EVERY", "PRECISION_FIRST", "PRECISION_EVERY", "PRECISION_STALLED"]
 
-#: Steps between reads of the kept gradients on accelerators and lazy backends.
-CHECK_EVERY = 16
+#: Steps between reads of the kept gradients on eager accelerators, and on lazy backends:
+#: each read waits for the step it reads to finish executing, which on XLA costs the
+#: overlap of host and device for one step, so there it comes seldom (and at the end of
+#: each ap.loader loop, and at ap.diagnostics()).
+CHECK_EVERY = 64
+CHECK_EVERY_LAZY = 256
 PRECISION_FIRST = 10
 PRECISION_EVERY = 50
 #: Share of elements with a non-zero gradient that did not move, for a parameter to count as stalled.
@@ -57,12 +65,14 @@ LOW_PRECISION = ("bfloat16", "float16")
 class NonFinite:
     """The first step whose gradients were NaN or Inf, and where it came from."""
 
-    step: int
+    step: int  # the first bad step; where ``finite_at`` is set, the step it was found by
     #: "input", "loss" (every gradient non-finite), "gradient" (one parameter's first, in module
     #: order) or "gradients" (read later, on an accelerator or lazy backend: known as far as the inputs).
     source: str
     detail: str
     names: tuple[str, ...] = ()
+    #: On lazy backends, where gradients are read far apart: the last step read and found finite.
+    finite_at: int | None = None
 
 
 @dataclass(frozen=True)
@@ -99,18 +109,27 @@ def _tensors(batch: Any) -> Iterable[tuple[str, Any]]:
 
 
 def check_batch(batch: Any) -> str | None:
-    """What is non-finite in a host batch ("input 0: 3 of 2048 values are NaN or Inf"), or None."""
+    """What is non-finite in a host batch ("input 0: 3 of 2048 values are NaN or Inf"), or None.
+
+    It runs on every batch in the loader's thread (on accelerators and XLA), so each
+    floating tensor is first summed (a NaN or Inf survives the sum; a third of the cost
+    of isfinite().all()), and looked at element by element only when the sum is not finite.
+    """
     import torch
 
-    for name, t in _tensors(batch):
-        if not t.is_floating_point() and not t.is_complex():
+    tensor = torch.Tensor
+    items = enumerate(batch) if type(batch) in (tuple, list) and all(type(t) is tensor for t in batch) else None
+    for name, t in ((f"input {i}", t) for i, t in items) if items is not None else _tensors(batch):
+        if not t.is_floating_point():
             continue
-        flat = t.detach().reshape(-1)
-        if flat.numel() > INPUT_CHECK_MAX:
-            flat = flat[:: -(-flat.numel() // INPUT_CHECK_MAX)]
-        if not bool(torch.isfinite(flat).all()):
-            bad = int((~torch.isfinite(flat)).sum())
-            return f"{name}: {bad} of {flat.numel()} values are NaN or Inf"
+        if t.numel() > INPUT_CHECK_MAX:
+            flat = t.detach().reshape(-1)
+            t = flat[:: -(-flat.numel() // INPUT_CHECK_MAX)]
+        if math.isfinite(t.sum().item()):  # (a sum that overflows is looked at closely)
+            continue
+        finite = torch.isfinite(t)
+        if not bool(finite.all()):
+            return f"{name}: {int((~finite).sum())} of {t.numel()} values are NaN or Inf"
     return None
 
 
@@ -152,6 +171,15 @@ def _namer(params: list[Any]) -> Any:
     return name
 
 
+def _finite(value: Any) -> bool:
+    """Whether a host value (a number, or a CPU tensor) is all finite."""
+    if isinstance(value, (int, float)):
+        return math.isfinite(value)
+    import torch
+
+    return bool(torch.isfinite(value).all())
+
+
 def _dtype(t: Any) -> str:
     return str(t.dtype).replace("torch.", "")
 
@@ -175,17 +203,21 @@ class NumericsWatch:
     def __init__(self, backend: Any) -> None:
         self._backend = backend
         #: False where the host is the device (cpu): checked at once. True on accelerators and
-        #: lazy backends: read every CHECK_EVERY steps, through after_step.
+        #: lazy backends: read every CHECK_EVERY (CHECK_EVERY_LAZY) steps, through diagnostic_read.
         self.deferred = bool(getattr(backend, "lazy", False)) or getattr(backend, "sync_api", "none") != "none"
         self._lazy = bool(getattr(backend, "lazy", False))
+        self._every = CHECK_EVERY_LAZY if self._lazy else CHECK_EVERY
         self.nonfinite: NonFinite | None = None
         self.stalled: Stalled | None = None
         self._optimizer: Any = None
         self._params: list[Any] = []
         self._canary: Any = None
+        self._small = False  # a short 1-d canary: read as a Python list, cheaper than a torch sum
         self._last_grad: Any = None
         self._clone = False  # gradients accumulated in place (zero_grad(set_to_none=False)): copy them
         self._kept: list[tuple[int, Any]] = []
+        self._unread = 0  # steps since the last read
+        self._finite_at = 0  # the last step read and found finite (lazy: reads are far apart)
         self._bad_inputs: dict[int, str] = {}
         self._batch: Any = None  # host mode: this step's batch; deferred: what check_batch said
         self._low: list[Any] | None = None  # low-precision parameters (None: not looked yet)
@@ -233,15 +265,23 @@ class NumericsWatch:
             if isinstance(batch, str):
                 self._bad_inputs[step] = batch
             if grad is not None:
-                if grad is self._last_grad:
-                    self._clone = True
-                self._last_grad = grad
-                self._kept.append((step, grad.detach().clone() if self._clone else grad))
-            if len(self._kept) >= CHECK_EVERY:
+                if self._lazy:
+                    # Only the newest: every live XLA tensor is looked at by each sync, so
+                    # keeping hundreds would slow every step (and a copy would be a graph op).
+                    self._kept[:] = [(step, grad)]
+                else:
+                    if grad is self._last_grad:
+                        self._clone = True
+                    self._last_grad = grad
+                    self._kept.append((step, grad.detach().clone() if self._clone else grad))
+            self._unread += 1
+            if self._unread >= self._every:
                 self.read()
-        elif grad is not None and not math.isfinite(abs(grad.sum().item())):
-            # A NaN or Inf survives the sum (2 us, against 11 for isfinite().all()); a sum
-            # that overflows on its own is told apart by the exact check.
+        elif grad is not None and not math.isfinite(
+                abs(sum(grad.tolist()) if self._small else grad.sum().item())):
+            # A NaN or Inf survives the sum (0.5 us through a short list, 2 us through torch,
+            # against 11 for isfinite().all()); a sum that overflows on its own is told apart
+            # by the exact check.
             import torch
 
             if not bool(torch.isfinite(grad).all()):
@@ -256,29 +296,54 @@ class NumericsWatch:
         tail = with_grad[-CANARY_FROM_LAST:]
         # The smallest, and of equals the last: nearest the loss.
         self._canary = min(reversed(tail), key=lambda p: p.numel()) if tail else None
+        canary = self._canary
+        self._small = canary is not None and canary.dim() == 1 and canary.numel() <= 64 and \
+            not canary.is_complex()
         self._last_grad = None
         self._low = None
 
     def read(self) -> None:
-        """Read the kept gradients (deferred mode), through after_step: ready when the step's values are."""
+        """Read the kept gradients (deferred mode), the way after_step reads: when the step's values are ready.
+
+        Only the newest is read (one transfer per CHECK_EVERY steps: on XLA each tensor read
+        is a transfer of its own). Gradients that turn NaN or Inf stay so (the update makes
+        the weights non-finite, and every later gradient with them), so a finite newest one
+        means the block was finite; a bad one has all of the block read, for the first step.
+        A NaN that goes away by itself (a step a loss scaler skipped) is not reported.
+        """
         kept, self._kept = self._kept, []
+        self._unread = 0
         if not kept or self.nonfinite is not None:
             return
         steps = [s for s, _ in kept]
-        self._after(lambda *values: self._check_values(steps, values), tuple(t for _, t in kept))
+        last = steps[-1]
+        since = self._finite_at
+
+        def newest(value: Any) -> None:
+            if self.nonfinite is not None:
+                return
+            if _finite(value):
+                self._finite_at = max(self._finite_at, last)
+            elif len(kept) > 1:
+                self._after(lambda *values: self._check_values(steps, values), tuple(t for _, t in kept))
+            else:  # lazy: only the newest was kept; the inputs were checked step by step
+                bad = sorted(s for s in self._bad_inputs if since < s <= last)
+                if bad:
+                    self._found(bad[0], self._bad_inputs[bad[0]])
+                else:
+                    self._found(last, None, finite_at=since)
+
+        self._after(newest, (kept[-1][1],))
 
     def _check_values(self, steps: list[int], values: tuple[Any, ...]) -> None:
-        import torch
-
         for step, v in zip(steps, values, strict=False):
-            finite = math.isfinite(v) if isinstance(v, (int, float)) else bool(torch.isfinite(v).all())
-            if not finite:
+            if not _finite(v):
                 if self.nonfinite is None:
                     self._found(step, self._bad_inputs.get(step))
                 return
 
     # -- the finding -------------------------------------------------------------------------------
-    def _found(self, step: int, batch: Any) -> None:
+    def _found(self, step: int, batch: Any, finite_at: int | None = None) -> None:
         import torch
 
         params = self._params
@@ -290,7 +355,8 @@ class NumericsWatch:
             else:
                 where = f" (seen in {name(self._canary)})" if self._canary is not None else ""
                 self.nonfinite = NonFinite(step, "gradients", f"the gradients{where}",
-                                           (name(self._canary),) if self._canary is not None else ())
+                                           (name(self._canary),) if self._canary is not None else (),
+                                           finite_at if finite_at is not None and finite_at < step - 1 else None)
             return
         found = check_batch(batch) if batch is not None else None
         if found is not None:

@@ -477,11 +477,17 @@ class Diagnostics:
             source = {"input": "it came from the input batch", "loss": "it came from the loss",
                       "gradient": "it came from a parameter's gradient",
                       "gradients": "it showed in the gradients"}[found.source]
+            if found.finite_at is None:
+                when = f"at step {found.step}"
+            else:  # lazy backends read them far apart, to keep the reads out of the steps
+                when = (f"after step {found.finite_at} and by step {found.step} (on {watch_backend(watch)} they "
+                        "are read every few hundred steps and at the end of each loop)")
             self.report(
                 "non-finite",
-                f"the gradients became NaN or Inf at step {found.step}: {source} ({found.detail}). Every step "
+                f"the gradients became NaN or Inf {when}: {source} ({found.detail}). Every step "
                 f"after it trains on NaN. {fixes[found.source]}",
-                found.step, first_step=found.step, source=found.source, names=list(found.names),
+                found.step, first_step=found.step if found.finite_at is None else None, source=found.source,
+                names=list(found.names), finite_at_step=found.finite_at, found_by_step=found.step,
             )
         stalled = watch.stalled
         if stalled is not None and "precision" not in self._reported:
@@ -685,6 +691,10 @@ class Diagnostics:
         if found:
             self.report("deprecated-config", " ".join(message for _, message in found), record.step,
                         settings=[name for name, _ in found])
+
+
+def watch_backend(watch: Any) -> str:
+    return str(getattr(getattr(watch, "_backend", None), "name", "this backend"))
 
 
 def create_plugin(environ: Mapping[str, str], runtime: Runtime | None) -> Diagnostics:

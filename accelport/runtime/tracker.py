@@ -88,7 +88,8 @@ class StepTracker:
             self._last_signature = sig
 
     def step_end(self, backend: Backend, host: PluginHost | None, optimizer: Any = None) -> None:
-        self.synced()  # a second step in the same batch (two optimizers): the first one ends here
+        if self._open is not None:
+            self.synced()  # a second step in the same batch (two optimizers): the first one ends here
         self.steps += 1
         if optimizer is not None:
             watch = self.numerics if host is self._watching else self._watch(backend, host)
@@ -137,7 +138,9 @@ class StepTracker:
         watch = self.numerics
         if watch is not None and watch.deferred:
             watch.read()
-            if watch.pending and backend.lazy:
+            for _ in range(3):  # a bad newest gradient asks for the others: a second read
+                if not (watch.pending and backend.lazy):
+                    break
                 backend.sync()  # runs the reads (step closures); nothing of the loop's is pending here
         self._outside_steps(backend, host, "a point outside the training steps")
         plugin = host.pm.get_plugin("diagnostics")

@@ -83,10 +83,18 @@ def check_dynamic_default_compiles_twice() -> None:
 
     f = torch.compile(shifted, backend="eager")  # dynamic=None: the second shape marks the dim dynamic
     # (Without the profile dynamo keeps on disk from earlier runs, which would make it dynamic at once.)
+    automatic = torch._dynamo.config.automatic_dynamic_shapes  # importing torch_xla turns it off
     with torch._dynamo.config.patch(automatic_dynamic_local_pgo=False):
         for n in range(4, 12):
             f(torch.randn(n))
-    assert du.counters["stats"]["unique_graphs"] == 2
+    assert du.counters["stats"]["unique_graphs"] == (2 if automatic else 8)
+
+
+def check_torch_xla_turns_automatic_dynamic_off() -> None:
+    """In a process that imported torch_xla, the default torch.compile compiles each new shape."""
+    import torch_xla  # noqa: F401
+
+    assert torch._dynamo.config.automatic_dynamic_shapes is False
 
 
 def check_recompile_limit_warning() -> None:

@@ -59,3 +59,7 @@ def test_hooks_the_tracer_needs() -> None:
 
 def test_the_observer_reads_them_all() -> None:
     surfaces.check_the_observer_reads_them_all()
+
+
+def test_torch_xla_turns_automatic_dynamic_off() -> None:
+    surfaces.check_torch_xla_turns_automatic_dynamic_off()

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import accelport as ap
-from accelport.diagnose.numerics import CHECK_EVERY, PRECISION_EVERY, PRECISION_FIRST
+from accelport.diagnose.numerics import CHECK_EVERY_LAZY, PRECISION_EVERY, PRECISION_FIRST
 
 pytestmark = pytest.mark.xla
 
@@ -62,7 +62,7 @@ def test_a_nan_input_batch_is_named_exactly_without_an_extra_graph_or_transfer()
     ap.use("xla")
     start = ap.metrics()
     with pytest.warns(ap.DiagnosticWarning, match=r"\[non-finite\] PROBLEM"):
-        train(11, data(CHECK_EVERY + 8, 11, nan_at=6))
+        train(11, data(CHECK_EVERY_LAZY + 8, 11, nan_at=6))  # found by the read in the loop
     assert kinds() == ["non-finite"]
     (found,) = ap.diagnostics()
     assert found.evidence["first_step"] == 6 and found.evidence["source"] == "input"
@@ -77,9 +77,12 @@ def test_a_nan_input_batch_is_named_exactly_without_an_extra_graph_or_transfer()
 def test_a_diverging_loss_is_reported_from_the_gradients() -> None:
     ap.use("xla")
     with pytest.warns(ap.DiagnosticWarning, match="non-finite"):
-        train(12, data(CHECK_EVERY + 4, 12, scale=30.0), lr=10.0)
+        train(12, data(20, 12, scale=30.0), lr=10.0)  # found by the read at the loop's end
     (found,) = ap.diagnostics()
-    assert found.evidence["source"] == "gradients" and found.evidence["first_step"] <= CHECK_EVERY
+    # Read at the loop's end: the step it was found by, and the last one known finite.
+    assert found.evidence["source"] == "gradients" and found.evidence["found_by_step"] == 20
+    assert found.evidence["first_step"] is None and found.evidence["finite_at_step"] == 0
+    assert "after step 0 and by step 20 (on xla they are read every few hundred steps" in found.message
     assert "The inputs were finite" in found.message and "clip_grad_norm_" in found.message
 
 
@@ -98,7 +101,7 @@ def test_bf16_weights_with_a_tiny_learning_rate_stall() -> None:
 def test_healthy_fp32_training_stays_silent_with_one_graph_and_no_transfers() -> None:
     ap.use("xla")
     start = ap.metrics()
-    silent(lambda: train(14, data(2 * CHECK_EVERY + 5, 14), lr=1e-4))
+    silent(lambda: train(14, data(2 * CHECK_EVERY_LAZY + 5, 14), lr=1e-4))
     m = ap.metrics()
     assert m.compilations - start.compilations <= 2 and m.device_to_host - start.device_to_host == 0
 

@@ -261,7 +261,7 @@ def diagnostics() -> list[Any]:
     Each has ``kind`` (recompilation, compile-limit, graph-break, host-sync,
     input-bound, graph-growth, cpu-fallback, non-finite, precision,
     deprecated-config), ``message`` (cause and fix), ``step``, ``evidence`` and
-    ``severity`` ("problem" for compile-limit and non-finite). Empty when
+    ``severity`` ("problem" for compile-limit, non-finite, precision and a loop that never syncs). Empty when
     diagnostics are disabled (``ACCELPORT_DIAGNOSTICS=0``).
     """
     rt = _rt()

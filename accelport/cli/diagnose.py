@@ -24,10 +24,9 @@ from typing import Any
 from accelport.errors import UsageError
 from accelport.redact import redact
 
-__all__ = ["register", "run", "render_summary", "severity"]
+__all__ = ["register", "run", "render_summary"]
 
 #: Kinds whose findings mean the run computes something wrong or nothing at all, not only slowly.
-PROBLEM_KINDS = frozenset({"compile-limit", "non-finite", "precision"})
 _ICON = {"ok": "ok  ", "note": "note", "warning": "WARN", "problem": "FAIL"}
 _INDENT = " " * 9
 _WIDTH = 110
@@ -123,13 +122,6 @@ def _check_backend(name: str) -> None:
         raise UsageError(f"diagnose: --backend: {UnknownBackendError(name, known, '--backend')}")
 
 
-def severity(finding: Any) -> str:
-    """``problem`` where the run is wrong (weights that never update, NaN), else ``warning``."""
-    if finding.kind in PROBLEM_KINDS or (finding.evidence or {}).get("steps_without_sync"):
-        return "problem"
-    return "warning"
-
-
 def _wrapped(text: str, first: str) -> list[str]:
     return textwrap.wrap(text, _WIDTH, initial_indent=first, subsequent_indent=_INDENT,
                          break_long_words=False, break_on_hyphens=False) or [first.rstrip()]
@@ -146,7 +138,7 @@ def render_summary(target: str, watcher: Any, exit_status: int, written: Sequenc
              f"status {exit_status}{found}"]
     for f in findings:
         seen, _, fix = f.message.partition(": ")
-        lines += _wrapped(f"{f.kind} at step {f.step}: {seen}", f"  [{_ICON[severity(f)]}] ")
+        lines += _wrapped(f"{f.kind} at step {f.step}: {seen}", f"  [{_ICON[f.severity]}] ")
         if fix:
             lines += _wrapped(fix, f"{_INDENT}fix: ")
         site = where(f, watcher.sites)

@@ -110,7 +110,10 @@ KINDS: Mapping[str, type[DiagnosticWarning]] = {
     "precision": PrecisionWarning,
 }
 #: Kinds that mean the run is wrong or silently crippled, not merely slower: they say so first.
-PROBLEMS = frozenset({"compile-limit", "non-finite"})
+#: Kinds where the run is wrong or crippled, not only slower: a function silently run eagerly
+#: for the rest of the run, NaN weights, weights that stopped moving. A loop that never syncs
+#: (graph-growth with ``steps_without_sync``) is one too: its graph grows until memory runs out.
+PROBLEMS = frozenset({"compile-limit", "non-finite", "precision"})
 
 # Thresholds (see the module docstring for what they must keep silent).
 WINDOW = 20  # steps the rolling rules look back over
@@ -143,7 +146,7 @@ class Diagnosis:
     message: str
     step: int
     evidence: Mapping[str, Any] = field(default_factory=dict)
-    #: "problem" for the kinds in PROBLEMS (the run is wrong or crippled), else "warning".
+    #: "problem" for the kinds in PROBLEMS and a loop that never syncs, else "warning".
     severity: str = "warning"
 
     def to_dict(self) -> dict[str, Any]:
@@ -223,7 +226,7 @@ class Diagnostics:
         if kind in self._reported:
             return
         self._reported.add(kind)
-        problem = kind in PROBLEMS
+        problem = kind in PROBLEMS or bool(evidence.get("steps_without_sync"))
         diagnosis = Diagnosis(kind, message, step, evidence, "problem" if problem else "warning")
         self.findings.append(diagnosis)
         text = f"[{kind}] PROBLEM: {message}" if problem else f"[{kind}] {message}"

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import os
+import re
 import runpy
 import sys
 import threading
@@ -61,6 +62,8 @@ _LIBRARIES = frozenset({
 
 #: Which place a finding of each kind is best shown at: the loop over the data (where
 #: batches come from) or the optimizer step (where a sync belongs).
+_SITE = re.compile(r"^(?P<file>.+?):(?P<line>\d+)(?::|$)")
+_FUNCTION_SITE = re.compile(r"\((?P<file>.+):(?P<line>\d+)\)$")
 _PLACE = {"recompilation": "loop", "input-bound": "loop", "graph-growth": "step"}
 
 
@@ -78,10 +81,15 @@ def user_site(frame: types.FrameType | None = None) -> tuple[str, int] | None:
 def where(finding: Any, sites: Mapping[str, tuple[str, int]]) -> tuple[str, int] | None:
     """The script's line a finding is best shown at: the host read itself, else the loop or the step."""
     evidence = getattr(finding, "evidence", None) or {}
+    # A host read's or a graph break's line ("file:12" or "file:12: reason"), then the
+    # compiled function that recompiled ("forward (file:3)").
     for site in evidence.get("sites") or ():
-        file, _, line = str(site).rpartition(":")
-        if file and line.isdigit():
-            return file, int(line)
+        m = _SITE.match(str(site))
+        if m:
+            return m.group("file"), int(m.group("line"))
+    m = _FUNCTION_SITE.search(str(evidence.get("function") or ""))
+    if m:
+        return m.group("file"), int(m.group("line"))
     kind = getattr(finding, "kind", "")
     place = _PLACE.get(kind)
     return (sites.get(place) if place else None) or sites.get(kind) or sites.get("step")
@@ -179,7 +187,7 @@ class Watcher:
         self.closure_reads = 0
         self._active = False  # between install() and finish(): the wrappers watch, else they only pass on
         self._feeding = False  # steps and batches go to the tracker
-        self._open = False  # lazy: the last step waits for the script's next sync
+        self._open: Any = None  # lazy: the optimizer of the last step, which waits for the script's next sync
         self._sync_depth = 0
         self._sync_seconds = 0.0
         self._main = threading.main_thread().ident
@@ -290,7 +298,8 @@ class Watcher:
         for cls in base.__subclasses__() if base is not None else ():
             self._patch(cls, "_next_data", make_next)
 
-    def _batch(self, wait: float, batch: Any) -> None:
+    def _batch(self, wait: float, batch: Any, on_host: bool = True) -> None:
+        """A batch reached the loop after ``wait`` seconds; ``on_host``: a DataLoader's, not yet moved."""
         try:
             sig = signature(batch)
             sig = self._interned.setdefault(sig, sig)  # equal shapes, one object: as ap.loader hands them
@@ -298,7 +307,10 @@ class Watcher:
                 site = user_site()
                 if site:
                     self.sites["loop"] = site
-            self.tracker.batch_arrived(wait, sig)
+            # Its inputs are looked at for NaN and Inf where that reads no device (from the first
+            # step on: the backend, and with it the checks, is chosen there).
+            watch = self.tracker.numerics if on_host else None
+            self.tracker.batch_arrived(wait, watch.inspect(batch, sig) if watch is not None else sig)
         except Exception as exc:
             self._stop(exc)
 
@@ -315,19 +327,21 @@ class Watcher:
             backend = self.backend or self._select(optimizer)
             if backend is None:
                 return
-            if self._open:  # the step before never synced: it ends here, without its graph having run
+            if self._open is not None:  # the step before never synced: it ends here, without its graph run
                 self._close()
+            # The optimizer goes with the step: the non-finite and precision checks look at its
+            # parameters after the update, as they do after ap.optimizer_step.
             if backend.lazy:
-                self._open = True  # its graph runs at the script's next sync: the record waits for that
+                self._open = optimizer  # its graph runs at the script's next sync: the record waits for that
             else:
-                self.tracker.step_end(backend, self.host)
+                self.tracker.step_end(backend, self.host, optimizer)
         except Exception as exc:  # never into the script's optimizer.step()
             self._stop(exc)
 
     def _close(self) -> None:
-        self._open = False
+        optimizer, self._open = self._open, None
         if self.backend is not None:
-            self.tracker.step_end(self.backend, self.host)
+            self.tracker.step_end(self.backend, self.host, optimizer)
 
     def _runtime(self, on_host: bool) -> Runtime:
         """A runtime of the watcher's own (not the process's ``ap.*`` one), reading the watcher's settings."""
@@ -459,7 +473,7 @@ class Watcher:
     def _synced(self, seconds: float) -> None:
         self.syncs += 1
         self._sync_seconds += seconds
-        if self._open and self._feeding:
+        if self._open is not None and self._feeding:
             try:
                 self._close()
             except Exception as exc:
@@ -479,9 +493,9 @@ class Watcher:
                 batch = original(loader)
                 # It syncs first (the step before runs then, and its record ends), then waits for data.
                 wait = clock() - start - (watcher._sync_seconds - synced)
-                if watcher._open and watcher._feeding:
+                if watcher._open is not None and watcher._feeding:
                     watcher._close()  # it did not sync this time (batches_per_execution > 1)
-                watcher._batch(max(wait, 0.0), batch)
+                watcher._batch(max(wait, 0.0), batch, on_host=False)
                 return batch
             return next_batch
 
@@ -509,7 +523,7 @@ class Watcher:
         """End the last step and hand every step to the observers: the script is done."""
         try:
             if self._feeding:
-                if self._open:
+                if self._open is not None:
                     self._close()
                 self.tracker.flush()
         except Exception as exc:

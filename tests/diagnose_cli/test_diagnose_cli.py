@@ -256,6 +256,63 @@ def test_a_recorded_run_that_never_synced_is_diagnosed_by_accelport_report(tmp_p
     assert [f.kind for f in diagnose(load_records(str(path)))] == ["graph-growth"]
 
 
+# -- the native path: torch.compile and the step checks (real inductor on cpu) -----------------
+
+NATIVE = SCRIPTS / "cpu_native.py"
+
+
+def native(tmp_path: pathlib.Path, case: str, steps: int) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    out = run("--output", str(tmp_path / f"{case}.json"), str(NATIVE), "--case", case, "--steps", str(steps))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"done {case} [")
+    return out, json.loads((tmp_path / f"{case}.json").read_text())
+
+
+def test_a_compiled_function_past_its_recompile_limit_is_a_problem_shown_at_its_def(tmp_path: pathlib.Path) -> None:
+    out, result = native(tmp_path, "shapes", 12)
+    by_kind = {f["kind"]: f for f in result["findings"]}
+    assert set(by_kind) == {"compile-limit", "recompilation"}, result["findings"]
+    limit = by_kind["compile-limit"]
+    assert limit["severity"] == "problem" and limit["evidence"]["limit"] == 8
+    forward = f"{NATIVE}:{line_of(NATIVE, 'def forward')}"
+    assert f"Net.forward ({forward})" in limit["message"] and "runs it eagerly" in limit["message"]
+    assert "changed size along dim 0" in limit["message"] and "BucketCollate(buckets=" in limit["message"]
+    assert "[FAIL] compile-limit at step 9" in out.stderr and f"at {forward}" in out.stderr
+    assert by_kind["recompilation"]["severity"] == "warning"
+
+
+def test_a_graph_break_on_every_call_is_shown_at_the_line_that_breaks(tmp_path: pathlib.Path) -> None:
+    out, result = native(tmp_path, "breaks", 6)
+    [found] = result["findings"]
+    breaks = f"{NATIVE}:{line_of(NATIVE, 'h.sum().item()')}"
+    assert found["kind"] == "graph-break" and found["evidence"]["sites"][0].startswith(breaks + ": ")
+    assert "Tensor.item()" in found["message"] and "torch.where(cond, a, b)" in found["message"]
+    assert f"         at {breaks}\n" in out.stderr
+
+
+def test_a_nan_in_a_batch_is_traced_to_that_batch(tmp_path: pathlib.Path) -> None:
+    out, result = native(tmp_path, "nan", 12)
+    [found] = result["findings"]
+    assert (found["kind"], found["step"], found["severity"]) == ("non-finite", 6, "problem")
+    assert "it came from the input batch (input 0: 1 of 128 values are NaN or Inf)" in found["message"]
+    assert "[FAIL] non-finite at step 6" in out.stderr
+
+
+def test_bf16_weights_whose_updates_round_away_are_named(tmp_path: pathlib.Path) -> None:
+    out, result = native(tmp_path, "bf16", 64)
+    [found] = result["findings"]
+    assert (found["kind"], found["severity"]) == ("precision", "problem")
+    assert "100% of fc.weight (bfloat16) did not change" in found["message"]
+    assert "ap.autocast(torch.bfloat16)" in found["message"]
+
+
+def test_a_healthy_compiled_loop_is_silent_and_computes_what_python_does(tmp_path: pathlib.Path) -> None:
+    out, result = native(tmp_path, "healthy", 64)
+    assert result["findings"] == [] and result["steps"] == 64
+    assert out.stdout == run(str(NATIVE), "--case", "healthy", "--steps", "64", diagnose=False).stdout
+    assert "[ok  ] no finding" in out.stderr
+
+
 # -- the report page, in a real browser --------------------------------------------------------
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -66,6 +66,17 @@ def test_a_healthy_torch_xla_loop_has_no_finding(tmp_path, capfd) -> None:  # ty
     assert result["metrics"]["device_to_host"] >= 30  # the closures' reads happened, and were left out
 
 
+def test_a_nan_batch_is_found_at_its_step_without_a_read_per_step(tmp_path, capfd) -> None:  # type: ignore[no-untyped-def]
+    # The script reads nothing; the gradient check is read once, at the end, and the
+    # inputs were looked at on the host before they moved.
+    result, out, err = diagnose(SCRIPTS / "xla_nan.py", tmp_path, capfd)
+    assert out == "trained\n" and result["steps"] == 20, err
+    [found] = result["findings"]
+    assert (found["kind"], found["step"], found["severity"]) == ("non-finite", 7, "problem")
+    assert "it came from the input batch (input 0: 1 of 208 values are NaN or Inf)" in found["message"]
+    assert result["metrics"]["device_to_host"] <= 2
+
+
 def test_a_loop_that_never_syncs_is_graph_growth_saying_where_to_sync(tmp_path: pathlib.Path) -> None:
     script = SCRIPTS / "xla_no_sync.py"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELPORT_")}

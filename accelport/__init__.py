@@ -119,10 +119,16 @@ def __getattr__(name: str) -> Any:
 
 
 def _rt() -> Runtime:
-    """The process's runtime (imported on first use)."""
-    from accelport.runtime.state import RUNTIME
+    """The process's runtime (imported on first use; then a global lookup, on every step's path)."""
+    runtime = _RUNTIME[0]
+    if runtime is None:
+        from accelport.runtime.state import RUNTIME
 
-    return RUNTIME
+        runtime = _RUNTIME[0] = RUNTIME
+    return runtime
+
+
+_RUNTIME: list[Runtime | None] = [None]
 
 
 def backend() -> Backend:

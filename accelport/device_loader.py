@@ -307,7 +307,7 @@ class DeviceLoader:
                     batch = next(it)
                 except StopIteration:
                     return
-                tracker.batch_arrived(clock() - t0, next_signature())
+                tracker.batch_arrived(clock() - t0, next_signature(), batch)
                 if bar is not None:
                     _advance(bar, tracker, backend, runtime.baseline.get("compilations"))
                 yield batch

@@ -1,6 +1,7 @@
 """Per-step overhead of ap.loader + ap.optimizer_step against a raw loop, on the cpu backend.
 
     python benchmarks/bench_eager_overhead.py [--rounds 21] [--steps 200] [--only eager|compiled] [--threads 1]
+                                              [--batch 64]
 
 The same small model (a 32-64-4 MLP, batch 64, SGD: a step of well under a millisecond,
 where overhead shows most) trains in loops written two ways, eager and compiled,
@@ -82,6 +83,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--only", choices=("eager", "compiled"), default=None)
+    parser.add_argument("--batch", type=int, default=64,
+                        help="batch size: accelport's cost per step is the same at any size, the step is longer")
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads (1: the step's work in this thread, less noise; 0: torch's default)")
     args = parser.parse_args()
@@ -90,7 +93,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(64, 32, generator=g), torch.randn(64, 4, generator=g)) for _ in range(args.steps)]
+    data = [(torch.randn(args.batch, 32, generator=g), torch.randn(args.batch, 4, generator=g))
+            for _ in range(args.steps)]
     kinds = [args.only] if args.only else ["eager", "compiled"]
     runs: dict[str, Callable[[], list[float]]] = {}
     for kind in kinds:
@@ -116,7 +120,7 @@ def main() -> None:
 
     host = RUNTIME.host()
     watching = [name for name, _ in host._step_end or []]
-    print(f"torch {torch.__version__}, backend cpu, {torch.get_num_threads()} intra-op thread(s); "
+    print(f"torch {torch.__version__}, backend cpu, {torch.get_num_threads()} intra-op thread(s), batch {args.batch}; "
           f"{args.rounds} rounds x {args.steps} steps "
           f"each, interleaved; observers of the accelport loops: {watching or 'none'}; "
           f"diagnoses during the run: {[d.kind for d in ap.diagnostics()] or 'none'}")

@@ -63,7 +63,9 @@ class StepTracker:
     def inspector(self, backend: Backend, host: PluginHost | None) -> Any:
         """What ``ap.loader`` runs on each host batch in its reading thread (None: nothing)."""
         watch = self._watch(backend, host)
-        return watch.inspect if watch is not None else None
+        # Where the host is the device the batch itself goes with the step (batch_arrived):
+        # it is looked at only if the step's gradients turn out non-finite.
+        return watch.inspect if watch is not None and watch.deferred else None
 
     def _watch(self, backend: Backend, host: PluginHost | None) -> NumericsWatch | None:
         if host is not self._watching:
@@ -75,10 +77,15 @@ class StepTracker:
                 self.numerics = NumericsWatch(backend)
         return self.numerics
 
-    def batch_arrived(self, wait: float, sig: Any) -> None:
-        if type(sig) is not tuple and self.numerics is not None:  # what the loader found in the batch
-            self.numerics.batch(sig.info)
-            sig = sig.signature
+    def batch_arrived(self, wait: float, sig: Any, batch: Any = None) -> None:
+        """The loop got a batch after ``wait`` seconds; ``batch`` itself where the host is the device."""
+        watch = self.numerics
+        if watch is not None:
+            if type(sig) is not tuple:  # what the loader's thread found in the host batch (Inspected)
+                watch.batch(sig.info)
+                sig = sig.signature
+            elif batch is not None and not watch.deferred:
+                watch.batch(batch)
         if self._last_end is None:  # the first step starts when the loop first asks for data
             self._last_end = time.perf_counter() - wait
         self.data_wait += wait

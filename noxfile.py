@@ -46,7 +46,7 @@ LINT = ("ruff==0.17.6", "mypy==2.4.1")
 def tests(session: nox.Session) -> None:
     """The whole suite on the default environment: latest torch CPU build, then ruff and mypy."""
     session.install(f"torch=={TORCH}", "numpy", "-e", ".[test]", *LINT)
-    session.run("ruff", "check", "accelport", "backends", "tests/test_structure.py")
+    session.run("ruff", "check", "accelport", "backends", "tests", "benchmarks")
     session.run("mypy")  # [tool.mypy] in pyproject.toml: the package and backends/
     _pytest(session, "-m", "not xla and not tpu_pkg")
 

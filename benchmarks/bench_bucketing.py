@@ -181,7 +181,7 @@ def run_prefetch(steps: int, batch: int, delay: float, width: int, n_rounds: int
         # "hidden" per round, against that round's compute-only step: loops run back to
         # back share the machine's state, so the pairing cancels slow drifts; the median
         # of the rounds then drops the odd disturbed one.
-        hidden = [1 - (t - c) / d for (t, _), c in zip(got, computes)]
+        hidden = [1 - (t - c) / d for (t, _), c in zip(got, computes, strict=True)]
         out[name] = {"step_seconds": statistics.median(t for t, _ in got),
                      "data_wait_seconds": statistics.median(w for _, w in got),
                      "hidden": None if name == "compute only" else statistics.median(hidden)}

@@ -165,8 +165,8 @@ def per_step_in_process(backend: str, steps: int, rounds: int) -> None:
             finally:
                 watcher.finish()
                 watcher.uninstall()
-    ratio = statistics.median(w[1] / p[1] for w, p in zip(watched, plain))
-    setup = statistics.median(w[0] - p[0] for w, p in zip(watched, plain))
+    ratio = statistics.median(w[1] / p[1] for w, p in zip(watched, plain, strict=True))
+    setup = statistics.median(w[0] - p[0] for w, p in zip(watched, plain, strict=True))
     per_plain, per_watched = statistics.median(p[1] for p in plain), statistics.median(w[1] for w in watched)
     print(f"{backend}, in this process, {steps} steps a loop: CPU time per step after the first, plain "
           f"{per_plain:.1f} us, watched {per_watched:.1f} us, "

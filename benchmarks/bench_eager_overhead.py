@@ -127,15 +127,16 @@ def main() -> None:
     headline = {}
     for kind in kinds:
         raw, ours = f"raw {kind}", f"accelport {kind}"
-        by_median = statistics.median(a / b for a, b in zip(per_round[ours], per_round[raw]))
-        by_mean = statistics.median(a / b for a, b in zip(per_round_mean[ours], per_round_mean[raw]))
-        by_cpu = statistics.median(a / b for a, b in zip(per_round_cpu[ours], per_round_cpu[raw]))
+        by_median = statistics.median(a / b for a, b in zip(per_round[ours], per_round[raw], strict=True))
+        by_mean = statistics.median(a / b for a, b in zip(per_round_mean[ours], per_round_mean[raw], strict=True))
+        by_cpu = statistics.median(a / b for a, b in zip(per_round_cpu[ours], per_round_cpu[raw], strict=True))
         headline[kind] = by_median
         for name in (raw, ours):
             print(f"{name:20s} median step {statistics.median(times[name]) * 1e6:8.1f} us, "
                   f"CPU {statistics.median(per_round_cpu[name]) * 1e6:8.1f} us")
         extra = (statistics.median(times[ours]) - statistics.median(times[raw])) * 1e6
-        extra_cpu = statistics.median(a - b for a, b in zip(per_round_cpu[ours], per_round_cpu[raw])) * 1e6
+        extra_cpu = statistics.median(
+            a - b for a, b in zip(per_round_cpu[ours], per_round_cpu[raw], strict=True)) * 1e6
         print(f"{kind:9s} accelport / raw: median of per-round ratios {by_median:.3f} (of means {by_mean:.3f}, "
               f"of CPU time {by_cpu:.3f}); {extra:+.1f} us a step ({extra_cpu:+.1f} us of CPU)")
 

@@ -85,7 +85,7 @@ def worker(args: argparse.Namespace) -> None:
         for name, fn in order if r % 2 == 0 else order[::-1]:
             times[name] += timed(fn)
 
-    diff = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), ddp.module.parameters()))
+    diff = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), ddp.module.parameters(), strict=True))
     if ap.is_main_process():
         params = sum(p.numel() for p in ours.parameters())
         a, d = statistics.median(times["accelport"]), statistics.median(times["ddp"])

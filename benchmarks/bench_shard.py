@@ -122,7 +122,7 @@ def worker_speed(args: argparse.Namespace) -> None:
             means[name] = statistics.fmean(got)
         ratios.append(means["accelport"] / means["hand"])
     diff = max((a.full_tensor() - b.full_tensor()).abs().max().item()
-               for a, b in zip(ours.parameters(), hand.parameters()))  # type: ignore[attr-defined]
+               for a, b in zip(ours.parameters(), hand.parameters(), strict=True))  # type: ignore[attr-defined]
     if ap.is_main_process():
         result = {"processes": ap.world_size(), "parameters": sum(p.numel() for p in build(args).parameters()),
                   "accelport_ms": statistics.median(times["accelport"]) * 1e3,

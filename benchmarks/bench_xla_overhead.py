@@ -127,7 +127,7 @@ def main() -> None:
 
     def paired(rounds: dict[str, list[float]]) -> dict[str, float]:
         # Each round's loops ran back to back: their ratio cancels slow drifts of a shared machine.
-        return {k: statistics.median(a / b for a, b in zip(rounds[k], rounds["raw"])) for k in runs}
+        return {k: statistics.median(a / b for a, b in zip(rounds[k], rounds["raw"], strict=True)) for k in runs}
 
     by_median, by_mean = paired(per_round), paired(per_round_mean)
     print(f"torch {torch.__version__}, torch_xla {torch_xla.__version__}, PJRT_DEVICE={os.environ['PJRT_DEVICE']}; "

@@ -24,9 +24,9 @@ def run_script(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[
 
 
 def test_resume_in_a_new_process_is_bit_identical_to_an_uninterrupted_run(tmp_path: Path) -> None:
-    import torch
-
     import importlib.util
+
+    import torch
 
     # The uninterrupted run and the first K steps here; the rest in a new process.
     spec = importlib.util.spec_from_file_location("resume_job", SCRIPTS / "resume.py")

@@ -17,7 +17,6 @@ from accelport import platform
 from accelport.platform import PLATFORMS, TPU_DEVICE_IDS, detect, tpu_generation
 from tests import fakes
 
-
 # -- the machines accelport targets --------------------------------------------------------
 
 
@@ -132,8 +131,8 @@ EOF
 """
 NEW_NEURON_LS = """[ "$1" = "--json-output" ] && { echo "unknown option --json-output" >&2; exit 2; }
 cat <<'EOF'
-{"instance_type": "trn2.48xlarge", "neuron_devices": [{"neuron_device": 0, "nc_count": 8}, {"neuron_device": 1, "nc_count": 8},
- {"neuron_device": 2, "nc_count": 8}]}
+{"instance_type": "trn2.48xlarge", "neuron_devices": [{"neuron_device": 0, "nc_count": 8},
+ {"neuron_device": 1, "nc_count": 8}, {"neuron_device": 2, "nc_count": 8}]}
 EOF
 """
 

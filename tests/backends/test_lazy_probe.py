@@ -136,7 +136,8 @@ def test_a_torch_xla_that_pairs_but_does_not_import_is_a_specific_error(
     # for another torch build): the error says so instead of an ImportError traceback.
     site("torch_xla", torch_xla=TORCH)
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
-    with pytest.raises(ap.AccelportError, match=re.escape(f"torch_xla {TORCH} is installed but does not import")) as info:
+    expected = re.escape(f"torch_xla {TORCH} is installed but does not import")
+    with pytest.raises(ap.AccelportError, match=expected) as info:
         ap.use("xla")
         ap.device()
     assert "reinstall both together" in str(info.value)

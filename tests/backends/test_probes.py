@@ -13,14 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
-
 import torch  # noqa: F401 - imported before any fake distribution can join torch's backend autoload
 
 import accelport as ap
 from accelport import _packages
 from accelport._backends.cuda import probe_cuda, visible_gpus
 from accelport._backends.neuron import probe_neuron
-from accelport._backends.tpu import NO_CHIPS, tpu_findings, keep_tpu_runtime_from_waiting, probe_tpu
+from accelport._backends.tpu import NO_CHIPS, keep_tpu_runtime_from_waiting, probe_tpu, tpu_findings
 from tests import fakes
 
 TORCH_TPU_REQUIRES = ("numpy>=2", "libtpu>=0.0.50", "torch>=2.11.0,<=2.15.0")

@@ -25,9 +25,9 @@ import accelport as ap
 from accelport._backends.cuda import CudaBackend
 from accelport._backends.neuron import NeuronBackend
 from accelport._backends.tpu import TpuBackend
-from accelport.runtime.state import RUNTIME
 from accelport.contract import Probe
 from accelport.eager import EagerBackend
+from accelport.runtime.state import RUNTIME
 from tests.conftest import train_tiny
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import itertools
 import json
 import subprocess
 import sys
@@ -255,7 +256,7 @@ SRC = (Source("a test stand-in source", "https://example.org/"),)
 def _rows(cuts: list[int], statuses: list[str], backend: str = "b") -> list[Row]:
     """Contiguous rows for ``backend`` on cpu covering 2.{cuts[i]} .. 2.{cuts[i+1]-1}."""
     rows = []
-    for i, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+    for i, (lo, hi) in enumerate(itertools.pairwise(cuts)):
         status = statuses[i % len(statuses)]
         rows.append(Row("cpu", backend, (2, lo), (2, hi - 1), status, f"{backend} {status}",
                         dt.date(2026, 12, 1), SRC, replacement="x" if status == "deprecated" else None,

@@ -11,9 +11,9 @@ import pytest
 import accelport as ap
 from accelport.compat import load, schema
 from accelport.compat.schema import STATUSES, WORKING, minor_str
-from accelport.runtime.state import RUNTIME
 from accelport.compat.verdict import recommend
 from accelport.platform import PLATFORMS
+from accelport.runtime.state import RUNTIME
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SIX = ("cpu", "cuda", "xla", "tpu", "neuron", "neuron-xla")

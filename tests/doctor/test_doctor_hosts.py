@@ -132,7 +132,8 @@ def test_choosing_the_deprecated_path_on_a_tpu_vm_is_a_warning(monkeypatch: pyte
     assert report["selected"]["name"] == "xla"
     (found,) = [f for f in report["findings"] if f["title"].startswith("the selected path is deprecated")]
     assert found["severity"] == "warning"
-    assert found["title"] == f"the selected path is deprecated or unsupported: xla on gcp-tpu with torch {torch_version}"
+    assert found["title"] == ("the selected path is deprecated or unsupported: "
+                              f"xla on gcp-tpu with torch {torch_version}")
     assert "tpu" in found["fix"]  # it names the path to move to
     assert exit_status(report) == 0
 

@@ -7,8 +7,8 @@ import warnings
 import pytest
 
 import accelport as ap
-from accelport.runtime.state import RUNTIME
 from accelport.plugins.host import BUILTIN_PLUGINS, create_manager
+from accelport.runtime.state import RUNTIME
 from tests.conftest import builtin_backends
 
 # The built-in backends, in registration order (a new built-in must not break these tests).

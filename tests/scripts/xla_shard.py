@@ -71,7 +71,7 @@ def main(out: str, mode: str) -> None:
             p.zero_()
     result["plain"] = ap.load(f"{out}/ckpt.pt", into={"model": fresh, "opt": opt_fresh})
     result["reloaded_equal"] = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(fresh.parameters(),
-                                                                                   model.parameters()))
+                                                                                   model.parameters(), strict=True))
     # The eager model loads the same file: the wrapper's "_orig_module." names were taken out.
     plain_model = make()
     plain_model.load_state_dict(saved["model"])

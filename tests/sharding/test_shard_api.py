@@ -169,7 +169,7 @@ def test_modules_and_optimizers_in_a_single_file_restore_in_place(tmp_path: Path
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     plain = ap.load(tmp_path / "ckpt.pt", into={"model": fresh, "opt": fresh_opt})
     assert plain == {"step": 3}
-    for a, b in zip(model.parameters(), fresh.parameters()):
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b)
     assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
 

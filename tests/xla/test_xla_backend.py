@@ -202,7 +202,8 @@ def test_the_same_script_trains_on_cpu_and_on_xla() -> None:
     on_xla = train_tiny(steps=30)
     assert on_xla[-1] < 0.5 * on_xla[0]
     # Same data, same initial weights, same updates: the two runs agree closely.
-    assert all(math.isclose(a, b, rel_tol=1e-3, abs_tol=1e-4) for a, b in zip(on_cpu, on_xla)), (on_cpu, on_xla)
+    close = [math.isclose(a, b, rel_tol=1e-3, abs_tol=1e-4) for a, b in zip(on_cpu, on_xla, strict=True)]
+    assert all(close), (on_cpu, on_xla)
 
 
 def test_the_unchanged_example_runs_on_xla() -> None:

@@ -13,7 +13,7 @@ device = torch_xla.device()
 model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)).to(device)
 opt = torch.optim.AdamW(model.parameters(), lr=0.01)
 losses = []
-for step, (x, y) in enumerate(pl.MpDeviceLoader(torch.utils.data.DataLoader(data, batch_size=16), device)):
+for _step, (x, y) in enumerate(pl.MpDeviceLoader(torch.utils.data.DataLoader(data, batch_size=16), device)):
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()
     xm.optimizer_step(opt)

@@ -180,6 +180,17 @@ def _finite(value: Any) -> bool:
     return bool(torch.isfinite(value).all())
 
 
+def _local(t: Any) -> Any:
+    """This rank's shard of a sharded tensor (a DTensor of FSDP2 or SPMD), else the tensor.
+
+    The checks look at each rank's own shard: reading a DTensor whole is a collective,
+    which would add communication to a step and hang if only some ranks made it.
+    A NaN on one shard reaches every rank's weights with the next update.
+    """
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def _dtype(t: Any) -> str:
     return str(t.dtype).replace("torch.", "")
 
@@ -213,6 +224,7 @@ class NumericsWatch:
         self._params: list[Any] = []
         self._canary: Any = None
         self._small = False  # a short 1-d canary: read as a Python list, cheaper than a torch sum
+        self._sharded = False  # the canary is a DTensor: its local shard is read
         self._last_grad: Any = None
         self._clone = False  # gradients accumulated in place (zero_grad(set_to_none=False)): copy them
         self._kept: list[tuple[int, Any]] = []
@@ -261,6 +273,8 @@ class NumericsWatch:
             self._select(optimizer)
             canary = self._canary
             grad = canary.grad if canary is not None else None
+        if grad is not None and self._sharded:
+            grad = grad.to_local()
         if self.deferred:
             if isinstance(batch, str):
                 self._bad_inputs[step] = batch
@@ -297,6 +311,7 @@ class NumericsWatch:
         # The smallest, and of equals the last: nearest the loss.
         self._canary = min(reversed(tail), key=lambda p: p.numel()) if tail else None
         canary = self._canary
+        self._sharded = callable(getattr(canary, "to_local", None))
         self._small = canary is not None and canary.dim() == 1 and canary.numel() <= 64 and \
             not canary.is_complex()
         self._last_grad = None
@@ -367,7 +382,7 @@ class NumericsWatch:
         position = {pid: i for i, pid in enumerate(name.order)}
         ordered = sorted(params, key=lambda p: position.get(id(p), len(position)))
         grads = [p for p in ordered if p.grad is not None]
-        bad = [p for p in grads if not bool(torch.isfinite(p.grad).all())]
+        bad = [p for p in grads if not bool(torch.isfinite(_local(p.grad)).all())]
         if bad and len(bad) == len(grads):
             self.nonfinite = NonFinite(step, "loss", "every gradient is NaN or Inf, so the loss was")
         elif bad:
@@ -411,7 +426,7 @@ class NumericsWatch:
     def _view(self, t: Any) -> Any:
         if self._lazy:
             return t  # whole (a slice on XLA is a graph to compile); to_host detaches it
-        return t.detach().reshape(-1)[:PRECISION_SLICE]
+        return _local(t).detach().reshape(-1)[:PRECISION_SLICE]
 
     def _compare(self, sample: _Sample, step: int) -> None:
         params = [p for p in sample.params if p.grad is not None]

@@ -129,6 +129,13 @@ def job_train(out: str) -> dict[str, object]:
     result["mixed_optimizer"] = error_of(lambda: ap.optimizer_step(mixed))
     result["nothing_matches"] = error_of(lambda: ap.shard(make(), policy={torch.nn.GRU}))
     result["foreign_directory"] = error_of(lambda: ap.save({"model": sharded}, out))  # holds rank*.pt files
+
+    # A NaN loss on the sharded model: each rank finds it in its own shard of the gradients.
+    x, y = batch(6)
+    (F.cross_entropy(sharded(x).reshape(-1, VOCAB), y.reshape(-1)) * float("nan")).backward()
+    ap.optimizer_step(opt_s)
+    result["steps"] = ap.metrics().steps
+    result["diagnoses"] = [(d.kind, d.step, d.message) for d in ap.diagnostics()]
     return result
 
 

@@ -97,6 +97,16 @@ def test_sharded_training_reaches_the_replicated_losses(four: tuple[Path, list[d
         torch.testing.assert_close(got["sharded_losses"], got["replicated_losses"], rtol=1e-5, atol=1e-6)
 
 
+def test_a_nan_in_sharded_gradients_is_found_on_every_rank_without_a_collective(
+        four: tuple[Path, list[dict[str, Any]]]) -> None:
+    # Training was silent, then one NaN loss: each rank reads its own shard of the gradients.
+    _, results = four
+    for got in results:
+        [(kind, step, message)] = got["diagnoses"]
+        assert (kind, step) == ("non-finite", got["steps"]), message
+        assert "every gradient is NaN or Inf, so the loss was" in message
+
+
 def test_each_rank_holds_a_quarter_then_a_half_of_parameters_and_optimizer_state(
         four: tuple[Path, list[dict[str, Any]]], two: tuple[Path, list[dict[str, Any]], dict[str, Any]]) -> None:
     for results, n in ((four[1], 4), (two[1], 2)):

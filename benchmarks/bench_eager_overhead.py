@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from _rounds import interleave, per_call, train_pass
 
 import accelport as ap
 from accelport.runtime.state import RUNTIME
@@ -43,39 +43,6 @@ def make_model(compiled: str | None) -> tuple[Any, torch.optim.Optimizer]:
     if compiled == "ap":
         return ap.compile(model), opt
     return model, opt
-
-
-CPU_TIME: dict[int, float] = {}  # id(list of step times) -> the pass's CPU time per step
-
-
-def epoch(batches: Any, model: Any, opt: torch.optim.Optimizer, step: Callable[[Any], Any]) -> list[float]:
-    """Train one pass; return the time of each step (batch arrival to next batch arrival).
-
-    The pass's CPU time per step (this thread's, where the step's work runs with one
-    intra-op thread) is kept beside it: unlike wall time, it leaves out the time other
-    processes on a shared machine take the core away.
-    """
-    times = []
-    last = None
-    cpu = time.thread_time()
-    for x, y in batches:
-        now = time.perf_counter()
-        if last is not None:
-            times.append(now - last)
-        last = now
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        step(opt)
-        opt.zero_grad()
-    CPU_TIME[id(times)] = (time.thread_time() - cpu) / max(len(times) + 1, 1)
-    return times
-
-
-def per_call(fn: Callable[[], Any], n: int = 5000) -> float:
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n * 1e6
 
 
 def main() -> None:
@@ -96,27 +63,13 @@ def main() -> None:
     data = [(torch.randn(args.batch, 32, generator=g), torch.randn(args.batch, 4, generator=g))
             for _ in range(args.steps)]
     kinds = [args.only] if args.only else ["eager", "compiled"]
-    runs: dict[str, Callable[[], list[float]]] = {}
+    runs: dict[str, Callable[[], tuple[list[float], float]]] = {}
     for kind in kinds:
         raw_model = make_model("torch" if kind == "compiled" else None)
         ap_model = make_model("ap" if kind == "compiled" else None)
-        runs[f"raw {kind}"] = lambda m=raw_model: epoch(data, *m, lambda opt: opt.step())
-        runs[f"accelport {kind}"] = lambda m=ap_model: epoch(ap.loader(data), *m, ap.optimizer_step)
-    for fn in runs.values():  # compile and warm up every loop
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    per_round: dict[str, list[float]] = {k: [] for k in runs}
-    per_round_mean: dict[str, list[float]] = {k: [] for k in runs}
-    per_round_cpu: dict[str, list[float]] = {k: [] for k in runs}
-    order = list(runs)
-    for r in range(args.rounds):
-        shift = r % len(order)
-        for name in order[shift:] + order[:shift]:  # rotate who goes first
-            got = runs[name]()
-            times[name].extend(got)
-            per_round[name].append(statistics.median(got))
-            per_round_mean[name].append(statistics.fmean(got))
-            per_round_cpu[name].append(CPU_TIME.pop(id(got)))
+        runs[f"raw {kind}"] = lambda m=raw_model: train_pass(data, *m, lambda opt: opt.step())
+        runs[f"accelport {kind}"] = lambda m=ap_model: train_pass(ap.loader(data), *m, ap.optimizer_step)
+    rounds = interleave(runs, args.rounds)
 
     host = RUNTIME.host()
     watching = [name for name, _ in host._step_end or []]
@@ -127,16 +80,16 @@ def main() -> None:
     headline = {}
     for kind in kinds:
         raw, ours = f"raw {kind}", f"accelport {kind}"
-        by_median = statistics.median(a / b for a, b in zip(per_round[ours], per_round[raw], strict=True))
-        by_mean = statistics.median(a / b for a, b in zip(per_round_mean[ours], per_round_mean[raw], strict=True))
-        by_cpu = statistics.median(a / b for a, b in zip(per_round_cpu[ours], per_round_cpu[raw], strict=True))
+        by_median = rounds.ratio(rounds.median, ours, raw)
+        by_mean = rounds.ratio(rounds.mean, ours, raw)
+        by_cpu = rounds.ratio(rounds.cpu, ours, raw)
         headline[kind] = by_median
         for name in (raw, ours):
-            print(f"{name:20s} median step {statistics.median(times[name]) * 1e6:8.1f} us, "
-                  f"CPU {statistics.median(per_round_cpu[name]) * 1e6:8.1f} us")
-        extra = (statistics.median(times[ours]) - statistics.median(times[raw])) * 1e6
+            print(f"{name:20s} median step {statistics.median(rounds.times[name]) * 1e6:8.1f} us, "
+                  f"CPU {statistics.median(rounds.cpu[name]) * 1e6:8.1f} us")
+        extra = (statistics.median(rounds.times[ours]) - statistics.median(rounds.times[raw])) * 1e6
         extra_cpu = statistics.median(
-            a - b for a, b in zip(per_round_cpu[ours], per_round_cpu[raw], strict=True)) * 1e6
+            a - b for a, b in zip(rounds.cpu[ours], rounds.cpu[raw], strict=True)) * 1e6
         print(f"{kind:9s} accelport / raw: median of per-round ratios {by_median:.3f} (of means {by_mean:.3f}, "
               f"of CPU time {by_cpu:.3f}); {extra:+.1f} us a step ({extra_cpu:+.1f} us of CPU)")
 

@@ -19,7 +19,9 @@ import os
 import statistics
 import subprocess
 import sys
-import time
+from typing import Any
+
+from _rounds import slowest_rank_times
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -36,7 +38,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def worker(args: argparse.Namespace) -> None:
     import torch
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     import accelport as ap
@@ -67,16 +68,8 @@ def worker(args: argparse.Namespace) -> None:
         torch.nn.functional.mse_loss(ddp(x), y).backward()
         opt_ddp.step()
 
-    def timed(step: object) -> list[float]:
-        out = []
-        for x, y in batches:
-            ap.barrier()
-            t0 = time.perf_counter()
-            step(x, y)  # type: ignore[operator]
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-            out.append(float(t))
-        return out
+    def timed(step: Any) -> list[float]:
+        return slowest_rank_times(batches, step)
 
     timed(step_ours), timed(step_ddp)  # warm-up (DDP builds its buckets on the first step)
     times: dict[str, list[float]] = {"accelport": [], "ddp": []}

@@ -27,7 +27,9 @@ import os
 import statistics
 import subprocess
 import sys
-import time
+from typing import Any
+
+from _rounds import slowest_rank_times
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -72,7 +74,6 @@ def build(args: argparse.Namespace) -> object:
 
 def worker_speed(args: argparse.Namespace) -> None:
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -100,16 +101,8 @@ def worker_speed(args: argparse.Namespace) -> None:
         opt_hand.step()
         opt_hand.zero_grad()
 
-    def timed(step: object) -> list[float]:
-        out = []
-        for x, y in batches:
-            ap.barrier()
-            t0 = time.perf_counter()
-            step(x, y)  # type: ignore[operator]
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-            out.append(float(t))
-        return out
+    def timed(step: Any) -> list[float]:
+        return slowest_rank_times(batches, step)
 
     timed(step_ours), timed(step_hand)  # warm-up
     ratios, times = [], {"accelport": [], "hand": []}  # type: ignore[var-annotated]

@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -34,6 +32,7 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 import torch  # noqa: E402
 import torch_xla  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
+from _rounds import interleave, per_call, train_pass  # noqa: E402
 from torch_xla.distributed.parallel_loader import MpDeviceLoader  # noqa: E402
 
 import accelport as ap  # noqa: E402
@@ -45,29 +44,6 @@ def make_model(device: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).to(device)
     return model, torch.optim.SGD(model.parameters(), lr=1e-3)
-
-
-def epoch(batches: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, step: Any) -> list[float]:
-    """Train one pass; return the time of each step (batch arrival to next batch arrival)."""
-    times = []
-    last = None
-    for x, y in batches:
-        now = time.perf_counter()
-        if last is not None:
-            times.append(now - last)
-        last = now
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        step(opt)
-        opt.zero_grad()
-    return times
-
-
-def per_call(fn: Callable[[], Any], n: int = 5000) -> float:
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n * 1e6
 
 
 def main() -> None:
@@ -95,41 +71,26 @@ def main() -> None:
                 host.pm.register(diagnostics, name="diagnostics")
             host._step_end = None
 
-    def raw() -> list[float]:
-        return epoch(MpDeviceLoader(data, device), *models["raw"], xm.optimizer_step)
+    def raw() -> tuple[list[float], float]:
+        return train_pass(MpDeviceLoader(data, device), *models["raw"], xm.optimizer_step)
 
     watching: list[str] = []  # the observers the "accelport" loop ran with
 
-    def accel() -> list[float]:
-        got = epoch(ap.loader(data), *models["accelport"], ap.optimizer_step)
+    def accel() -> tuple[list[float], float]:
+        got = train_pass(ap.loader(data), *models["accelport"], ap.optimizer_step)
         watching[:] = [name for name, _ in host._step_end or []]
         return got
 
-    def quiet() -> list[float]:
+    def quiet() -> tuple[list[float], float]:
         with observers_off():
-            return epoch(ap.loader(data), *models["no-observer"], ap.optimizer_step)
+            return train_pass(ap.loader(data), *models["no-observer"], ap.optimizer_step)
 
     runs = {"raw": raw, "accelport": accel, "no-observer": quiet}
-    for fn in runs.values():  # compile and warm up every loop
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    per_round: dict[str, list[float]] = {k: [] for k in runs}
-    per_round_mean: dict[str, list[float]] = {k: [] for k in runs}
-    order = list(runs)
-    for r in range(args.rounds):
-        for name in order[r % 3:] + order[:r % 3]:  # rotate who goes first
-            got = runs[name]()
-            times[name].extend(got)
-            per_round[name].append(statistics.median(got))
-            per_round_mean[name].append(statistics.fmean(got))
+    rounds = interleave(runs, args.rounds)
     torch_xla.sync()
-    med = {k: statistics.median(v) for k, v in times.items()}
-
-    def paired(rounds: dict[str, list[float]]) -> dict[str, float]:
-        # Each round's loops ran back to back: their ratio cancels slow drifts of a shared machine.
-        return {k: statistics.median(a / b for a, b in zip(rounds[k], rounds["raw"], strict=True)) for k in runs}
-
-    by_median, by_mean = paired(per_round), paired(per_round_mean)
+    med = {k: statistics.median(v) for k, v in rounds.times.items()}
+    by_median = {k: rounds.ratio(rounds.median, k, "raw") for k in runs}
+    by_mean = {k: rounds.ratio(rounds.mean, k, "raw") for k in runs}
     print(f"torch {torch.__version__}, torch_xla {torch_xla.__version__}, PJRT_DEVICE={os.environ['PJRT_DEVICE']}; "
           f"{args.rounds} rounds x {args.steps} steps each, interleaved; "
           f"observers of the accelport loop: {watching or 'none'}")

@@ -3,7 +3,7 @@
 Nothing is printed, no ``TORCH_LOGS`` and no logger level is changed, and nothing
 here needs ``accelport``'s API: it works when the script only called
 ``torch.compile``. The surfaces, all process-wide (what each gives, per torch
-version, is pinned in ``tests/diagnose/test_dynamo_surfaces.py``):
+version, is pinned in ``tests/diagnose/dynamo_surfaces.py``):
 
 - ``torch._dynamo.utils.guard_failures``: ``{code object: [reason, ...]}``, why each
   recompilation happened (what ``TORCH_LOGS=recompiles`` prints), filled whether or

@@ -195,3 +195,9 @@ def check_the_observer_reads_them_all() -> None:
     (change,) = fn.size_changes
     assert (change.arg, change.dim) == ("x", 1) and change.sizes == tuple(range(1, LIMIT + 2))
     assert obs.limit_hit_count(mark) == 1 and obs.limit_hit_count(obs.mark()) == 0
+
+
+#: The checks every torch environment runs (the torch_xla one only where torch_xla is installed).
+CHECKS = ("check_version_is_pinned", "check_guard_failures_and_compilation_metrics",
+          "check_dynamic_default_compiles_twice", "check_recompile_limit_warning", "check_graph_break_reasons",
+          "check_hooks_the_tracer_needs", "check_the_observer_reads_them_all")

@@ -6,32 +6,11 @@ same ones on torch 2.9 (tests/xla/test_dynamo_surfaces_torch29.py).
 
 from __future__ import annotations
 
+import pytest
+
 from tests.diagnose import dynamo_surfaces as surfaces
 
 
-def test_this_torch_version_is_pinned() -> None:
-    surfaces.check_version_is_pinned()
-
-
-def test_guard_failures_and_compilation_metrics() -> None:
-    surfaces.check_guard_failures_and_compilation_metrics()
-
-
-def test_dynamic_default_compiles_twice() -> None:
-    surfaces.check_dynamic_default_compiles_twice()
-
-
-def test_recompile_limit_warning() -> None:
-    surfaces.check_recompile_limit_warning()
-
-
-def test_graph_break_reasons() -> None:
-    surfaces.check_graph_break_reasons()
-
-
-def test_hooks_the_tracer_needs() -> None:
-    surfaces.check_hooks_the_tracer_needs()
-
-
-def test_the_observer_reads_them_all() -> None:
-    surfaces.check_the_observer_reads_them_all()
+@pytest.mark.parametrize("check", surfaces.CHECKS)
+def test_dynamo_surface(check: str) -> None:
+    getattr(surfaces, check)()

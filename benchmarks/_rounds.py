@@ -1,0 +1,94 @@
+"""What the benchmarks share: a timed training pass, interleaved rounds, paired ratios.
+
+Every benchmark here compares loops side by side in one run: each round runs every loop
+once, in a rotating order, and the headline is the median over rounds of each round's
+ratio, so slow drifts of a shared machine cancel within a round.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def train_pass(batches: Iterable[Any], model: Any, opt: Any, step: Callable[[Any], Any]) -> tuple[list[float], float]:
+    """Train one pass; return each step's time (batch arrival to next batch arrival) and CPU time per step.
+
+    The CPU time is this thread's (where the step's work runs with one intra-op thread):
+    unlike wall time, it leaves out the time other processes on the machine take the core away.
+    """
+    import torch
+
+    times = []
+    last = None
+    cpu = time.thread_time()
+    for x, y in batches:
+        now = time.perf_counter()
+        if last is not None:
+            times.append(now - last)
+        last = now
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        step(opt)
+        opt.zero_grad()
+    return times, (time.thread_time() - cpu) / max(len(times) + 1, 1)
+
+
+@dataclass
+class Rounds:
+    """Per loop: every step time, and per round its median step, mean step and CPU time per step."""
+
+    times: dict[str, list[float]] = field(default_factory=dict)
+    median: dict[str, list[float]] = field(default_factory=dict)
+    mean: dict[str, list[float]] = field(default_factory=dict)
+    cpu: dict[str, list[float]] = field(default_factory=dict)
+
+    def ratio(self, per_round: Mapping[str, list[float]], name: str, base: str) -> float:
+        """The median over rounds of ``name``'s figure over ``base``'s in the same round."""
+        return statistics.median(a / b for a, b in zip(per_round[name], per_round[base], strict=True))
+
+
+def interleave(runs: Mapping[str, Callable[[], tuple[list[float], float]]], rounds: int) -> Rounds:
+    """Run every loop once to warm up (compile), then ``rounds`` rounds, rotating who goes first."""
+    for fn in runs.values():
+        fn()
+    out = Rounds(*({k: [] for k in runs} for _ in range(4)))
+    order = list(runs)
+    for r in range(rounds):
+        shift = r % len(order)
+        for name in order[shift:] + order[:shift]:
+            times, cpu = runs[name]()
+            out.times[name].extend(times)
+            out.median[name].append(statistics.median(times))
+            out.mean[name].append(statistics.fmean(times))
+            out.cpu[name].append(cpu)
+    return out
+
+
+def per_call(fn: Callable[[], Any], n: int = 5000) -> float:
+    """Microseconds per call of ``fn``, timed alone."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def slowest_rank_times(batches: Iterable[tuple[Any, Any]], step: Callable[[Any, Any], None]) -> list[float]:
+    """Each step's time on the slowest rank (a barrier before each, the maximum over ranks after)."""
+    import torch
+    import torch.distributed as dist
+
+    import accelport as ap
+
+    out = []
+    for x, y in batches:
+        ap.barrier()
+        t0 = time.perf_counter()
+        step(x, y)
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        out.append(float(t))
+    return out

@@ -27,10 +27,6 @@ XLA_TORCH = "2.9.0"  # torch_xla's last release; it needs this exact torch
 TPU_TORCH = "2.13.0"
 TORCH_TPU = "0.2.0"  # the tests check our reading of this release's metadata (torch range, libtpu)
 
-#: torch-neuronx is only on AWS's own index; `accelport ci-matrix` rows name the packages.
-#: (accelport._packages.NEURON_PACKAGE_INDEX: the noxfile runs before accelport is installed.)
-NEURON_INDEX = ("--extra-index-url", "https://pip.repos.neuron.amazonaws.com")
-
 
 def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
     # pytest exits 5 when it collects nothing; nox treats any non-zero exit as failure,
@@ -71,23 +67,23 @@ def tpu(session: nox.Session) -> None:
 def hardware(session: nox.Session) -> None:
     """The backend contract on accelerator hardware, for one row of `accelport ci-matrix`.
 
-    A cloud CI job sets ACCELPORT_CI_BACKEND and ACCELPORT_CI_INSTALL from the row's
-    `backend` and `install` fields (e.g. tpu and "torch==2.13.* torch-tpu>=0.2.0"), so the
-    packages come from the compatibility matrix, not from a second table here.
-    --accelport-backend makes a runner on which that backend cannot run fail, not skip.
+    A cloud CI job sets ACCELPORT_CI_BACKEND and ACCELPORT_CI_PIP_ARGS from the row's
+    `backend` and `pip_args` fields (e.g. tpu and "'torch==2.13.*' 'torch-tpu>=0.2.0'"), so the
+    packages, and the index or find-links page a package needs (AWS's for torch-neuronx,
+    libtpu's for torch_xla[tpu] up to 2.6), come from the compatibility matrix, not from a
+    second table here. --accelport-backend makes a runner on which that backend cannot run
+    fail, not skip.
     """
     import shlex
 
     backend = os.environ.get("ACCELPORT_CI_BACKEND", "").strip()
-    install = shlex.split(os.environ.get("ACCELPORT_CI_INSTALL", ""))
-    if not backend or not install:
+    pip_args = shlex.split(os.environ.get("ACCELPORT_CI_PIP_ARGS", ""))
+    if not backend or not pip_args:
         session.error(
-            "set ACCELPORT_CI_BACKEND and ACCELPORT_CI_INSTALL to the `backend` and `install` fields of a row "
-            f"of `accelport ci-matrix` (got {backend!r} and {install!r})"
+            "set ACCELPORT_CI_BACKEND and ACCELPORT_CI_PIP_ARGS to the `backend` and `pip_args` fields of a row "
+            f"of `accelport ci-matrix` (got {backend!r} and {pip_args!r})"
         )
-    if any(req.startswith("torch-neuronx") for req in install):
-        install += NEURON_INDEX
-    session.install(*install, "numpy", "-e", ".[test]")
+    session.install(*pip_args, "numpy", "-e", ".[test]")
     session.run("accelport", "backends")
     # -m "": pyproject's addopts deselect the xla-marked tests (the default environment
     # has no torch_xla), which here are exactly the contract tests of xla and neuron-xla.

@@ -20,12 +20,14 @@ with ``--json``; a ``--torch`` version the matrix has no row for on the chosen
 platforms is a usage error either way.
 
 ``python`` is the newest Python that torch, the paired package and accelport
-all support. ``install`` is the requirements, separated by spaces, for a program
-to split (``shlex.split``: what the noxfile's ``hardware`` session does with
-``ACCELPORT_CI_INSTALL``); it is not safe in a shell (``torch-tpu>=0.2.0`` is a
-redirection there). ``pip_args`` is the same requirements quoted for a shell, plus
-the package index a requirement needs (torch-neuronx comes from AWS's own), so
-``pip install ${{ matrix.pip_args }}`` is safe in a ``run:`` step.
+all support. ``install`` is the requirements alone, separated by spaces (to read
+or compare; not safe in a shell, where ``torch-tpu>=0.2.0`` is a redirection).
+``pip_args`` is what pip needs: the same requirements quoted for a shell, plus the
+package index or find-links page a requirement needs (torch-neuronx comes from
+AWS's own index, torch_xla[tpu] up to 2.6 finds libtpu on Google's page), so
+``pip install ${{ matrix.pip_args }}`` is safe in a ``run:`` step, and
+``shlex.split`` of it gives pip's arguments (what the noxfile's ``hardware``
+session does with ``ACCELPORT_CI_PIP_ARGS``).
 """
 
 from __future__ import annotations

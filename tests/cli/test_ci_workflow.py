@@ -10,6 +10,7 @@ against stand-in `python`, `pip` and `pytest` that record the arguments they get
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 import os
 import pathlib
@@ -284,6 +285,26 @@ def test_matrix_fields_reach_pip_intact_through_the_shell(name: str, tmp_path: p
         if any(req.startswith("torch-neuronx") for req in wanted):
             assert any(NEURON_INDEX in args and args[args.index(NEURON_INDEX) - 1] == "--extra-index-url"
                        for args in fits), f"{name}: no --extra-index-url {NEURON_INDEX} for {row['install']}"
+
+
+def test_the_hardware_session_installs_each_row_with_its_index_and_find_links() -> None:
+    # The cloud job hands the row's pip_args to the noxfile's hardware session, which splits
+    # it into pip's arguments: every requirement whole, and the page each package needs.
+    cloud = _load(WORKFLOW.read_text())["jobs"]["cloud"]
+    [step] = [s for s in cloud["steps"] if s.get("run") == "make test SESSIONS=hardware"]
+    assert step["env"]["ACCELPORT_CI_PIP_ARGS"] == "${{ matrix.pip_args }}"
+    assert 'os.environ.get("ACCELPORT_CI_PIP_ARGS", "")' in (ROOT / "noxfile.py").read_text()
+    libtpu = "https://storage.googleapis.com/libtpu-releases/index.html"
+    for row in EVERY_ROW:
+        args = shlex.split(row["pip_args"])
+        assert [a for a in args if not a.startswith("-") and a not in (NEURON_INDEX, libtpu)] == \
+            shlex.split(row["install"]), row
+        pairs = list(itertools.pairwise(args))
+        if "torch-neuronx" in row["install"]:
+            assert ("--extra-index-url", NEURON_INDEX) in pairs, row
+        minor = int(row["torch"].split(".")[1])
+        if "torch_xla[tpu]" in row["install"] and minor <= 6:
+            assert ("-f", libtpu) in pairs, row
 
 
 # -- the same commands as the README --------------------------------------------------------

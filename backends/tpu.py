@@ -23,6 +23,7 @@ from accelport import _packages, platform
 from accelport.contract import Probe
 from accelport.doctor.finding import DoctorContext, Finding
 from accelport.eager import EagerBackend
+from accelport.errors import AccelportError
 from accelport.plugins.hookspecs import hookimpl
 
 if TYPE_CHECKING:
@@ -135,7 +136,12 @@ def probe_tpu(root: str | None = None, environ: Mapping[str, str] | None = None)
 
 def tpu_findings(root: str | None = None, environ: Mapping[str, str] | None = None) -> list[Finding]:
     """Findings for ``accelport doctor`` (never imports torch or torch_tpu)."""
-    facts = TpuFacts.gather(root, environ)
+    try:
+        facts = TpuFacts.gather(root, environ)
+    except AccelportError:
+        # ACCELPORT_SYSROOT names no directory: doctor's core reports that, with its fix;
+        # failing here as well would only disable this plugin with a second warning.
+        return []
     if facts.torch_tpu is None:
         return []
     found: list[Finding] = []

@@ -7,6 +7,7 @@ dist-info entries. Nothing here is real hardware: these are stand-ins for it.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -86,8 +87,14 @@ def test_bare_cpu_host_is_all_clear(monkeypatch: pytest.MonkeyPatch, tmp_path: P
 
 
 def test_missing_or_unreadable_system_tree_is_not_a_crash(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    report = report_for(monkeypatch, tmp_path / "does-not-exist")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = report_for(monkeypatch, tmp_path / "does-not-exist")
     assert report["platform"]["name"] == "cpu"
+    # Said once, by the core, with its fix; no plugin fails over it.
+    [found] = [f for f in report["findings"] if "ACCELPORT_SYSROOT=" in f["title"]]
+    assert found["severity"] == "problem" and found["fix"] == "fix or unset ACCELPORT_SYSROOT"
+    assert not [w for w in caught if "was disabled" in str(w.message)], [str(w.message) for w in caught]
     locked = tmp_path / "locked"
     fakes.tpu_vm(locked)
     (locked / "sys").chmod(0)

@@ -117,19 +117,25 @@ def check_batch(batch: Any) -> str | None:
     """
     import torch
 
-    tensor = torch.Tensor
+    tensor, strided = torch.Tensor, torch.strided
     items = enumerate(batch) if type(batch) in (tuple, list) and all(type(t) is tensor for t in batch) else None
     for name, t in ((f"input {i}", t) for i, t in items) if items is not None else _tensors(batch):
-        if not t.is_floating_point():
+        # Host tensors only: a batch already on a device would be read back (a host sync
+        # per step). Sparse and nested layouts have no cheap sum: not looked at.
+        if not (t.is_floating_point() or t.is_complex()) or t.device.type != "cpu" or t.layout is not strided:
             continue
-        if t.numel() > INPUT_CHECK_MAX:
-            flat = t.detach().reshape(-1)
-            t = flat[:: -(-flat.numel() // INPUT_CHECK_MAX)]
-        if math.isfinite(t.sum().item()):  # (a sum that overflows is looked at closely)
+        try:
+            if t.numel() > INPUT_CHECK_MAX:
+                flat = t.detach().reshape(-1)
+                t = flat[:: -(-flat.numel() // INPUT_CHECK_MAX)]
+            total = t.sum().item()
+            if math.isfinite(abs(total)):  # (a sum that overflows is looked at closely)
+                continue
+            finite = torch.isfinite(t)
+            if not bool(finite.all()):
+                return f"{name}: {int((~finite).sum())} of {t.numel()} values are NaN or Inf"
+        except (RuntimeError, TypeError, ValueError):  # a tensor subclass without these ops: not looked at
             continue
-        finite = torch.isfinite(t)
-        if not bool(finite.all()):
-            return f"{name}: {int((~finite).sum())} of {t.numel()} values are NaN or Inf"
     return None
 
 
@@ -232,6 +238,8 @@ class NumericsWatch:
         self._finite_at = 0  # the last step read and found finite (lazy: reads are far apart)
         self._bad_inputs: dict[int, str] = {}
         self._batch: Any = None  # host mode: this step's batch; deferred: what check_batch said
+        self._step_batches = 0  # batches since the last step (more than one: gradient accumulation)
+        self._accumulated = 0  # ...as the step that ended last had them
         self._low: list[Any] | None = None  # low-precision parameters (None: not looked yet)
         self._sample: _Sample | None = None
         self._next_sample = PRECISION_FIRST  # the next step _precision has anything to do at
@@ -259,10 +267,12 @@ class NumericsWatch:
     def batch(self, info: Any) -> None:
         """The loop got the batch ``info`` came with (see :meth:`inspect`)."""
         self._batch = info
+        self._step_batches += 1
 
     # -- each step ------------------------------------------------------------------------------
     def step_end(self, step: int, optimizer: Any) -> None:
         batch, self._batch = self._batch, None
+        self._accumulated, self._step_batches = self._step_batches, 0
         if self.nonfinite is not None:
             return
         if optimizer is not self._optimizer:
@@ -273,8 +283,6 @@ class NumericsWatch:
             self._select(optimizer)
             canary = self._canary
             grad = canary.grad if canary is not None else None
-        if grad is not None and self._sharded:
-            grad = grad.to_local()
         if self.deferred:
             if isinstance(batch, str):
                 self._bad_inputs[step] = batch
@@ -282,24 +290,33 @@ class NumericsWatch:
                 if self._lazy:
                     # Only the newest: every live XLA tensor is looked at by each sync, so
                     # keeping hundreds would slow every step (and a copy would be a graph op).
-                    self._kept[:] = [(step, grad)]
+                    self._kept[:] = [(step, _local(grad) if self._sharded else grad)]
                 else:
+                    # The same gradient object as last step: accumulated in place
+                    # (zero_grad(set_to_none=False)), so each kept one must be a copy. The
+                    # first is copied anyway, before that can be told. (Compared before
+                    # to_local(), which hands out a new object on every call.)
                     if grad is self._last_grad:
                         self._clone = True
+                    clone = self._clone or self._last_grad is None
                     self._last_grad = grad
-                    self._kept.append((step, grad.detach().clone() if self._clone else grad))
+                    if self._sharded:
+                        grad = grad.to_local()
+                    self._kept.append((step, grad.detach().clone() if clone else grad))
             self._unread += 1
             if self._unread >= self._every:
                 self.read()
-        elif grad is not None and not math.isfinite(
-                abs(sum(grad.tolist()) if self._small else grad.sum().item())):
+        elif grad is not None:
+            if self._sharded:
+                grad = grad.to_local()
             # A NaN or Inf survives the sum (0.5 us through a short list, 2 us through torch,
             # against 11 for isfinite().all()); a sum that overflows on its own is told apart
             # by the exact check.
-            import torch
+            if not math.isfinite(abs(sum(grad.tolist()) if self._small else grad.sum().item())):
+                import torch
 
-            if not bool(torch.isfinite(grad).all()):
-                self._found(step, batch)
+                if not bool(torch.isfinite(grad).all()):
+                    self._found(step, batch)
         if step >= self._next_sample:
             self._precision(step, optimizer)
 
@@ -384,7 +401,11 @@ class NumericsWatch:
         grads = [p for p in ordered if p.grad is not None]
         bad = [p for p in grads if not bool(torch.isfinite(_local(p.grad)).all())]
         if bad and len(bad) == len(grads):
-            self.nonfinite = NonFinite(step, "loss", "every gradient is NaN or Inf, so the loss was")
+            detail = "every gradient is NaN or Inf, so the loss was"
+            if self._accumulated > 1:  # only the last batch is kept: an earlier one may be the source
+                detail += (f", or an earlier one of the {self._accumulated} batches accumulated into this "
+                           "step held NaN or Inf (the last was finite)")
+            self.nonfinite = NonFinite(step, "loss", detail)
         elif bad:
             self.nonfinite = NonFinite(step, "gradient", f"the gradient of {name(bad[0])}",
                                        tuple(name(p) for p in bad[:3]))
@@ -424,9 +445,10 @@ class NumericsWatch:
         self._after(keep, tuple(self._view(p) for p in params))
 
     def _view(self, t: Any) -> Any:
+        t = _local(t)
         if self._lazy:
             return t  # whole (a slice on XLA is a graph to compile); to_host detaches it
-        return _local(t).detach().reshape(-1)[:PRECISION_SLICE]
+        return t.detach().reshape(-1)[:PRECISION_SLICE]
 
     def _compare(self, sample: _Sample, step: int) -> None:
         params = [p for p in sample.params if p.grad is not None]

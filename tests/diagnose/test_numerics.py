@@ -231,3 +231,92 @@ def test_on_accelerators_a_diverging_loss_is_reported_from_the_gradients(standin
 def test_on_accelerators_healthy_training_is_silent(standin: EagerBackend) -> None:
     silent(lambda: train(Net(), data(2 * CHECK_EVERY + 3)))
     assert math.isfinite(ap.metrics().step_seconds)
+
+
+def test_on_accelerators_gradients_kept_in_place_still_name_the_first_bad_step(standin: EagerBackend) -> None:
+    # zero_grad(set_to_none=False): each step's gradient is the same tensor, written over;
+    # every one kept must be a copy, the very first too.
+    # The inputs stay finite: only the gradients tell the first bad step.
+    model = RootBias().to(ap.device())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.warns(ap.DiagnosticWarning, match="non-finite"):
+        for i, (x, y) in enumerate(ap.loader(data(12))):
+            model.hot = i >= 2  # step 3 is the first with an Inf gradient
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            ap.optimizer_step(opt)
+            opt.zero_grad(set_to_none=False)
+    (found,) = ap.diagnostics()
+    assert found.evidence["first_step"] == 3 and found.evidence["source"] == "gradients"
+
+
+def test_a_nan_in_an_earlier_accumulated_batch_is_not_blamed_on_the_loss_alone() -> None:
+    ap.use("cpu")
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.warns(ap.DiagnosticWarning, match="non-finite"):
+        for i, (x, y) in enumerate(ap.loader(data(12, nan_at=5))):  # batch 5: the first of step 3's two
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if i % 2 == 1:
+                ap.optimizer_step(opt)
+                opt.zero_grad()
+    (found,) = ap.diagnostics()
+    assert found.evidence["first_step"] == 3 and found.evidence["source"] == "loss"
+    assert "or an earlier one of the 2 batches accumulated into this step held NaN or Inf" in found.message
+
+
+def test_only_host_tensors_of_a_batch_are_looked_at() -> None:
+    # A batch already on a device would be read back every step; a layout without a cheap
+    # sum (nested) is passed over; complex values are checked like real ones.
+    on_device = torch.full((4, 3), float("nan"), device="meta")
+    nested = torch.nested.nested_tensor([torch.randn(2), torch.randn(3)])
+    assert check_batch([on_device, nested]) is None
+    assert check_batch([torch.tensor([1 + 0j, complex("nan+0j")])]) == "input 0: 1 of 2 values are NaN or Inf"
+
+
+SHARDED_IN_PLACE = """
+import os, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from accelport.diagnose.numerics import NumericsWatch
+
+class Accelerator:  # a stand-in for an eager accelerator's backend: the checks read later, in blocks
+    lazy, sync_api, name = False, "cuda", "stand-in"
+    def diagnostic_read(self, fn, tensors):
+        fn(*[t.detach().clone() for t in tensors])
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+watch = NumericsWatch(Accelerator())
+for step in range(1, 7):
+    x = torch.randn(3, 4)
+    if step == 3:
+        x[0, 0] = float("nan")
+    model(x).pow(2).mean().backward()
+    opt.step()
+    watch.step_end(step, opt)
+    opt.zero_grad(set_to_none=False)
+assert type(model[1].bias.grad).__name__ == "DTensor"
+watch.read()
+print(watch.nonfinite.step, watch.nonfinite.source)
+dist.destroy_process_group()
+"""
+
+
+def test_sharded_gradients_kept_in_place_name_the_first_bad_step(tmp_path: Any) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:  # a free port for the one-rank process group
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "sharded.py"
+    script.write_text(SHARDED_IN_PLACE)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "PORT": str(port)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["3", "gradients"]

@@ -30,6 +30,10 @@ from accelport.platform import PlatformInfo, detect
 from accelport.settings import env_int, explicit_pjrt_device, is_true
 from accelport.tensors import to_host
 
+#: Set on accelport's own step closures: their host reads are counted here already
+#: (``after_step_reads``), so a watcher of the script's own closures leaves them out.
+OWN_CLOSURE = "_accelport_closure"
+
 if TYPE_CHECKING:
     from accelport.doctor.finding import DoctorContext, Finding  # noqa: F401 - Finding: annotations
 
@@ -553,6 +557,7 @@ class LazyBackend(Backend):
                 self._own_reads += n
             fn(*values)
 
+        setattr(run, OWN_CLOSURE, True)
         xm.add_step_closure(run, args=tensors)
         if not self._flush_at_exit:
             # A closure added after the last step would otherwise never run (the final

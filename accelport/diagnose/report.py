@@ -169,14 +169,16 @@ def diagnose(records: Sequence[dict[str, Any]]) -> list[Any]:
     can (dynamo's reasons, parameter names). Replaying finds the rest, and everything
     in files written before diagnoses were recorded.
     """
-    from accelport.diagnose.rules import Diagnosis, Diagnostics
+    from accelport.diagnose.rules import Diagnosis, Diagnostics, severity
 
     found: list[Any] = []
     for r in records:
         for d in r.get("diagnoses") or ():
             if isinstance(d, dict) and isinstance(d.get("kind"), str) and all(x.kind != d["kind"] for x in found):
+                # Severity from today's rules: a file from an older build may say otherwise.
+                evidence = dict(d.get("evidence") or {})
                 found.append(Diagnosis(d["kind"], str(d.get("message", "")), int(d.get("step", r["step"])),
-                                       dict(d.get("evidence") or {}), str(d.get("severity", "warning"))))
+                                       evidence, severity(d["kind"], evidence)))
     rules = Diagnostics(environ={})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

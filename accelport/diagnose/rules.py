@@ -54,6 +54,7 @@ __all__ = [
     "NonFiniteWarning",
     "PrecisionWarning",
     "PROBLEMS",
+    "severity",
 ]
 
 
@@ -154,6 +155,11 @@ class Diagnosis:
                 "severity": self.severity}
 
 
+def severity(kind: str, evidence: Mapping[str, Any]) -> str:
+    """"problem" for the kinds in PROBLEMS and a loop that never syncs, else "warning"."""
+    return "problem" if kind in PROBLEMS or evidence.get("steps_without_sync") else "warning"
+
+
 def describe_shape_change(before: Sequence[Any] | None, after: Sequence[Any] | None) -> str | None:
     """'input 0 changed from (8, 128) to (8, 131)' for the first input whose shape differs."""
     if before is None or after is None:
@@ -226,7 +232,7 @@ class Diagnostics:
         if kind in self._reported:
             return
         self._reported.add(kind)
-        problem = kind in PROBLEMS or bool(evidence.get("steps_without_sync"))
+        problem = severity(kind, evidence) == "problem"
         diagnosis = Diagnosis(kind, message, step, evidence, "problem" if problem else "warning")
         self.findings.append(diagnosis)
         text = f"[{kind}] PROBLEM: {message}" if problem else f"[{kind}] {message}"

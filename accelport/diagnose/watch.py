@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 from accelport.device_loader import describe_loader, signature
 from accelport.diagnose import tracer
 from accelport.errors import AccelportError, DiagnosticWarning
+from accelport.lazy import OWN_CLOSURE
 from accelport.runtime.state import Runtime
 from accelport.runtime.tracker import StepTracker
 
@@ -62,7 +63,8 @@ _LIBRARIES = frozenset({
 
 #: Which place a finding of each kind is best shown at: the loop over the data (where
 #: batches come from) or the optimizer step (where a sync belongs).
-_SITE = re.compile(r"^(?P<file>.+?):(?P<line>\d+)(?::|$)")
+#: "file:12" or "file:12: reason" (a file name never holds ": ", which starts the reason).
+_SITE = re.compile(r"^(?P<file>(?:(?!: ).)+?):(?P<line>\d+)(?=: |$)")
 _FUNCTION_SITE = re.compile(r"\((?P<file>.+):(?P<line>\d+)\)$")
 _PLACE = {"recompilation": "loop", "input-bound": "loop", "graph-growth": "step"}
 
@@ -78,6 +80,22 @@ def user_site(frame: types.FrameType | None = None) -> tuple[str, int] | None:
     return None
 
 
+def _library_file(path: str) -> bool:
+    """Whether ``path`` is a file of torch, torch_xla, accelport or another library user_site skips."""
+    path = os.path.abspath(path)
+    for name in _LIBRARIES:
+        module = sys.modules.get(name)
+        # A package's directory; a single-file module (threading) is its file alone: its
+        # directory is the standard library's, and may hold site-packages, the script's too.
+        for root in getattr(module, "__path__", None) or ():
+            if path.startswith(os.path.abspath(root) + os.sep):
+                return True
+        origin = getattr(module, "__file__", None)
+        if origin and path == os.path.abspath(origin):
+            return True
+    return False
+
+
 def where(finding: Any, sites: Mapping[str, tuple[str, int]]) -> tuple[str, int] | None:
     """The script's line a finding is best shown at: the host read itself, else the loop or the step."""
     evidence = getattr(finding, "evidence", None) or {}
@@ -85,10 +103,10 @@ def where(finding: Any, sites: Mapping[str, tuple[str, int]]) -> tuple[str, int]
     # compiled function that recompiled ("forward (file:3)").
     for site in evidence.get("sites") or ():
         m = _SITE.match(str(site))
-        if m:
+        if m and not _library_file(m.group("file")):
             return m.group("file"), int(m.group("line"))
     m = _FUNCTION_SITE.search(str(evidence.get("function") or ""))
-    if m:
+    if m and not _library_file(m.group("file")):  # (torch's Sequential.forward says nothing of the script)
         return m.group("file"), int(m.group("line"))
     kind = getattr(finding, "kind", "")
     place = _PLACE.get(kind)
@@ -434,6 +452,8 @@ class Watcher:
 
         def make(original: Any) -> Any:
             def add_step_closure(closure: Any, *args: Any, **kwargs: Any) -> Any:
+                if getattr(closure, OWN_CLOSURE, False):  # accelport's own reads: counted by the backend
+                    return original(closure, *args, **kwargs)
                 return original(watcher._counted(closure), *args, **kwargs)
             return add_step_closure
 
@@ -494,7 +514,10 @@ class Watcher:
                 # It syncs first (the step before runs then, and its record ends), then waits for data.
                 wait = clock() - start - (watcher._sync_seconds - synced)
                 if watcher._open is not None and watcher._feeding:
-                    watcher._close()  # it did not sync this time (batches_per_execution > 1)
+                    try:
+                        watcher._close()  # it did not sync this time (batches_per_execution > 1)
+                    except Exception as exc:  # never into the script's next(loader)
+                        watcher._stop(exc)
                 watcher._batch(max(wait, 0.0), batch, on_host=False)
                 return batch
             return next_batch

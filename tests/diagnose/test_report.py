@@ -42,6 +42,16 @@ def test_recorded_run_is_diagnosed_by_the_live_rules(tmp_path) -> None:  # type:
     assert "input 0 changed from (8, 109) to (8, 110)" in findings[0].message
 
 
+def test_a_recorded_diagnosis_gets_the_severity_of_todays_rules(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # A file from an older build recorded precision as a warning: it is a problem now.
+    recorded = {"kind": "precision", "message": "updates round away", "step": 3, "evidence": {},
+                "severity": "warning"}
+    path = tmp_path / "run.jsonl"
+    write_jsonl(path, [step(1, compilations=1), step(2, compilations=0), step(3, compilations=0, diagnoses=[recorded])])
+    [found] = diagnose(load_records(str(path)))
+    assert (found.kind, found.severity, found.step) == ("precision", "problem", 3)
+
+
 def test_bad_files_give_errors_naming_the_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ReportError, match="no such file; write one by running with ACCELPORT_METRICS_FILE"):
         load_records(str(tmp_path / "missing.jsonl"))

@@ -313,6 +313,26 @@ def test_a_healthy_compiled_loop_is_silent_and_computes_what_python_does(tmp_pat
     assert "[ok  ] no finding" in out.stderr
 
 
+def test_a_finding_is_shown_at_the_scripts_line_never_at_a_librarys() -> None:
+    import torch
+
+    from accelport.diagnose.watch import where
+
+    sites = {"step": ("train.py", 30), "loop": ("train.py", 20)}
+
+    def at(kind: str, **evidence: Any) -> tuple[str, int] | None:
+        return where(type("Finding", (), {"kind": kind, "evidence": evidence})(), sites)
+
+    assert at("graph-break", sites=["/w/model.py:12: Unsupported Tensor.item() call"]) == ("/w/model.py", 12)
+    assert at("host-sync", sites=["C:\\w\\train.py:7"]) == ("C:\\w\\train.py", 7)
+    # A break without a frame, whose reason holds a path: no file is made up from it.
+    assert at("graph-break", sites=["?: Unsupported call at /x/misc.py:123: foo"]) == ("train.py", 30)
+    assert at("compile-limit", function="forward (/w/model.py:5)") == ("/w/model.py", 5)
+    # torch's own Sequential.forward says nothing of the script: the loop's line instead.
+    container = torch.nn.modules.container.__file__
+    assert at("recompilation", function=f"Sequential.forward ({container}:240)") == ("train.py", 20)
+
+
 # -- the report page, in a real browser --------------------------------------------------------
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -101,3 +101,31 @@ def test_a_plain_pytorch_script_never_gets_torch_xla_imported() -> None:
     assert out.returncode == 0, out.stderr
     assert "torch_xla imported False" in out.stdout  # installed here, never imported for it
     assert "took 12 optimizer step(s) on cpu" in out.stderr
+
+
+def test_accelports_own_step_closures_are_not_counted_again_as_the_scripts() -> None:
+    # The checks read through step closures; the watcher counts the script's closures' reads
+    # (after the step, like ap.after_step's) and must leave accelport's own to the backend.
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    import accelport as ap
+    from accelport.diagnose.watch import Watcher
+    from accelport.runtime.state import RUNTIME
+
+    watcher = Watcher(environ={})
+    watcher.install()
+    try:
+        with RUNTIME.scoped():
+            RUNTIME.reset()
+            ap.use("xla")
+            t = torch.ones(3, device=ap.device()) * 2
+            got: list[float] = []
+            ap.backend().diagnostic_read(lambda v: got.append(float(v.sum())), (t,))
+            xm.add_step_closure(lambda v: got.append(float(v.sum().item())), args=(t,))  # the script's
+            torch_xla.sync()
+    finally:
+        watcher.uninstall()
+    assert got == [6.0, 6.0]
+    assert watcher.closure_reads == 1

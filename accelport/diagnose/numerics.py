@@ -111,9 +111,11 @@ def _tensors(batch: Any) -> Iterable[tuple[str, Any]]:
 def check_batch(batch: Any) -> str | None:
     """What is non-finite in a host batch ("input 0: 3 of 2048 values are NaN or Inf"), or None.
 
-    It runs on every batch in the loader's thread (on accelerators and XLA), so each
-    floating tensor is first summed (a NaN or Inf survives the sum; a third of the cost
-    of isfinite().all()), and looked at element by element only when the sum is not finite.
+    It runs on every batch in the loader's thread (on accelerators and XLA; under
+    ``accelport diagnose``, in the loop's), so each floating tensor is first summed (a
+    NaN or Inf survives the sum; a third of the cost of isfinite().all()), and looked at
+    element by element only when the sum is not finite. A tensor of more than
+    INPUT_CHECK_MAX elements is looked at through an evenly strided sample of that many.
     """
     import torch
 

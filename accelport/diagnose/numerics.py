@@ -88,7 +88,7 @@ class Inspected:
     """A batch signature with what the loader's thread found in the host batch (see :func:`check_batch`)."""
 
     signature: Any
-    info: Any  # host mode: the batch itself; otherwise a description of its non-finite inputs
+    info: Any  # a description of the batch's non-finite inputs
 
 
 def _tensors(batch: Any) -> Iterable[tuple[str, Any]]:
@@ -260,14 +260,13 @@ class NumericsWatch:
 
     # -- what the loader saw ----------------------------------------------------------------
     def inspect(self, batch: Any, signature: Any) -> Any:
-        """Called in the loader's thread for each host batch; what it returns travels with the signature."""
-        if not self.deferred:
-            return Inspected(signature, batch)
+        """Called in the loader's thread for each host batch where the device is not the host
+        (deferred mode); what it returns travels with the signature."""
         found = check_batch(batch)
         return signature if found is None else Inspected(signature, found)
 
     def batch(self, info: Any) -> None:
-        """The loop got the batch ``info`` came with (see :meth:`inspect`)."""
+        """The loop got a batch: on cpu the batch itself, else what :meth:`inspect` found in it."""
         self._batch = info
         self._step_batches += 1
 

@@ -325,10 +325,13 @@ class Watcher:
                 site = user_site()
                 if site:
                     self.sites["loop"] = site
-            # Its inputs are looked at for NaN and Inf where that reads no device (from the first
+            # As ap.loader hands them over: a host batch is looked at for NaN and Inf now where
+            # the device is not the host, and goes with the step where it is (from the first
             # step on: the backend, and with it the checks, is chosen there).
             watch = self.tracker.numerics if on_host else None
-            self.tracker.batch_arrived(wait, watch.inspect(batch, sig) if watch is not None else sig)
+            if watch is not None and watch.deferred:
+                sig = watch.inspect(batch, sig)
+            self.tracker.batch_arrived(wait, sig, batch if on_host else None)
         except Exception as exc:
             self._stop(exc)
 

@@ -9,7 +9,6 @@ dynamo's reasons for recompiling do not depend on what compiles the graphs.
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +20,9 @@ import accelport as ap
 from accelport.diagnose import compiled
 from accelport.diagnose.buckets import describe, suggest
 from accelport.diagnose.dynamo import FunctionCompiles, LimitHit, SizeChange, parse_reason
-from tests.diagnose.test_diagnosis import feed, kinds, rec, sig
+from tests.diagnose.test_diagnosis import feed, rec, sig
+from tests.diagnose.test_diagnosis import kinds as rule_kinds
+from tests.diagnoses import kinds, silent
 
 HERE = os.path.abspath(__file__)
 
@@ -71,13 +72,6 @@ def train(model: torch.nn.Module, compiled_model: Any, data: list[Any]) -> None:
         opt.zero_grad()
 
 
-def silent(fn: Any) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ap.DiagnosticWarning)
-        fn()
-    assert ap.diagnostics() == []
-
-
 # -- the cliff, the breaks, the cause -----------------------------------------------------------------
 
 
@@ -89,7 +83,7 @@ def test_the_recompile_limit_is_a_problem_naming_the_function_the_shapes_and_buc
             pytest.warns(ap.DiagnosticWarning, match=r"\[compile-limit\] PROBLEM: ") as caught:
         train(model, ap.compile(model, dynamic=False), batches(list(range(5, 15))))
     assert any(w.category.__name__ == "CompileLimitWarning" for w in caught)
-    assert kinds_now() == ["compile-limit"]
+    assert kinds() == ["compile-limit"]
     (found,) = ap.diagnostics()
     assert found.severity == "problem" and found.step == 4  # the fourth shape found the limit
     line = Pool.forward.__code__.co_firstlineno
@@ -103,16 +97,12 @@ def test_the_recompile_limit_is_a_problem_naming_the_function_the_shapes_and_buc
     assert ap.metrics().compilations == 3  # and then it silently ran eagerly
 
 
-def kinds_now() -> list[str]:
-    return [d.kind for d in ap.diagnostics()]
-
-
 def test_a_graph_break_on_every_call_is_named_with_its_line_and_fix_not_as_recompilation() -> None:
     ap.use("cpu")
     model = Branchy()
     with pytest.warns(ap.DiagnosticWarning, match=r"\[graph-break\]"):
         train(model, ap.compile(model), batches([6] * 14))
-    assert kinds_now() == ["graph-break"]
+    assert kinds() == ["graph-break"]
     (found,) = ap.diagnostics()
     line = Branchy.forward.__code__.co_firstlineno + 2
     assert f"at {HERE}:{line} in forward (`if h.sum().item() > 0:`)" in found.message
@@ -128,7 +118,7 @@ def test_recompilation_of_a_compiled_function_names_the_argument_the_dim_and_the
     with torch._dynamo.config.patch(recompile_limit=64), \
             pytest.warns(ap.DiagnosticWarning, match=r"\[recompilation\]"):
         train(model, ap.compile(model, dynamic=False, backend="eager"), batches(lengths))
-    assert kinds_now() == ["recompilation"]
+    assert kinds() == ["recompilation"]
     (found,) = ap.diagnostics()
     line = Pool.forward.__code__.co_firstlineno
     assert f"the compiled function Pool.forward ({HERE}:{line}) was compiled" in found.message
@@ -220,7 +210,7 @@ def test_replayed_records_carry_the_limit_and_the_breaks() -> None:
     records[4].delta["compile_limit_hits"] = 1  # type: ignore[index]
     records[0].delta["graph_breaks"] = 2  # type: ignore[index]
     d = feed(records)
-    assert kinds(d) == ["graph-break", "compile-limit"]
+    assert rule_kinds(d) == ["graph-break", "compile-limit"]
     limit = d.findings[1]
     assert limit.severity == "problem" and limit.step == 5 and "runs it eagerly" in limit.message
     assert "BucketCollate(buckets=(" in limit.message  # from the batch shapes the records carry

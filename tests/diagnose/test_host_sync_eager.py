@@ -20,20 +20,9 @@ import torch._dynamo
 import accelport as ap
 from accelport.diagnose import tracer
 from accelport.eager import EagerBackend
-from tests.backends.test_standins import STANDINS, Runtime, select
+from tests.backends.test_standins import select
 
 HERE = os.path.abspath(__file__)
-
-
-@pytest.fixture
-def runtime(monkeypatch: pytest.MonkeyPatch) -> Runtime:
-    monkeypatch.setattr(torch, "neuron", None, raising=False)
-    return Runtime(monkeypatch)
-
-
-@pytest.fixture(params=sorted(STANDINS))
-def standin(request: pytest.FixtureRequest, runtime: Runtime) -> EagerBackend:
-    return select(STANDINS[request.param]())
 
 
 def train(steps: int, inside: Callable[[Any], None] | None = None) -> None:

@@ -6,7 +6,6 @@ accelerators' own code through the constants-swapped stand-ins (read later, in b
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +15,7 @@ import torch
 import accelport as ap
 from accelport.diagnose.numerics import CHECK_EVERY, PRECISION_EVERY, PRECISION_FIRST, check_batch, param_names
 from accelport.eager import EagerBackend
-from tests.backends.test_standins import STANDINS, Runtime, select
+from tests.diagnoses import kinds, silent
 
 
 class Net(torch.nn.Module):
@@ -81,17 +80,6 @@ def train(model: torch.nn.Module, batches: list[Any], lr: float = 0.01, *, optim
             inside(i, model, opt)
         ap.optimizer_step(opt)
         opt.zero_grad()
-
-
-def kinds() -> list[str]:
-    return [d.kind for d in ap.diagnostics()]
-
-
-def silent(fn: Callable[[], None]) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ap.DiagnosticWarning)
-        fn()
-    assert ap.diagnostics() == []
 
 
 # -- cpu: checked as each step ends ---------------------------------------------------------------
@@ -194,17 +182,6 @@ def test_parameters_are_named_from_the_module_that_holds_them_even_compiled() ->
 
 
 # -- eager accelerators, through the stand-ins: read in blocks, never per step ---------------------
-
-
-@pytest.fixture
-def runtime(monkeypatch: pytest.MonkeyPatch) -> Runtime:
-    monkeypatch.setattr(torch, "neuron", None, raising=False)
-    return Runtime(monkeypatch)
-
-
-@pytest.fixture(params=sorted(STANDINS))
-def standin(request: pytest.FixtureRequest, runtime: Runtime) -> EagerBackend:
-    return select(STANDINS[request.param]())
 
 
 def test_on_accelerators_a_nan_batch_is_found_late_but_named_exactly(standin: EagerBackend) -> None:

@@ -22,6 +22,7 @@ import pytest
 
 import accelport as ap
 from tests.conftest import REPO
+from tests.diagnoses import kinds, silent
 
 pytestmark = pytest.mark.xla
 
@@ -88,18 +89,6 @@ def loader(data: list[Any], batch_size: int, collate: Callable[[list[Any]], Any]
     from torch.utils.data import DataLoader
 
     return DataLoader(data, batch_size=batch_size, collate_fn=collate, **kwargs)
-
-
-def kinds() -> list[str]:
-    return [d.kind for d in ap.diagnostics()]
-
-
-def silent(run: Callable[[], None]) -> None:
-    """Run a loop that must not produce a single diagnosis (a DiagnosticWarning fails it)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ap.DiagnosticWarning)
-        run()
-    assert ap.diagnostics() == []
 
 
 # -- pathological loops: the right kind, with its cause ---------------------------------------

@@ -5,7 +5,6 @@ Runs in the xla environment: ``PJRT_DEVICE=CPU pytest -m xla``.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +12,7 @@ import pytest
 
 import accelport as ap
 from accelport.diagnose.numerics import CHECK_EVERY_LAZY, PRECISION_EVERY, PRECISION_FIRST
+from tests.diagnoses import kinds, silent
 
 pytestmark = pytest.mark.xla
 
@@ -45,17 +45,6 @@ def train(features: int, batches: list[Any], lr: float = 0.01, bf16: bool = Fals
         torch.nn.functional.mse_loss(model(x), y).backward()
         ap.optimizer_step(opt)
         opt.zero_grad()
-
-
-def kinds() -> list[str]:
-    return [d.kind for d in ap.diagnostics()]
-
-
-def silent(run: Callable[[], None]) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ap.DiagnosticWarning)
-        run()
-    assert ap.diagnostics() == []
 
 
 def test_a_nan_input_batch_is_named_exactly_without_an_extra_graph_or_transfer() -> None:

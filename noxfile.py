@@ -81,7 +81,9 @@ def hardware(session: nox.Session) -> None:
     if not backend or not pip_args:
         session.error(
             "set ACCELPORT_CI_BACKEND and ACCELPORT_CI_PIP_ARGS to the `backend` and `pip_args` fields of a row "
-            f"of `accelport ci-matrix` (got {backend!r} and {pip_args!r})"
+            # Whether each is set, not its value: an index URL in pip_args may carry a token.
+            f"of `accelport ci-matrix` (ACCELPORT_CI_BACKEND {'set' if backend else 'unset'}, "
+            f"ACCELPORT_CI_PIP_ARGS {'set' if pip_args else 'unset'})"
         )
     session.install(*pip_args, "numpy", "-e", ".[test]")
     session.run("accelport", "backends")

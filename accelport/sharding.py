@@ -225,10 +225,20 @@ def _xla_local_numel(t: Any) -> int:
     return numel
 
 
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor (FSDP2's sharded parameters and their gradients)."""
+    dtensor = _dtensor_class()
+    return dtensor is not None and isinstance(t, dtensor)
+
+
+def local_shard(t: Any) -> Any:
+    """This rank's shard of a DTensor, else ``t`` itself: reading it is never a collective."""
+    return t.to_local() if is_dtensor(t) else t
+
+
 def local_nbytes(t: Any) -> int:
     """Bytes of ``t`` held on this rank (a DTensor's local shard; an XLA tensor's per-device tile)."""
-    dtensor = _dtensor_class()
-    if dtensor is not None and isinstance(t, dtensor):
+    if is_dtensor(t):
         t = t.to_local()
     elif getattr(t, "device", None) is not None and t.device.type == "xla":
         return _xla_local_numel(t) * t.element_size()

@@ -35,6 +35,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from accelport.sharding import is_dtensor, local_shard
+
 __all__ = ["NumericsWatch", "NonFinite", "Stalled", "Inspected", "check_batch", "param_names",
            "CHECK_EVERY", "PRECISION_FIRST", "PRECISION_EVERY", "PRECISION_STALLED"]
 
@@ -188,17 +190,6 @@ def _finite(value: Any) -> bool:
     return bool(torch.isfinite(value).all())
 
 
-def _local(t: Any) -> Any:
-    """This rank's shard of a sharded tensor (a DTensor of FSDP2 or SPMD), else the tensor.
-
-    The checks look at each rank's own shard: reading a DTensor whole is a collective,
-    which would add communication to a step and hang if only some ranks made it.
-    A NaN on one shard reaches every rank's weights with the next update.
-    """
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
-
-
 def _dtype(t: Any) -> str:
     return str(t.dtype).replace("torch.", "")
 
@@ -291,7 +282,7 @@ class NumericsWatch:
                 if self._lazy:
                     # Only the newest: every live XLA tensor is looked at by each sync, so
                     # keeping hundreds would slow every step (and a copy would be a graph op).
-                    self._kept[:] = [(step, _local(grad) if self._sharded else grad)]
+                    self._kept[:] = [(step, local_shard(grad) if self._sharded else grad)]
                 else:
                     # The same gradient object as last step: accumulated in place
                     # (zero_grad(set_to_none=False)), so each kept one must be a copy. The
@@ -329,7 +320,10 @@ class NumericsWatch:
         # The smallest, and of equals the last: nearest the loss.
         self._canary = min(reversed(tail), key=lambda p: p.numel()) if tail else None
         canary = self._canary
-        self._sharded = callable(getattr(canary, "to_local", None))
+        # The checks look at each rank's own shard: reading a DTensor whole is a collective,
+        # which would add communication to a step and hang if only some ranks made it. A NaN
+        # on one shard reaches every rank's weights with the next update.
+        self._sharded = is_dtensor(canary)
         self._small = canary is not None and canary.dim() == 1 and canary.numel() <= 64 and \
             not canary.is_complex()
         self._last_grad = None
@@ -400,7 +394,7 @@ class NumericsWatch:
         position = {pid: i for i, pid in enumerate(name.order)}
         ordered = sorted(params, key=lambda p: position.get(id(p), len(position)))
         grads = [p for p in ordered if p.grad is not None]
-        bad = [p for p in grads if not bool(torch.isfinite(_local(p.grad)).all())]
+        bad = [p for p in grads if not bool(torch.isfinite(local_shard(p.grad)).all())]
         if bad and len(bad) == len(grads):
             detail = "every gradient is NaN or Inf, so the loss was"
             if self._accumulated > 1:  # only the last batch is kept: an earlier one may be the source
@@ -446,7 +440,7 @@ class NumericsWatch:
         self._after(keep, tuple(self._view(p) for p in params))
 
     def _view(self, t: Any) -> Any:
-        t = _local(t)
+        t = local_shard(t)
         if self._lazy:
             return t  # whole (a slice on XLA is a graph to compile); to_host detaches it
         return t.detach().reshape(-1)[:PRECISION_SLICE]

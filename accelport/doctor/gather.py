@@ -26,7 +26,11 @@ if TYPE_CHECKING:
     from accelport.compat.load import Matrix
     from accelport.compat.verdict import Verdict
 
-__all__ = ["PACKAGES", "ENVIRONMENT", "gather"]
+__all__ = ["PACKAGES", "ENVIRONMENT", "SHOWN_CHARACTERS", "gather"]
+
+#: The most characters doctor shows of one string (a reason, a value): a 128 KB PJRT_DEVICE is
+#: quoted in a dozen reasons, and the report stays readable and quick to redact.
+SHOWN_CHARACTERS = 4000
 
 #: Distributions whose versions matter, in the order shown.
 PACKAGES: tuple[str, ...] = (
@@ -209,7 +213,8 @@ def _core_findings(ctx: DoctorContext, recommendation: Verdict | None, matrix: M
 
 
 def _sharding_findings(ctx: DoctorContext, matrix: Matrix | None) -> list[Finding]:
-    """What ``ap.shard`` would use on the selected backend with this torch, from the matrix."""
+    """What ``ap.shard`` would use on the selected backend with this torch, from the matrix, and whether
+    sharded checkpoints lack numpy (``ctx.extra``: ``numpy``, ``torch_distributed``, as :func:`gather` finds them)."""
     from accelport.compat.schema import parse_torch_version
     from accelport.errors import InvalidVersionError
 
@@ -224,11 +229,36 @@ def _sharding_findings(ctx: DoctorContext, matrix: Matrix | None) -> list[Findin
     if fact is None:
         return []
     if fact.available:
-        return [Finding("note", f"ap.shard on {ctx.selected} with torch {torch_version}: {fact.engine}. "
-                        f"{fact.message}", "", "core")]
+        found = [Finding("note", f"ap.shard on {ctx.selected} with torch {torch_version}: {fact.engine}. "
+                         f"{fact.message}", "", "core")]
+        # Sharded checkpoints (ap.save / ap.load through torch.distributed.checkpoint) import numpy;
+        # torch does not depend on it, so a bare `pip install torch` leaves it out.
+        if ctx.extra.get("torch_distributed") and ctx.extra.get("numpy") is False:
+            found.append(Finding("warning", f"numpy is not installed: ap.shard runs on {ctx.selected}, but saving "
+                                 "or loading a sharded model (ap.save / ap.load, through "
+                                 "torch.distributed.checkpoint) fails without it", "pip install numpy", "core"))
+        return found
     return [Finding("warning", f"ap.shard cannot shard on {ctx.selected} with torch {torch_version}: a script "
                     "that calls it with several replicas fails there (alone it runs unsharded)", fact.message,
                     "core")]
+
+
+def _torch_distributed_ships() -> bool:
+    """Whether the installed torch has torch.distributed.checkpoint, found on disk, never imported.
+
+    ``find_spec("torch.distributed")`` would import torch (a submodule's parent runs first),
+    so the package's directory is located and looked in instead.
+    """
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return False
+    for location in (spec.submodule_search_locations or ()) if spec is not None else ():
+        if os.path.isfile(os.path.join(location, "distributed", "checkpoint", "__init__.py")):
+            return True
+    return False
 
 
 @one_scan()  # the probes, the selection and the recommendation each detect the platform: read /sys once
@@ -267,7 +297,9 @@ def gather(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     recommendation = None if matrix is None else _safe(
         lambda: recommend(plat.name, chip=plat.chip, matrix=matrix, environ=env, warn=False))
     cpus = os.cpu_count() or 1
-    ctx = DoctorContext(env, plat, packages, probes, dict(host.backends), selected, reason, cpus)
+    # Found, not imported: numpy for sharded checkpoints, and whether torch ships torch.distributed.
+    extra = {"numpy": _packages.has_module("numpy"), "torch_distributed": _torch_distributed_ships()}
+    ctx = DoctorContext(env, plat, packages, probes, dict(host.backends), selected, reason, cpus, extra)
 
     findings = _core_findings(ctx, recommendation, matrix, matrix_error)
     if matrix is not None:  # installed patch releases against the matrix's: known-bad, superseded, mispaired
@@ -317,8 +349,9 @@ def gather(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         ] + [{"name": f.name, "failed": f.stage, "error": f.error} for f in host.failed],
         "findings": [f.to_dict() for f in findings],
     }
-    # The one pass over the finished report: a secret is hidden whichever section quotes it.
-    return Redactor(env).tree(report)
+    # The one pass over the finished report: a secret is hidden whichever section quotes it,
+    # and no string is longer than SHOWN_CHARACTERS.
+    return Redactor(env, limit=SHOWN_CHARACTERS).tree(report)
 
 
 def _recommendation_dict(verdict: Verdict | None) -> dict[str, Any] | None:

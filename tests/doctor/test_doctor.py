@@ -210,3 +210,21 @@ def test_a_broken_override_in_the_given_environment_is_a_finding_not_a_crash(tmp
     report = gather({**os.environ, "ACCELPORT_COMPAT_MATRIX": str(bad)})
     titles = [f["title"] for f in report["findings"] if f["severity"] == "problem"]
     assert any("compatibility matrix cannot be loaded" in t and str(bad) in t for t in titles)
+
+
+def test_missing_numpy_is_a_warning_where_ap_shard_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Sharded checkpoints go through torch.distributed.checkpoint, which imports numpy; torch
+    # does not install it. Found, never imported: the check asks the import system.
+    from accelport import _packages
+
+    found = _packages.has_module
+    monkeypatch.setattr(_packages, "has_module", lambda name: name != "numpy" and found(name))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELPORT_")}
+    report = gather({**env, "ACCELPORT_BACKEND": "cpu"})
+    (warning,) = [f for f in report["findings"] if f["title"].startswith("numpy is not installed")]
+    assert warning["severity"] == "warning" and warning["fix"] == "pip install numpy"
+    assert "ap.shard runs on cpu" in warning["title"] and "torch.distributed.checkpoint" in warning["title"]
+    assert exit_status(report) == 0  # a warning, not a problem: an unsharded run is fine
+    monkeypatch.setattr(_packages, "has_module", found)
+    assert not [f for f in gather({**env, "ACCELPORT_BACKEND": "cpu"})["findings"] if "numpy" in f["title"]]
+

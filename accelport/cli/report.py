@@ -20,19 +20,25 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from accelport.cli import emit_json
-    from accelport.diagnose.report import write_report
+    import os
 
-    written = write_report(args.metrics_file, args.output)
+    from accelport.cli import emit_json
+    from accelport.diagnose.report import skipped_note, write_report
+    from accelport.redact import Redactor
+
+    # The page is a file, not this command's output: it gets the same pass, knowing this environment's secrets.
+    written = write_report(args.metrics_file, args.output, redactor=Redactor(os.environ))
     findings = written.findings
     if args.json:
         emit_json({"report": written.path, "diagnoses": [f.to_dict() for f in findings], "runs": written.runs,
-                   "lines": [written.first_line, written.last_line]})
+                   "lines": [written.first_line, written.last_line], "skipped_lines": written.skipped_lines})
     else:
         print(f"wrote {written.path}: {len(findings)} diagnosis(es)")
         if written.runs > 1:
             print(f"  {args.metrics_file} holds {written.runs} runs; the page is about the last one "
                   f"(lines {written.first_line} to {written.last_line})")
+        if written.skipped_lines:
+            print(f"  {skipped_note(args.metrics_file, written.skipped_lines)}")
         for f in findings:
             print(f"  [{f.kind}] {f.message}")
     return 0

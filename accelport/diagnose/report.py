@@ -5,7 +5,9 @@ diagnosis rules the live run uses, and writes one HTML file with no network
 access: a per-step chart of where time went (data wait, compilation,
 execution, the rest), compilation events marked, the diagnoses with their
 fixes (problems first), and the distinct batch shapes with their steps,
-compilations and compile time.
+compilations and compile time. Every text on the page that came from the run (the
+title's path, the notes, the diagnoses, the shapes, the backend) goes through the one
+redaction pass (:class:`accelport.redact.Redactor`), then HTML escaping.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from typing import Any
 
 from accelport.diagnose.metrics_log import record_from_dict
 from accelport.errors import AccelportError
+from accelport.redact import Redactor
 
-__all__ = ["ReportError", "Run", "Written", "load_runs", "load_records", "diagnose", "batch_shapes", "breakdown",
-           "render_html", "write_report"]
+__all__ = ["ReportError", "Run", "Written", "load_runs", "read_runs", "load_records", "skipped_note", "diagnose",
+           "batch_shapes", "breakdown", "render_html", "write_report"]
 
 
 class ReportError(AccelportError, ValueError):
@@ -116,8 +119,23 @@ def load_runs(path: str) -> list[Run]:
 
     A run's steps count from 1, so a step 1 after other records starts the next run
     (the same file appended to again). A partial line left by a run that was killed is
-    skipped, also when the next run's first record continues it.
+    skipped: the last line, one the next run's first record continues, and one followed by
+    the next run's first line (:func:`read_runs` also says which lines were skipped).
     """
+    return read_runs(path)[0]
+
+
+def _starts_a_run(lines: Sequence[str], index: int) -> bool:
+    """Whether the first non-blank line from ``index`` on is a run's first record (step 1), or there is none."""
+    for line in lines[index:]:
+        if line.strip():
+            record, problem, _later = _parse(line)
+            return problem is None and isinstance(record, dict) and record.get("step") == 1
+    return True
+
+
+def read_runs(path: str) -> tuple[list[Run], list[int]]:
+    """:func:`load_runs`'s runs, and the numbers of the lines skipped as partial records of a killed run."""
     what = _not_a_file(path)
     if what is not None:
         pipe = " (save what the pipe carries to a file first)" if "pipe" in what else ""
@@ -131,6 +149,7 @@ def load_runs(path: str) -> list[Run]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ReportError(f"{path}: cannot be read ({exc})") from None
     runs: list[Run] = []
+    skipped: list[int] = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -138,8 +157,12 @@ def load_runs(path: str) -> list[Run]:
         if problem is not None:
             if later is not None:
                 record = later  # the killed run's partial record is lost; the next run starts here
-            elif number == len(lines) and problem.startswith("not a JSON line"):
-                break  # a run killed mid-write leaves a partial last line
+                skipped.append(number)
+            elif problem.startswith("not a JSON line") and _starts_a_run(lines, number):
+                # A run killed mid-write leaves a partial line: the file's last, or one that the
+                # next run appended after (its step 1 follows). A bad line inside a run is an error.
+                skipped.append(number)
+                continue
             else:
                 raise ReportError(f"{path}:{number}: {problem}")
         if not isinstance(record, dict):
@@ -154,7 +177,16 @@ def load_runs(path: str) -> list[Run]:
         runs[-1].last_line = number
     if not runs:
         raise ReportError(f"{path}: no step records; was the run started with ACCELPORT_METRICS_FILE set?")
-    return runs
+    return runs, skipped
+
+
+def skipped_note(name: str, skipped: Sequence[int]) -> str:
+    """The sentence saying which lines of ``name`` were skipped as partial records, or ""."""
+    if not skipped:
+        return ""
+    which = f"line {_listed(skipped)} holds" if len(skipped) == 1 else f"lines {_listed(skipped)} hold"
+    return (f"{name}: {which} a partial record left by a run stopped while writing it; skipped, "
+            "and the steps around it read as they are.")
 
 
 def load_records(path: str) -> list[dict[str, Any]]:
@@ -234,8 +266,12 @@ def _unknown_times(records: Sequence[dict[str, Any]]) -> str:
         isinstance(r.get(k), float) and not math.isfinite(r[k]) for k in _SECONDS)]
     if not steps:
         return ""
-    shown = ", ".join(map(str, steps[:5])) + (" ..." if len(steps) > 5 else "")
-    return f"{len(steps)} step(s) recorded a time that is not a number (step {shown}): counted as 0 s."
+    return f"{len(steps)} step(s) recorded a time that is not a number (step {_listed(steps)}): counted as 0 s."
+
+
+def _listed(numbers: Sequence[int]) -> str:
+    """The first five of ``numbers``, and "..." for more."""
+    return ", ".join(map(str, numbers[:5])) + (" ..." if len(numbers) > 5 else "")
 
 
 _STYLE = """
@@ -284,8 +320,18 @@ _SCRIPT = """
 
 
 def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], title: str = "accelport run",
-                notes: Sequence[str] = ()) -> str:
-    """The report page as a string (self-contained: inline CSS, data and script); ``notes`` go under the title."""
+                notes: Sequence[str] = (), redactor: Redactor | None = None) -> str:
+    """The report page as a string (self-contained: inline CSS, data and script); ``notes`` go under the title.
+
+    Every text from the run (title, notes, diagnoses, shapes, backend) is redacted by ``redactor``
+    (give one built from the run's environment, so its secrets are known; default: the
+    credential patterns alone), then HTML-escaped.
+    """
+    redactor = redactor or Redactor()
+
+    def safe(text: object) -> str:
+        return html.escape(redactor.text(str(text)))
+
     steps = []
     totals = {"wait": 0.0, "compile": 0.0, "execute": 0.0, "rest": 0.0}
     # Step records carry execution time only where a backend measures it per step; where
@@ -307,7 +353,7 @@ def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], tit
     # allow_nan=False: every number above is finite, and JSON.parse rejects NaN.
     data = json.dumps({"steps": steps, "parts": list(totals)}, allow_nan=False).replace("</", "<\\/")
     notes = [*notes, *filter(None, [_unknown_times(records)])]
-    notes_html = "".join(f"<p class=sub>{html.escape(n)}</p>" for n in notes)
+    notes_html = "".join(f"<p class=sub>{safe(n)}</p>" for n in notes)
     labels = {"wait": "data wait", "compile": "compilation", "execute": "execution",
               "rest": "the rest" if timed else "the rest (execution, Python, transfers)"}
     colors = {"wait": "#d4a72c", "compile": "#cf222e", "execute": "#0969da", "rest": "#8c959f"}
@@ -318,7 +364,7 @@ def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], tit
     shapes = batch_shapes(records)
     shown = shapes[:50]
     shape_rows = "".join(
-        f"<tr class=shape><td>{html.escape(_shape_text(e['signature']))}</td><td>{e['steps']}</td>"
+        f"<tr class=shape><td>{safe(_shape_text(e['signature']))}</td><td>{e['steps']}</td>"
         f"<td>{e['compilations']}</td><td>{e['compile_seconds']:.2f} s</td><td>{e['first_step']}</td></tr>"
         for e in shown)
     more = f"<p class=sub>... and {len(shapes) - len(shown)} more shapes.</p>" if len(shapes) > len(shown) else ""
@@ -327,18 +373,18 @@ def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], tit
         ordered = sorted(diagnoses, key=lambda d: getattr(d, "severity", "warning") != "problem")
         diag_html = "".join(
             f"<div class='diag{' problem' if getattr(d, 'severity', '') == 'problem' else ''}'>"
-            f"<b>{html.escape(d.kind)}</b>"
+            f"<b>{safe(d.kind)}</b>"
             f"{'<span class=badge>problem</span>' if getattr(d, 'severity', '') == 'problem' else ''}"
-            f" (step {d.step})<br>{html.escape(d.message)}</div>"
+            f" (step {safe(d.step)})<br>{safe(d.message)}</div>"
             for d in ordered)
     else:
         diag_html = "<p class=ok>No diagnosis: nothing in this run looks slow or wrong.</p>"
     return f"""<!doctype html>
-<html lang=en><head><meta charset=utf-8><title>{html.escape(title)}</title>
+<html lang=en><head><meta charset=utf-8><title>{safe(title)}</title>
 <meta name=viewport content="width=device-width,initial-scale=1"><style>{_STYLE}</style></head>
 <body>
-<h1>{html.escape(title)}</h1>
-<div class=sub>backend {html.escape(str(backend))} · {len(records)} steps · {total:.2f} s in steps ·
+<h1>{safe(title)}</h1>
+<div class=sub>backend {safe(backend)} · {len(records)} steps · {total:.2f} s in steps ·
 {compilations} compilations · {signatures} distinct batch shapes</div>
 {notes_html}
 <h2>Where the time went, per step</h2>
@@ -366,6 +412,7 @@ class Written:
     runs: int = 1
     first_line: int = 0
     last_line: int = 0
+    skipped_lines: list[int] = field(default_factory=list)  # partial records of killed runs, read past
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -375,25 +422,28 @@ def _same_file(a: str, b: str) -> bool:
         return os.path.abspath(a) == os.path.abspath(b)
 
 
-def write_report(source: str, output: str | None = None) -> Written:
+def write_report(source: str, output: str | None = None, redactor: Redactor | None = None) -> Written:
     """Read ``source`` (JSON lines), write the page about its last run; return what was written.
 
     Refuses to write over ``source`` itself (``-o`` naming it, or an input ending in
     ``.html`` whose default output is the input): that would destroy the run's record.
+    ``redactor``: the pass every text on the page goes through (see :func:`render_html`).
     """
     target = output or os.path.splitext(source)[0] + ".html"
     if _same_file(source, target):
         how = "-o names" if output else "the default output (the input's name with .html) is"
         raise ReportError(f"cannot write {target}: {how} the metrics file itself, and the page would replace "
                           "the run's record; give -o another path, e.g. -o report.html")
-    runs = load_runs(source)
+    runs, skipped = read_runs(source)
     run = runs[-1]
     findings = diagnose(run.records)
+    name = os.path.basename(source)
     notes = []
     if len(runs) > 1:
-        notes.append(f"{os.path.basename(source)} holds {len(runs)} runs, one after the other; this page is about "
+        notes.append(f"{name} holds {len(runs)} runs, one after the other; this page is about "
                      f"the last one (lines {run.first_line} to {run.last_line}).")
-    page = render_html(run.records, findings, title=f"accelport run: {os.path.basename(source)}", notes=notes)
+    notes += filter(None, [skipped_note(name, skipped)])
+    page = render_html(run.records, findings, title=f"accelport run: {name}", notes=notes, redactor=redactor)
     what = _not_a_file(target)
     if what is not None:
         raise ReportError(f"cannot write {target}: it is {what}; give -o the path of an HTML file to write")
@@ -402,4 +452,4 @@ def write_report(source: str, output: str | None = None) -> Written:
             f.write(page)
     except OSError as exc:
         raise ReportError(f"cannot write {target}: {exc}") from None
-    return Written(target, findings, len(runs), run.first_line, run.last_line)
+    return Written(target, findings, len(runs), run.first_line, run.last_line, skipped)

@@ -12,7 +12,15 @@ import tempfile
 import pytest
 
 from accelport.cli import main
-from accelport.diagnose.report import ReportError, breakdown, diagnose, load_records, render_html, write_report
+from accelport.diagnose.report import (
+    ReportError,
+    breakdown,
+    diagnose,
+    load_records,
+    load_runs,
+    render_html,
+    write_report,
+)
 
 
 def write_jsonl(path, records) -> None:  # type: ignore[no-untyped-def]
@@ -237,8 +245,6 @@ def test_nan_seconds_keep_the_embedded_data_valid_json(tmp_path) -> None:  # typ
 
 
 def test_a_crashed_run_followed_by_an_appended_run_is_read_as_two_runs(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
-    from accelport.diagnose.report import load_runs
-
     path = tmp_path / "appended.jsonl"
     first = "".join(json.dumps(step(n, backend="cpu")) + "\n" for n in range(1, 6))
     killed = json.dumps(step(6, backend="cpu"))[:25]  # the writer died mid-line, without its newline
@@ -259,3 +265,49 @@ def test_a_crashed_run_followed_by_an_appended_run_is_read_as_two_runs(tmp_path,
     assert [len(run.records) for run in load_runs(str(clean))] == [5, 30]
     assert main(["report", str(clean)]) == 0
     assert "clean.jsonl holds 2 runs; the page is about the last one (lines 6 to 35)" in capsys.readouterr().out
+
+
+def test_a_torn_line_on_its_own_before_an_appended_run_is_read_past(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "torn.jsonl"
+    first = "".join(json.dumps(step(n, backend="cpu")) + "\n" for n in range(1, 6))
+    torn = json.dumps(step(6, backend="cpu"))[:40] + "\n"  # a partial record that did end its line
+    second = "".join(json.dumps(step(n)) + "\n" for n in range(1, 31))
+    path.write_text(first + torn + second + "\n")
+    runs = load_runs(str(path))
+    assert [len(run.records) for run in runs] == [5, 30] and (runs[1].first_line, runs[1].last_line) == (7, 36)
+    assert main(["report", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["runs"] == 2 and out["skipped_lines"] == [6] and out["lines"] == [7, 36]
+    note = "torn.jsonl: line 6 holds a partial record left by a run stopped while writing it; skipped"
+    assert note in (tmp_path / "torn.html").read_text()
+    assert main(["report", str(path)]) == 0
+    assert note in capsys.readouterr().out
+    # The same torn line inside a run (no step 1 after it) is still an error naming it.
+    inside = tmp_path / "inside.jsonl"
+    inside.write_text(first + torn + json.dumps(step(7)) + "\n")
+    with pytest.raises(ReportError, match=r"inside.jsonl:6: not a JSON line"):
+        load_runs(str(inside))
+
+
+def test_every_text_the_page_shows_from_the_run_is_redacted_then_escaped(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from accelport.diagnose.rules import Diagnosis
+    from accelport.redact import Redactor
+
+    token = "hf_" + "abcdefghijklmnopqrstuvwxyz0123"
+    records = [step(1, backend="xla password=hunter22", signature=[[[8, 16], "float32 token=abc123xyz"]]),
+               step(2, backend="xla password=hunter22")]
+    found = [Diagnosis("recompilation", "from MY_TOKEN=plainvalue9 <b>x</b> and plainvalue9 again", 2)]
+    page = render_html(records, found, title=f"accelport diagnose: /home/u/run_{token}/https:/me:pw77@h/t.py",
+                       notes=["Authorization: Bearer abc.def.ghi"], redactor=Redactor({"MY_TOKEN": "plainvalue9"}))
+    for secret in (token, "pw77", "hunter22", "abc123xyz", "plainvalue9", "abc.def.ghi"):
+        assert secret not in page, secret
+    assert "<title>accelport diagnose: /home/u/run_&lt;redacted&gt;/https:/&lt;redacted&gt;@h/t.py</title>" in page
+    assert "&lt;b&gt;x&lt;/b&gt;" in page  # escaped after redaction: the page's own markup is untouched
+    # `accelport report` knows this environment's secrets: a value recorded in the run is hidden.
+    monkeypatch.setenv("MY_API_TOKEN", "plainvalue9")
+    path = tmp_path / f"run_{token}.jsonl"
+    recorded = {"kind": "precision", "message": "seen with plainvalue9", "step": 1, "evidence": {}}
+    write_jsonl(path, [step(1, diagnoses=[recorded])])
+    assert main(["report", str(path), "-o", str(tmp_path / "page.html")]) == 0
+    written = (tmp_path / "page.html").read_text()
+    assert "plainvalue9" not in written and token not in written and "seen with &lt;redacted&gt;" in written

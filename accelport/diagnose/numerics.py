@@ -3,22 +3,35 @@
 :class:`NumericsWatch` looks at the optimizer's parameters at the end of each
 step (``ap.optimizer_step``), at a cost that stays out of the step:
 
-- non-finite: one small gradient per step is the *canary* (the smallest of the
+- non-finite: two small samples per step. The *canary* gradient (the smallest of the
   last few parameters: next to the loss, so a NaN or Inf loss, or a NaN input,
-  reaches it in the same step). Where the host is the device (``cpu``) it is
-  checked at once; on accelerators and lazy backends a reference to it is kept
-  (no device work, nothing added to a graph) and every :data:`CHECK_EVERY` steps
-  the newest is read the way ``ap.after_step`` reads, when the step's values are
-  ready anyway; only when it is bad are the others read, for the first bad step. On
-  XLA only the newest is kept (each sync looks at every live tensor) and read every
+  reaches it in the same step); and the values of one *weight* (the smallest of the
+  last few parameters of two or more dimensions, other than the canary; a slice of
+  its first rows). The weight is there for a loss linear in the model's output
+  (``out.sum()``, a WGAN critic): there the last bias's gradient is constant, NaN
+  weights or not, while a weight's gradient carries the activations that feed it,
+  so a NaN input or a NaN anywhere upstream turns it, and with the update its
+  values, non-finite. Its values, not its gradient: the parameter is live anyway
+  (nothing more kept, no copy), and a non-finite weight stays so, so the newest read
+  tells. Where the host is the device (``cpu``) both are checked at once; on
+  accelerators and lazy backends a reference to the canary's gradient is kept (no
+  device work, nothing added to a graph) and every :data:`CHECK_EVERY` steps the
+  newest is read with the weight the way ``ap.after_step`` reads, when the step's
+  values are ready anyway; only when the gradient is bad are the others read, for
+  the first bad step. On XLA only the newest is kept (each sync looks at every live
+  tensor), the weight is read whole (a slice would be a graph to compile), so only
+  one of at most :data:`WEIGHT_LAZY_MAX` elements is chosen, and both are read every
   :data:`CHECK_EVERY_LAZY` steps and at the end of each loop, right after the loop's
   sync (a transfer, never an extra execution or compilation; left out of
   ``ap.metrics().device_to_host``): a bad input batch is still named at its step
-  (the loader's thread checked it), a diverging loss between two reads. Input batches are checked on the host, in the
-  loader's thread, before they go to the device. The first bad step found names
-  its source: the input batch, the loss (every gradient non-finite) or one
-  parameter's gradient (the first in module order). A gradient that turns NaN in
-  one early layer only shows at the next step, as the loss.
+  (the loader's thread checked it), a diverging loss between two reads. Input
+  batches are checked on the host, in the loader's thread, before they go to the
+  device. The first bad step found names its source: the input batch, the loss
+  (every gradient non-finite) or one parameter's gradient (the first in module
+  order); where the step's inputs were not seen (they came neither through
+  ``ap.loader`` nor through a DataLoader under ``accelport diagnose``, or were on a
+  device already) the source is "unknown", the inputs as likely as the loss. A
+  gradient that turns NaN in one early layer only shows at the next step, as the loss.
 - precision: parameters held in bf16 or fp16 are sampled at step
   :data:`PRECISION_FIRST` and every :data:`PRECISION_EVERY` steps after: a slice of
   each is read after that step and after the next, and the share of elements whose
@@ -60,6 +73,14 @@ PRECISION_MIN_ELEMENTS = 16  # with fewer non-zero gradients in the sample, no v
 #: Input tensors larger than this are checked on a strided sample of this many elements.
 INPUT_CHECK_MAX = 1 << 22
 CANARY_FROM_LAST = 4
+_UNSEEN = ("; the inputs of {} were not seen: they came neither through ap.loader nor through a DataLoader, "
+           "or were on a device already, so they may be the source as well as the loss")
+#: Elements of the weight whose values are read every CHECK_EVERY steps on eager accelerators (its
+#: first rows, a view), and checked every step where the host is the device (the first few).
+WEIGHT_SAMPLE = 4096
+WEIGHT_HOST = 16
+#: On lazy backends the weight is read whole: the most elements it may have.
+WEIGHT_LAZY_MAX = 1 << 20
 LOW_PRECISION = ("bfloat16", "float16")
 
 
@@ -69,12 +90,16 @@ class NonFinite:
 
     step: int  # the first bad step; where ``finite_at`` is set, the step it was found by
     #: "input", "loss" (every gradient non-finite), "gradient" (one parameter's first, in module
-    #: order) or "gradients" (read later, on an accelerator or lazy backend: known as far as the inputs).
+    #: order), "gradients" (read later, on an accelerator or lazy backend: known as far as the
+    #: inputs), "update" (a weight turned non-finite with finite gradients) or "unknown" (the
+    #: step's inputs were not seen: they may be the source as well as the loss).
     source: str
     detail: str
     names: tuple[str, ...] = ()
-    #: On lazy backends, where gradients are read far apart: the last step read and found finite.
+    #: Where gradients are read far apart (accelerators, lazy backends): the last step read and found finite.
     finite_at: int | None = None
+    #: What was found non-finite: "gradients", or "weights" (the values of the checked weight).
+    found_in: str = "gradients"
 
 
 @dataclass(frozen=True)
@@ -119,28 +144,42 @@ def check_batch(batch: Any) -> str | None:
     element by element only when the sum is not finite. A tensor of more than
     INPUT_CHECK_MAX elements is looked at through an evenly strided sample of that many.
     """
+    return _check_batch(batch)[0]
+
+
+def _check_batch(batch: Any) -> tuple[str | None, bool]:
+    """:func:`check_batch`'s answer, and whether it covers the batch: False where no tensor was
+    found in it, or a floating one was passed over (on a device, another layout, no sum), so
+    that a NaN in the inputs is not ruled out."""
     import torch
 
     tensor, strided = torch.Tensor, torch.strided
     items = enumerate(batch) if type(batch) in (tuple, list) and all(type(t) is tensor for t in batch) else None
+    covered = None  # no tensor yet
     for name, t in ((f"input {i}", t) for i, t in items) if items is not None else _tensors(batch):
+        if not (t.is_floating_point() or t.is_complex()):
+            covered = covered is not False  # integer ids hold no NaN
+            continue
         # Host tensors only: a batch already on a device would be read back (a host sync
         # per step). Sparse and nested layouts have no cheap sum: not looked at.
-        if not (t.is_floating_point() or t.is_complex()) or t.device.type != "cpu" or t.layout is not strided:
+        if t.device.type != "cpu" or t.layout is not strided:
+            covered = False
             continue
         try:
             if t.numel() > INPUT_CHECK_MAX:
                 flat = t.detach().reshape(-1)
                 t = flat[:: -(-flat.numel() // INPUT_CHECK_MAX)]
             total = t.sum().item()
+            covered = covered is not False
             if math.isfinite(abs(total)):  # (a sum that overflows is looked at closely)
                 continue
             finite = torch.isfinite(t)
             if not bool(finite.all()):
-                return f"{name}: {int((~finite).sum())} of {t.numel()} values are NaN or Inf"
+                return f"{name}: {int((~finite).sum())} of {t.numel()} values are NaN or Inf", True
         except (RuntimeError, TypeError, ValueError):  # a tensor subclass without these ops: not looked at
+            covered = False
             continue
-    return None
+    return None, bool(covered)
 
 
 def param_names(params: Iterable[Any]) -> dict[int, str]:
@@ -216,7 +255,9 @@ class NumericsWatch:
         #: lazy backends: read every CHECK_EVERY (CHECK_EVERY_LAZY) steps, through diagnostic_read.
         self.deferred = bool(getattr(backend, "lazy", False)) or getattr(backend, "sync_api", "none") != "none"
         self._lazy = bool(getattr(backend, "lazy", False))
-        self._every = CHECK_EVERY_LAZY if self._lazy else CHECK_EVERY
+        #: Steps between reads in deferred mode (the rules say it where a finding is a range of steps).
+        self.every = CHECK_EVERY_LAZY if self._lazy else CHECK_EVERY
+        self.backend_name = str(getattr(backend, "name", "this backend"))
         self.nonfinite: NonFinite | None = None
         self.stalled: Stalled | None = None
         self._optimizer: Any = None
@@ -225,11 +266,19 @@ class NumericsWatch:
         self._small = False  # a short 1-d canary: read as a Python list, cheaper than a torch sum
         self._sharded = False  # the canary is a DTensor: its local shard is read
         self._last_grad: Any = None
+        self._weight: Any = None  # the weight whose values are checked (see the module's docstring)
+        self._weight_view: Any = None  # cpu: its sample, a view kept from step to step...
+        self._weight_ptr = 0  # ...while the weight keeps the storage it was taken from
+        self._weight_sharded = False
         self._clone = False  # gradients accumulated in place (zero_grad(set_to_none=False)): copy them
         self._kept: list[tuple[int, Any]] = []
         self._unread = 0  # steps since the last read
         self._finite_at = 0  # the last step read and found finite (lazy: reads are far apart)
         self._bad_inputs: dict[int, str] = {}
+        #: Deferred mode: host batches the loader's thread looked at in full, in all and at the last
+        #: read. The same count at two reads: the inputs of the steps between were not seen.
+        self._inspected = 0
+        self._inspected_read = 0
         self._batch: Any = None  # host mode: this step's batch; deferred: what check_batch said
         self._step_batches = 0  # batches since the last step (more than one: gradient accumulation)
         self._accumulated = 0  # ...as the step that ended last had them
@@ -253,7 +302,9 @@ class NumericsWatch:
     def inspect(self, batch: Any, signature: Any) -> Any:
         """Called in the loader's thread for each host batch where the device is not the host
         (deferred mode); what it returns travels with the signature."""
-        found = check_batch(batch)
+        found, covered = _check_batch(batch)
+        if covered:
+            self._inspected += 1  # (only this thread writes it)
         return signature if found is None else Inspected(signature, found)
 
     def batch(self, info: Any) -> None:
@@ -296,7 +347,7 @@ class NumericsWatch:
                         grad = grad.to_local()
                     self._kept.append((step, grad.detach().clone() if clone else grad))
             self._unread += 1
-            if self._unread >= self._every:
+            if self._unread >= self.every:
                 self.read()
         elif grad is not None:
             if self._sharded:
@@ -309,6 +360,8 @@ class NumericsWatch:
 
                 if not bool(torch.isfinite(grad).all()):
                     self._found(step, batch)
+            if self.nonfinite is None and self._weight is not None and not self._weight_finite():
+                self._found(step, batch, weights=True)
         if step >= self._next_sample:
             self._precision(step, optimizer)
 
@@ -328,49 +381,97 @@ class NumericsWatch:
             not canary.is_complex()
         self._last_grad = None
         self._low = None
+        # The weight: of the parameters other than the canary, the smallest of the last few of
+        # two or more dimensions (a weight's gradient carries its layer's input; a bias next to a
+        # loss linear in the output has a constant one). On lazy backends it is read whole.
+        others = [p for p in with_grad if p is not canary and (not self._lazy or p.numel() <= WEIGHT_LAZY_MAX)]
+        pool = ([p for p in others if p.dim() >= 2] or others)[-CANARY_FROM_LAST:]
+        self._weight = min(reversed(pool), key=lambda p: p.numel()) if pool else None
+        self._weight_view = None
+        self._weight_sharded = is_dtensor(self._weight)
+
+    def _weight_sample(self) -> Any:
+        """The checked weight's values to read: whole on lazy backends, else its first rows (a view)."""
+        t = local_shard(self._weight).detach()
+        if self._lazy:
+            return t
+        if t.dim() > 1 and t.numel() > WEIGHT_SAMPLE:
+            # Whole rows (basic slicing: a view, never a copy): a NaN that reached one input
+            # feature of the layer shows in every row's column of it.
+            t = t[: max(1, WEIGHT_SAMPLE // (t.numel() // t.shape[0]))]
+        return t.reshape(-1) if t.is_contiguous() else t
+
+    def _weight_finite(self) -> bool:
+        """Where the host is the device: whether the first WEIGHT_HOST values of the checked weight are finite.
+
+        Read as a Python list (under a microsecond; a torch sum costs three), so only a few: a
+        NaN input or a NaN upstream reaches every element of the weight's gradient at once, and
+        a single bad element the whole layer's output at the next step.
+        """
+        weight = self._weight
+        view = self._weight_view
+        if self._weight_sharded or view is None or weight.data_ptr() != self._weight_ptr:
+            # (The first step, a DTensor, whose to_local() hands out a new object each call, or
+            # a weight whose storage was replaced.) A 1-d view, never a copy.
+            t = local_shard(weight).detach()
+            view = t.reshape(-1) if t.is_contiguous() else t[(0,) * (t.dim() - 1)] if t.dim() else t.reshape(1)
+            view = self._weight_view = view[:WEIGHT_HOST]
+            self._weight_ptr = 0 if self._weight_sharded else weight.data_ptr()
+        return math.isfinite(abs(sum(view.tolist())))  # (float64 sums: no overflow of finite float32 values)
 
     def read(self) -> None:
         """Read the kept gradients (deferred mode), the way after_step reads: when the step's values are ready.
 
-        Only the newest is read (one transfer per CHECK_EVERY steps: on XLA each tensor read
-        is a transfer of its own). Gradients that turn NaN or Inf stay so (the update makes
-        the weights non-finite, and every later gradient with them), so a finite newest one
-        means the block was finite; a bad one has all of the block read, for the first step.
-        A NaN that goes away by itself (a step a loss scaler skipped) is not reported.
+        Only the newest is read, with the checked weight (one transfer each per CHECK_EVERY
+        steps: on XLA each tensor read is a transfer of its own). Gradients and weights that
+        turn NaN or Inf stay so (the update makes the weights non-finite, and every later
+        gradient with them), so a finite newest one means the block was finite; a bad
+        gradient has all of the block read, for the first step. A NaN that goes away by
+        itself (a step a loss scaler skipped) is not reported.
         """
         kept, self._kept = self._kept, []
         self._unread = 0
+        # Were this block's inputs looked at? Counted by the loader's thread, which reads ahead,
+        # so told per block, not per step.
+        seen, self._inspected_read = self._inspected != self._inspected_read, self._inspected
         if not kept or self.nonfinite is not None:
             return
         steps = [s for s, _ in kept]
         last = steps[-1]
         since = self._finite_at
 
-        def newest(value: Any) -> None:
+        def newest(value: Any, *weight: Any) -> None:
             if self.nonfinite is not None:
                 return
-            if _finite(value):
+            gradient_finite = _finite(value)
+            if gradient_finite and (not weight or _finite(weight[0])):
                 self._finite_at = max(self._finite_at, last)
-            elif len(kept) > 1:
-                self._after(lambda *values: self._check_values(steps, values), tuple(t for _, t in kept))
-            else:  # lazy: only the newest was kept; the inputs were checked step by step
+            elif not gradient_finite and len(kept) > 1:
+                self._after(lambda *values: self._check_values(steps, values, seen), tuple(t for _, t in kept))
+            else:  # only the newest was kept (lazy), or the weight alone: the inputs were checked step by step
                 bad = sorted(s for s in self._bad_inputs if since < s <= last)
                 if bad:
                     self._found(bad[0], self._bad_inputs[bad[0]])
                 else:
-                    self._found(last, None, finite_at=since)
+                    self._found(last, None, finite_at=since, seen=seen, weights=gradient_finite)
 
-        self._after(newest, (kept[-1][1],))
+        weight = (self._weight_sample(),) if self._weight is not None else ()
+        self._after(newest, (kept[-1][1], *weight))
 
-    def _check_values(self, steps: list[int], values: tuple[Any, ...]) -> None:
+    def _check_values(self, steps: list[int], values: tuple[Any, ...], seen: bool) -> None:
         for step, v in zip(steps, values, strict=False):
             if not _finite(v):
                 if self.nonfinite is None:
-                    self._found(step, self._bad_inputs.get(step))
+                    self._found(step, self._bad_inputs.get(step), seen=seen)
                 return
 
     # -- the finding -------------------------------------------------------------------------------
-    def _found(self, step: int, batch: Any, finite_at: int | None = None) -> None:
+    def _found(self, step: int, batch: Any, finite_at: int | None = None, *, seen: bool = True,
+               weights: bool = False) -> None:
+        """Name the first bad step's source. ``batch``: on cpu the step's last batch (None: none
+        came), deferred what the loader's thread said of it; ``seen``: deferred, whether the
+        block's inputs were looked at; ``weights``: found in the checked weight's values, not in
+        the canary's gradient."""
         import torch
 
         params = self._params
@@ -379,16 +480,20 @@ class NumericsWatch:
         if self.deferred:
             if isinstance(batch, str):
                 self.nonfinite = NonFinite(step, "input", batch)
-            else:
-                where = f" (seen in {name(self._canary)})" if self._canary is not None else ""
-                self.nonfinite = NonFinite(step, "gradients", f"the gradients{where}",
-                                           (name(self._canary),) if self._canary is not None else (),
-                                           finite_at if finite_at is not None and finite_at < step - 1 else None)
+                return
+            probe, found_in = (self._weight, "weights") if weights else (self._canary, "gradients")
+            where = f" (seen in {name(probe)})" if probe is not None else ""
+            self.nonfinite = NonFinite(step, "gradients" if seen else "unknown",
+                                       f"the {found_in}{where}" + ("" if seen else _UNSEEN.format("these steps")),
+                                       (name(probe),) if probe is not None else (),
+                                       finite_at if finite_at is not None and finite_at < step - 1 else None,
+                                       found_in)
             return
-        found = check_batch(batch) if batch is not None else None
+        found, covered = _check_batch(batch) if batch is not None else (None, False)
         if found is not None:
             self.nonfinite = NonFinite(step, "input", found)
             return
+        unseen = "" if covered else _UNSEEN.format("this step")
         # Module order where the names are known, the optimizer's otherwise. The update of
         # this step has run already, so the gradients tell the story, not the values.
         position = {pid: i for i, pid in enumerate(name.order)}
@@ -397,13 +502,16 @@ class NumericsWatch:
         bad = [p for p in grads if not bool(torch.isfinite(local_shard(p.grad)).all())]
         if bad and len(bad) == len(grads):
             detail = "every gradient is NaN or Inf, so the loss was"
-            if self._accumulated > 1:  # only the last batch is kept: an earlier one may be the source
+            if self._accumulated > 1 and covered:  # only the last batch is kept: an earlier one may be the source
                 detail += (f", or an earlier one of the {self._accumulated} batches accumulated into this "
                            "step held NaN or Inf (the last was finite)")
-            self.nonfinite = NonFinite(step, "loss", detail)
+            self.nonfinite = NonFinite(step, "loss" if covered else "unknown", detail + unseen)
         elif bad:
-            self.nonfinite = NonFinite(step, "gradient", f"the gradient of {name(bad[0])}",
-                                       tuple(name(p) for p in bad[:3]))
+            self.nonfinite = NonFinite(step, "gradient" if covered else "unknown",
+                                       f"the gradient of {name(bad[0])}{unseen}", tuple(name(p) for p in bad[:3]))
+        elif weights:  # finite gradients, a non-finite weight: the update itself overflowed
+            self.nonfinite = NonFinite(step, "update", f"{name(self._weight)} turned NaN or Inf in the update, "
+                                       "its gradient finite", (name(self._weight),), found_in="weights")
         else:
             self.nonfinite = NonFinite(step, "gradients", "the gradients")
 

@@ -463,7 +463,7 @@ class Diagnostics:
                     sites=[f"{b.where}: {b.reason}" for b in breaks])
 
     def _numerics(self, watch: Any, step: int) -> None:
-        from accelport.diagnose.numerics import PRECISION_EVERY, PRECISION_STALLED
+        from accelport.diagnose.numerics import CHECK_EVERY_LAZY, PRECISION_EVERY, PRECISION_STALLED
 
         found = watch.nonfinite
         if found is not None and "non-finite" not in self._reported:
@@ -479,21 +479,31 @@ class Diagnostics:
                              "torch.nn.utils.clip_grad_norm_ (without a Python branch on the norm, which "
                              "recompiles on XLA), and compute the loss in fp32."),
             }
-            fixes["gradients"] = ("The inputs were finite, so the loss or a gradient overflowed: a learning rate "
-                                  "too high (lower it or warm it up), gradient clipping with "
-                                  "torch.nn.utils.clip_grad_norm_ (without a Python branch on the norm, which "
-                                  "recompiles on XLA), the loss computed in fp32.")
+            overflow = ("a learning rate too high (lower it or warm it up), gradient clipping with "
+                        "torch.nn.utils.clip_grad_norm_ (without a Python branch on the norm, which "
+                        "recompiles on XLA), the loss computed in fp32.")
+            fixes["gradients"] = f"The inputs were finite, so the loss or a gradient overflowed: {overflow}"
+            # The inputs were not looked at (neither ap.loader nor a DataLoader brought them):
+            # they come first, as likely as the loss and far cheaper to rule out.
+            fixes["unknown"] = ("Check the inputs first: torch.isfinite(x).all() on each batch (or iterate them "
+                                f"with ap.loader, which checks them); if they are finite, {overflow}")
+            fixes["update"] = ("The update overflowed the weight's dtype: lower the learning rate, keep the weights "
+                               "in fp32 (ap.autocast for the forward pass), and clip gradients with "
+                               "torch.nn.utils.clip_grad_norm_.")
             source = {"input": "it came from the input batch", "loss": "it came from the loss",
                       "gradient": "it came from a parameter's gradient",
-                      "gradients": "it showed in the gradients"}[found.source]
+                      "gradients": f"it showed in the {found.found_in}",
+                      "update": "it came from the optimizer's update",
+                      "unknown": f"it showed in the {found.found_in}, from an unknown source"}[found.source]
             if found.finite_at is None:
                 when = f"at step {found.step}"
-            else:  # lazy backends read them far apart, to keep the reads out of the steps
-                when = (f"after step {found.finite_at} and by step {found.step} (on {watch_backend(watch)} they "
-                        "are read every few hundred steps and at the end of each loop)")
+            else:  # accelerators and lazy backends read them apart, to keep the reads out of the steps
+                every = "every few hundred steps" if watch.every >= CHECK_EVERY_LAZY else f"every {watch.every} steps"
+                when = (f"after step {found.finite_at} and by step {found.step} (on {watch.backend_name} they "
+                        f"are read {every} and at the end of each loop)")
             self.report(
                 "non-finite",
-                f"the gradients became NaN or Inf {when}: {source} ({found.detail}). Every step "
+                f"the {found.found_in} became NaN or Inf {when}: {source} ({found.detail}). Every step "
                 f"after it trains on NaN. {fixes[found.source]}",
                 found.step, first_step=found.step if found.finite_at is None else None, source=found.source,
                 names=list(found.names), finite_at_step=found.finite_at, found_by_step=found.step,
@@ -700,10 +710,6 @@ class Diagnostics:
         if found:
             self.report("deprecated-config", " ".join(message for _, message in found), record.step,
                         settings=[name for name, _ in found])
-
-
-def watch_backend(watch: Any) -> str:
-    return str(getattr(getattr(watch, "_backend", None), "name", "this backend"))
 
 
 def create_plugin(environ: Mapping[str, str], runtime: Runtime | None) -> Diagnostics:

@@ -18,6 +18,10 @@ if TYPE_CHECKING:
     from accelport.compat.verdict import Verdict
 
 WIDTH = 80
+#: No platform, chip, torch or Python version is near this long; a longer value is refused before it
+#: is parsed (``int()`` of a 5000-digit minor raises) and is quoted cut, not whole.
+MAX_VALUE = 100
+QUOTED = 40  # characters of a refused value that its error quotes
 _SHORT = {"unsupported": "-"}
 # Tables read from the everyday platform to the specialised ones.
 _DISPLAY_ORDER = ("cpu", "nvidia-gpu", "gcp-tpu", "aws-neuron")
@@ -59,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from accelport.runtime.state import RUNTIME
 
+    _refuse_long_values(args)
     mx = RUNTIME.matrix()
     filters = (args.platform, args.chip, args.torch_version, args.python)
     if args.markdown:
@@ -89,6 +94,29 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render_verdict(verdict))
     return 0
+
+
+def _refuse_long_values(args: argparse.Namespace) -> None:
+    """A UsageError for a filter longer than MAX_VALUE, quoting it redacted and cut."""
+    import os
+
+    from accelport.compat.machine import CHIPS
+    from accelport.errors import UsageError
+    from accelport.platform import PLATFORMS
+    from accelport.redact import Redactor
+
+    expected = {
+        "--platform": f"one of {', '.join(PLATFORMS)}",
+        "--chip": f"one of {', '.join(CHIPS)}",
+        "--torch": "a torch version such as 2.9 or 2.9.0+cu128",
+        "--python": "a Python major.minor such as 3.12",
+    }
+    for flag, value in (("--platform", args.platform), ("--chip", args.chip), ("--torch", args.torch_version),
+                        ("--python", args.python)):
+        if value is not None and len(value) > MAX_VALUE:
+            # Redacted before the cut: a secret the cut would halve is still hidden whole.
+            quoted = Redactor(os.environ, limit=QUOTED).text(value)
+            raise UsageError(f"{flag}: '{quoted}' is too long to be a value here: give {expected[flag]}")
 
 
 def matrix_dict(mx: Matrix) -> dict[str, Any]:

@@ -128,6 +128,32 @@ def test_a_bad_chip_or_python_names_the_valid_ones(capsys: pytest.CaptureFixture
     assert code == 2 and data["kind"] == "usage" and all(w in data["error"] for w in words)
 
 
+@pytest.mark.parametrize("flag,value,expected", [
+    ("--python", "3." + "1" * 5000, "give a Python major.minor such as 3.12"),  # int() refuses 4300+ digits
+    ("--platform", "x" * 100_000, "give one of gcp-tpu, aws-neuron, nvidia-gpu, cpu"),
+    ("--chip", "y" * 100_000, "give one of v2/v3, v4, v5e"),
+    ("--torch", "2." + "9" * 100_000, "give a torch version such as 2.9"),
+])
+def test_a_huge_value_is_a_usage_error_that_quotes_it_cut(capsys: pytest.CaptureFixture[str], flag: str,
+                                                           value: str, expected: str) -> None:
+    code, out, err = run(capsys, "matrix", flag, value)
+    assert code == 2 and out == "" and "Traceback" not in err and "unexpected" not in err
+    assert err.startswith(f"accelport: error: {flag}: '{value[:40]}... [cut: {len(value)} characters in all]' "
+                          "is too long to be a value here: ") and expected in err
+    assert len(err) < 400
+    code, out, _ = run(capsys, "matrix", flag, value, "--json")
+    data = json.loads(out)
+    assert code == 2 and data["kind"] == "usage" and expected in data["error"] and len(data["error"]) < 400
+
+
+def test_a_huge_value_that_holds_a_secret_is_quoted_redacted(capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = "s3cr3t-value-of-a-token"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    code, out, err = run(capsys, "matrix", "--platform", secret + "x" * 200)
+    assert code == 2 and "'<redacted>xxxx" in err and secret[:6] not in err
+
+
 @pytest.mark.parametrize("args", [
     ("--chip", "trn1", "--torch", "2.14"), ("--chip", "trn2", "--torch", "2.9"), ("--chip", "v2/v3", "--torch", "2.13"),
     ("--platform", "gcp-tpu", "--torch", "2.15", "--python", "3.15"), ("--chip", "v6e", "--torch", "2.8"),

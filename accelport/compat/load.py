@@ -48,13 +48,20 @@ __all__ = ["Matrix", "load_file", "load_folder", "shipped", "build"]
 
 #: A matrix file is a few kilobytes; a cap keeps /dev/zero or a huge file from filling memory.
 MAX_FILE_BYTES = 4 << 20
+_POINT_AT = (f"point {OVERRIDE_ENV} at a readable matrix TOML file (see docs/compat-matrix.md), or unset it "
+             "to use the shipped matrix alone")
 
 
 def _read_toml(path: str) -> dict[str, Any]:
     try:
         raw = read_regular_file(path, what=OVERRIDE_ENV, limit=MAX_FILE_BYTES)
-    except AccelportError as exc:
-        raise CompatMatrixError(path, "", str(exc).replace(f"{OVERRIDE_ENV} {path!r} ", "", 1)) from None
+    except AccelportError as exc:  # a directory, a FIFO, a device, too large, or it would not open
+        problem = str(exc).replace(f"{OVERRIDE_ENV} {path!r} ", "", 1)
+        if problem.startswith("cannot be read"):
+            problem += f": {_POINT_AT}"
+        raise CompatMatrixError(path, "", problem) from None
+    except OSError as exc:  # it opened but a read failed: /proc/self/mem (EIO), a file on a dead mount
+        raise CompatMatrixError(path, "", f"cannot be read ({exc.strerror or exc}): {_POINT_AT}") from None
     try:
         return tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:

@@ -228,6 +228,52 @@ def test_broken_override_file_is_a_clear_error_at_selection(tmp_path: pathlib.Pa
         ap.device()
 
 
+def _unreadable(tmp_path: pathlib.Path, kind: str) -> str:
+    """A path ACCELPORT_COMPAT_MATRIX may name that holds no readable matrix file."""
+    import os
+
+    if kind == "a process's memory":
+        if not os.path.exists("/proc/self/mem"):
+            pytest.skip("no /proc/self/mem here")
+        return "/proc/self/mem"  # a regular file that opens, and whose read at offset 0 fails (EIO)
+    if kind == "a directory":
+        return str(tmp_path)
+    if kind == "a FIFO":
+        if not hasattr(os, "mkfifo"):
+            pytest.skip("no FIFOs here")
+        os.mkfifo(tmp_path / "pipe")  # no writer: opening it to read would block
+        return str(tmp_path / "pipe")
+    if kind == "a huge file":
+        with open(tmp_path / "huge.toml", "wb") as f:
+            f.truncate(load.MAX_FILE_BYTES + 1)  # sparse: costs no disk
+        return str(tmp_path / "huge.toml")
+    return str(tmp_path / "missing.toml")
+
+
+@pytest.mark.parametrize("kind,problem", [
+    ("a process's memory", "cannot be read (Input/output error): point ACCELPORT_COMPAT_MATRIX at a readable"),
+    ("a directory", "is a directory: point it at a regular file"),
+    ("a FIFO", "is a FIFO: point it at a regular file"),
+    ("a huge file", "is larger than 4 MB: point it at the file you meant"),
+    ("a missing file", "cannot be read (No such file or directory): point ACCELPORT_COMPAT_MATRIX at a readable"),
+])
+def test_an_override_that_cannot_be_read_is_a_matrix_error_saying_what_to_do(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        kind: str, problem: str) -> None:
+    import json
+
+    from accelport.cli import main
+
+    path = _unreadable(tmp_path, kind)
+    monkeypatch.setenv("ACCELPORT_COMPAT_MATRIX", path)
+    with pytest.raises(ap.CompatMatrixError) as caught:  # not a raw OSError
+        ap.device()
+    assert str(caught.value).startswith(f"invalid compatibility matrix {path}: {problem}")
+    assert main(["matrix", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["kind"] == "CompatMatrixError" and problem in data["error"]
+
+
 # -- third-party rows through accelport_compat_rows ------------------------------------------
 
 PLUGIN = '''

@@ -337,6 +337,9 @@ def _neuron_ls(executable: str, mtime: float) -> tuple[int, int] | str:
         except ValueError:
             problem = f"neuron-ls {' '.join(flags)} printed something that is not JSON"
             continue
+        except RecursionError:  # json.loads of "[[[[..." thousands deep
+            problem = f"neuron-ls {' '.join(flags)} printed JSON nested too deeply to read"
+            continue
         if devices:
             cores = 0
             for d in devices:
@@ -397,7 +400,10 @@ def _neuron(root: str, env: Mapping[str, Any]) -> PlatformInfo | None:
             mtime = os.stat(tool).st_mtime
         except OSError:
             mtime = 0.0
-        found = _neuron_ls(tool, mtime)
+        try:
+            found = _neuron_ls(tool, mtime)
+        except Exception as exc:  # noqa: BLE001 - a bad answer must not hide the /dev nodes found above
+            found = f"neuron-ls gave an answer that could not be read ({type(exc).__name__})"
         if isinstance(found, tuple):
             ls_devices, ls_cores = found
             count = ls_devices

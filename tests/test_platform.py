@@ -155,6 +155,8 @@ def test_neuron_ls_from_neuron_2_34_uses_output_format_json(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("script, said", [
     ("echo 'this is not json'\n", "is not JSON"),
+    # json.loads raises RecursionError, not ValueError: it took the whole platform down to "cpu".
+    ("head -c 100000 /dev/zero | tr '\\0' '['\n", "printed JSON nested too deeply to read"),
     ("exit 3\n", "exited with status 3"),
     ("echo '[]'\n", "gave no device list"),
     ("echo '{\"nc_count\": \"eight\"}'\n", "gave no device list"),
@@ -165,6 +167,21 @@ def test_neuron_ls_that_misbehaves_falls_back_to_dev_nodes(tmp_path: Path, scrip
     found = detect(str(tmp_path), {})
     assert (found.name, found.device_count, found.cores) == ("aws-neuron", 16, None)
     assert any(said in e and "counted /dev nodes instead" in e for e in found.evidence), found.evidence
+
+
+def test_a_neuron_ls_answer_that_breaks_the_reader_leaves_the_neuron_host(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # Whatever reading neuron-ls raises, the /dev/neuron nodes still say aws-neuron (not "cpu").
+    def breaks(executable: str, mtime: float) -> Any:
+        raise MemoryError
+
+    fakes.neuron_host(tmp_path, 16, "trn1.32xlarge")
+    fakes.neuron_ls(tmp_path, "echo '[]'\n")
+    monkeypatch.setattr(platform, "_neuron_ls", breaks)
+    found = detect(str(tmp_path), {})
+    assert (found.name, found.chip, found.device_count) == ("aws-neuron", "Trainium", 16)
+    assert "neuron-ls gave an answer that could not be read (MemoryError); counted /dev nodes instead" \
+        in found.evidence
 
 
 def test_neuron_ls_that_hangs_is_abandoned_after_the_timeout(tmp_path: Path,

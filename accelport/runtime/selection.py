@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from accelport.platform import PlatformInfo
     from accelport.plugins.host import PluginHost
 
-__all__ = ["resolve", "named", "pjrt_request", "pjrt_unmet", "accelport_select_backend"]
+__all__ = ["resolve", "named", "quoted", "pjrt_request", "pjrt_unmet", "accelport_select_backend"]
 
 
 @hookimpl(trylast=True)
@@ -57,10 +57,28 @@ def accelport_select_backend(
     return None
 
 
-def named(known: Mapping[str, Backend], name: str, source: str) -> tuple[Backend, str]:
+#: No backend name is near this long: a longer one is quoted cut, and redacted, in its error (a
+#: 100 KB ACCELPORT_BACKEND came back twice, whole).
+MAX_NAME = 64
+
+
+def quoted(value: str, environ: Mapping[str, str] | None = None) -> str:
+    """``value`` as an error may quote it: whole up to MAX_NAME characters, else redacted and cut."""
+    if len(value) <= MAX_NAME:
+        return value
+    from accelport.redact import Redactor
+
+    # Redacted before the cut (with ``environ``'s secrets): a secret the cut would halve is still hidden.
+    return Redactor(environ, limit=40).text(value)
+
+
+def named(known: Mapping[str, Backend], name: str, source: str,
+          environ: Mapping[str, str] | None = None) -> tuple[Backend, str]:
+    """The backend ``name`` (from ``source``) if it is known and available; ``environ`` gives the secrets
+    a long name is redacted of in the error."""
     key = name.strip().lower()
     if key not in known:
-        raise UnknownBackendError(name, known, source)
+        raise UnknownBackendError(quoted(name, environ), known, source)
     backend = known[key]
     probe = backend.probe()
     if not probe.available:
@@ -79,10 +97,10 @@ def resolve(host: PluginHost, explicit: str | None, environ: Mapping[str, str], 
     if explicit is not None:
         if not isinstance(explicit, str) or not explicit.strip():
             raise UnknownBackendError(str(explicit), known, "ap.use()")
-        return named(known, explicit, f"ap.use({explicit.strip()!r})")
+        return named(known, explicit, f"ap.use({quoted(explicit.strip(), environ)!r})", environ)
     forced = environ.get("ACCELPORT_BACKEND", "").strip()
     if forced:
-        return named(known, forced, f"ACCELPORT_BACKEND={forced}")
+        return named(known, forced, f"ACCELPORT_BACKEND={quoted(forced, environ)}", environ)
 
     from accelport.compat.load import build
     from accelport.compat.verdict import recommend

@@ -39,6 +39,28 @@ def test_unknown_name_with_nothing_close_has_no_suggestion() -> None:
     assert "Did you mean" not in str(info.value)
 
 
+def test_a_huge_backend_name_is_quoted_cut_not_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    huge = "x" * 100_000
+    cut = "'" + "x" * 40 + "... [cut: 100000 characters in all]'"
+    with pytest.raises(ap.UnknownBackendError) as info:
+        ap.use(huge)
+    assert str(info.value).startswith(f"unknown backend {cut} (from ap.use({cut})). Known backends: ")
+    assert len(str(info.value)) < 400
+    monkeypatch.setenv("ACCELPORT_BACKEND", huge)
+    with pytest.raises(ap.UnknownBackendError) as info:
+        ap.device()
+    assert f"(from ACCELPORT_BACKEND={cut[1:-1]})" in str(info.value) and len(str(info.value)) < 400
+
+
+def test_a_huge_backend_name_holding_a_secret_is_quoted_redacted(monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = "s3cr3t-value-of-a-token"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    monkeypatch.setenv("ACCELPORT_BACKEND", secret + "x" * 200)
+    with pytest.raises(ap.UnknownBackendError) as info:
+        ap.device()
+    assert "ACCELPORT_BACKEND=<redacted>xxx" in str(info.value) and secret[:6] not in str(info.value)
+
+
 def test_known_but_unavailable_carries_the_probe_reason() -> None:
     with pytest.raises(ap.BackendUnavailableError) as info:
         ap.use("cuda")

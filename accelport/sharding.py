@@ -38,6 +38,7 @@ __all__ = [
     "shard_fsdp2",
     "shard_spmd",
     "shard_unsupported",
+    "tied_groups",
 ]
 
 #: torch release whose ``torch.distributed.fsdp`` exports ``fully_shard`` (pytorch/pytorch#141868).
@@ -149,6 +150,84 @@ def choose_units(model: Any, predicate: Callable[[Any], bool] | None) -> list[An
 
     visit(model)
     return [m for m in model.modules() if id(m) in chosen]
+
+
+def tied_groups(model: Any, units: list[Any]) -> list[list[Any]]:
+    """``units`` as the groups FSDP2 shards together, in an order ``fully_shard`` can apply them.
+
+    A parameter used by two modules (a language model's embedding tied to its output
+    head, or one module registered in two places) must belong to one FSDP group:
+    units sharing one become a single group of several modules
+    (``fully_shard([emb, head])``); a unit sharing one with its own ancestor unit, or
+    with a module outside every unit, is left to that enclosing unit (the root at
+    the top). Groups come bottom-up: each after every group inside its modules.
+    """
+    occurrences = list(model.named_modules(remove_duplicate=False))
+    inside = {id(u): {id(m) for m in u.modules()} - {id(u)} for u in units}
+    current = list(units)
+    while True:
+        classes, with_root = _sharing(occurrences, current)
+        drop = {id(u) for u in with_root}
+        for members in classes:  # a unit tied to its own ancestor unit is left to that one
+            drop.update(id(u) for u in members if any(id(u) in inside[id(v)] for v in members if v is not u))
+        if not drop:
+            break
+        current = [u for u in current if id(u) not in drop]
+    groups = classes[::-1]  # bottom-up, as reversed(model.modules()) visits them
+    if all(len(g) == 1 for g in groups):
+        return groups
+    # A group of several modules must still come after every group inside any of them.
+    from graphlib import TopologicalSorter
+
+    order: TopologicalSorter[int] = TopologicalSorter()
+    for i, group in enumerate(groups):
+        below = {m for u in group for m in inside[id(u)]}
+        order.add(i, *(j for j, other in enumerate(groups) if j != i and any(id(u) in below for u in other)))
+    return [groups[i] for i in order.static_order()]
+
+
+def _sharing(occurrences: list[tuple[str, Any]], units: list[Any]) -> tuple[list[list[Any]], list[Any]]:
+    """``units`` in classes that share parameters (in ``units`` order), and the units sharing one with the root.
+
+    ``occurrences`` is ``named_modules(remove_duplicate=False)``: a module registered
+    in two places is seen in both, under whichever unit holds each place.
+    """
+    root = 0  # no module's id
+    unit_ids = {id(u) for u in units}
+    at_path = dict(occurrences)
+
+    def owner(path: str) -> int:
+        # The nearest unit on the way from this place up to the root (the root if none).
+        while True:
+            if id(at_path[path]) in unit_ids:
+                return id(at_path[path])
+            if not path:
+                return root
+            path = path.rpartition(".")[0]
+
+    users: dict[int, set[int]] = {}
+    for path, module in occurrences:
+        who = owner(path)
+        for p in module.parameters(recurse=False):
+            users.setdefault(id(p), set()).add(who)
+    parent: dict[int, int] = {}
+
+    def find(x: int) -> int:
+        while parent.get(x, x) != x:
+            x = parent[x]
+        return x
+
+    for sharers in users.values():
+        first, *rest = sharers
+        for other in rest:
+            a, b = find(first), find(other)
+            if a != b:
+                parent[b] = a
+    classes: dict[int, list[Any]] = {}
+    for u in units:
+        classes.setdefault(find(id(u)), []).append(u)
+    tied_to_root = classes.pop(find(root), [])
+    return list(classes.values()), tied_to_root
 
 
 # -- what is sharded ------------------------------------------------------------------------
@@ -364,10 +443,8 @@ def shard_fsdp2(backend: Any, model: Any, *, predicate: Callable[[Any], bool] | 
     kwargs: dict[str, Any] = {"mesh": shards.mesh, "reshard_after_forward": reshard_after_forward}
     if mixed_precision == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    wanted = {id(m) for m in units}
-    for module in reversed(list(model.modules())):  # children before their parents
-        if id(module) in wanted:
-            fully_shard(module, **kwargs)
+    for group in tied_groups(model, units):  # children before their parents; tied modules together
+        fully_shard(group[0] if len(group) == 1 else group, **kwargs)
     fully_shard(model, **kwargs)
     shards.add(model, "fsdp2")
     return model
@@ -430,7 +507,8 @@ def shard_spmd(backend: Any, model: Any, *, predicate: Callable[[Any], bool] | N
 
         warn_user(f"ap.shard(reshard_after_forward=False) has no effect on {backend.name!r}: under SPMD the XLA "
                   "compiler schedules the parameter gathers itself", CompatibilityWarning)
-    wanted = {id(m) for m in units}
+    # SPMD FSDP wraps one module at a time: modules sharing a parameter stay with the unit around them.
+    wanted = {id(g[0]) for g in tied_groups(model, units) if len(g) == 1}
 
     def auto_wrap(module: Any, recurse: bool, **_: Any) -> bool:
         return True if recurse else id(module) in wanted

@@ -11,7 +11,7 @@ import pytest
 
 import accelport as ap
 from accelport.checkpoint import PendingSave
-from accelport.sharding import choose_units
+from accelport.sharding import choose_units, tied_groups
 
 
 def tiny(layers: int = 2) -> Any:
@@ -139,6 +139,60 @@ def test_a_policy_picks_units_by_class_or_callable() -> None:
     assert model.head in by_set and all(isinstance(m, torch.nn.Linear) for m in by_set)
     everything = choose_units(model, ap_policy(lambda m: True))
     assert not any(isinstance(m, torch.nn.ModuleList) for m in everything)  # no forward: never a unit
+
+
+def names_of(model: Any, groups: list[list[Any]]) -> list[list[str]]:
+    path = {id(m): name for name, m in model.named_modules()}
+    return [[path[id(m)] for m in group] for group in groups]
+
+
+def test_tied_modules_become_one_group_and_a_tie_to_the_root_leaves_them_to_it() -> None:
+    import torch
+
+    class GPT(torch.nn.Module):  # GPT-2's layout: the head outside the body that holds the embedding
+        def __init__(self) -> None:
+            super().__init__()
+            self.transformer = torch.nn.ModuleDict({"wte": torch.nn.Embedding(64, 32),
+                                                    "h": torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in "ab")})
+            self.lm_head = torch.nn.Linear(32, 64, bias=False)
+            self.lm_head.weight = self.transformer["wte"].weight
+
+    gpt = GPT()
+    units = choose_units(gpt, None)
+    assert names_of(gpt, [units]) == [["transformer.wte", "transformer.h.0", "transformer.h.1", "lm_head"]]
+    # Two separate units for one parameter is what FSDP2 refuses at the first forward.
+    assert names_of(gpt, tied_groups(gpt, units)) == [["transformer.h.1"], ["transformer.h.0"],
+                                                      ["transformer.wte", "lm_head"]]
+
+    class ToRoot(torch.nn.Module):  # a block tied to a parameter of the root itself
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in "abc")
+            self.scale = torch.nn.Parameter(torch.ones(8, 8))
+            self.blocks[1].weight = self.scale
+
+    root = ToRoot()
+    assert names_of(root, tied_groups(root, choose_units(root, None))) == [["blocks.2"], ["blocks.0"]]
+
+    shared = torch.nn.Linear(8, 8)  # one module registered in two places, under two units
+    twice = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(8, 8), shared),
+                                torch.nn.Sequential(shared, torch.nn.Linear(8, 8)))
+    outer = choose_units(twice, ap_policy(lambda m: isinstance(m, torch.nn.Sequential)))
+    assert names_of(twice, tied_groups(twice, outer)) == [["0", "1"]]
+    # Without ties: every unit alone, bottom-up, as before.
+    model = tiny()
+    assert tied_groups(model, choose_units(model, None)) == [[m] for m in reversed(choose_units(model, None))]
+
+
+def test_a_tie_between_a_unit_and_its_own_ancestor_unit_is_left_to_the_ancestor() -> None:
+    import torch
+
+    inner = torch.nn.Linear(8, 8)
+    outer = torch.nn.Sequential(inner, torch.nn.Linear(8, 8))
+    outer.register_parameter("tied", inner.weight)
+    model = torch.nn.Sequential(outer, torch.nn.Linear(8, 8))
+    units = choose_units(model, ap_policy(lambda m: m is inner or m is outer))
+    assert names_of(model, tied_groups(model, units)) == [["0"]]
 
 
 def ap_policy(policy: Any) -> Any:

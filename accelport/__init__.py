@@ -321,7 +321,10 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """Reduce ``tensor`` in place over replicas; ``op`` is "sum" or "mean".
 
     Checked the same way at every world size and on every backend, so a script
-    that works alone works on many.
+    that works alone works on many: 8-bit and bool tensors are refused (their sums
+    wrap around), and on eager backends with several replicas every replica must
+    pass the same shape, dtype and op (one small extra collective checks it; without
+    it a mismatch sums wrong memory or hangs).
     """
     b = _rt().backend()
     import torch
@@ -330,6 +333,17 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         raise TypeError(f"ap.all_reduce needs a tensor, not {type(tensor).__name__}")
     if op not in ("sum", "mean"):
         raise ValueError(f"all_reduce op must be 'sum' or 'mean', not {op!r}")
+    if not b.lazy and b.world_size() > 1:
+        # Before any check one rank could fail alone: a rank that raised would strand the others.
+        from accelport.tensors import same_on_every_rank
+
+        if not same_on_every_rank(b, (str(tensor.dtype), tuple(tensor.shape), op)):
+            raise ValueError(f"ap.all_reduce: the replicas passed different tensors (here rank {b.rank()}: shape "
+                             f"{tuple(tensor.shape)}, {tensor.dtype}, op={op!r}); every replica must pass the "
+                             "same shape, dtype and op, in the same order")
+    if tensor.dtype in (torch.uint8, torch.int8, torch.bool):
+        raise TypeError(f"ap.all_reduce of a {tensor.dtype} tensor would wrap around (as uint8, 200 + 200 is "
+                        "144): convert it first with .long() (or .int()), and back after if needed")
     if op == "mean" and not (tensor.is_floating_point() or tensor.is_complex()):
         raise TypeError(f"all_reduce(op='mean') needs a floating-point tensor, not {tensor.dtype}; "
                         "convert it with .float() or reduce with op='sum'")
@@ -341,12 +355,21 @@ def broadcast(obj: Any, src: int = 0) -> Any:
     and buffers (``xm.broadcast_master_param``), overwritten in place; returns ``obj``.
 
     Call it on every replica, e.g. after building the model, so all start from the
-    same weights. A no-op alone.
+    same weights. A no-op alone. A sharded model (broadcast it before ``ap.shard``)
+    and sparse tensors are refused at every world size.
     """
     b = _rt().backend()
     import torch
 
+    from accelport.sharding import is_dtensor, is_sharded
+
     if isinstance(obj, torch.nn.Module):
+        if is_sharded(obj):
+            raise ShardingError(
+                f"ap.broadcast: this {type(obj).__name__} is sharded (ap.shard): each rank holds its own part of "
+                "every parameter, so there is nothing to copy from one rank. Broadcast the model as built, "
+                "before ap.shard (ap.broadcast(model), then model = ap.shard(model)), or restore it with "
+                "ap.load(path, into={'model': model})")
         tensors = list({id(t): t for t in (*obj.parameters(), *obj.buffers())}.values())  # shared ones once
     elif isinstance(obj, torch.Tensor):
         tensors = [obj]
@@ -355,6 +378,13 @@ def broadcast(obj: Any, src: int = 0) -> Any:
     else:
         raise TypeError(f"ap.broadcast needs a tensor, a list of tensors or a torch.nn.Module, not "
                         f"{type(obj).__name__}")
+    for t in tensors:
+        if is_dtensor(t):
+            raise ShardingError("ap.broadcast: a DTensor (a sharded model's parameter) holds a different part on "
+                                "each rank; broadcast the tensor before sharding, or its .full_tensor()")
+        if t.layout is not torch.strided:
+            raise TypeError(f"ap.broadcast takes dense tensors, not a {t.layout} one (shape {tuple(t.shape)}): "
+                            "broadcast t.to_dense(), or a sparse COO tensor's .indices() and .values()")
     world = b.world_size()
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world:
         raise ValueError(f"ap.broadcast(src=...) takes the rank whose values every replica gets, between 0 and "
@@ -413,8 +443,9 @@ def save(obj: Any, path: str | os.PathLike[str], *, background: bool = False) ->
     rename); call it on every process or on the main one only. When a model in the
     dict was sharded by :func:`shard`, ``path`` becomes a directory that every rank
     writes its shard into (torch.distributed.checkpoint), so call it on every rank;
-    it replaces the previous checkpoint only once complete. ``background=True``
-    returns at once with a handle whose ``wait()`` blocks until it is in place.
+    it replaces the previous checkpoint only once complete, and a failure on any
+    rank is raised on every rank. ``background=True`` returns at once with a
+    handle whose ``wait()`` blocks until it is in place.
     """
     return _rt().backend().save(obj, path, background=background)
 
@@ -425,7 +456,8 @@ def load(path: str | os.PathLike[str], map_location: Any = None, *, weights_only
 
     ``into={"model": model, "opt": opt}`` restores those modules and optimizers in
     place (sharded or not, on any number of ranks) and returns the other values; a
-    checkpoint directory needs it. ``weights_only=False`` allows arbitrary pickled
-    objects: only for files you trust.
+    checkpoint directory needs it, and is refused (on every rank) when it does not
+    fit the objects given or its files are damaged. ``weights_only=False`` allows
+    arbitrary pickled objects: only for files you trust.
     """
     return _rt().backend().load(path, map_location, weights_only=weights_only, into=into)

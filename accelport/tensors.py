@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["tree_map_tensors", "to_host"]
+__all__ = ["tree_map_tensors", "to_host", "collective_device", "same_on_every_rank"]
 
 
 def tree_map_tensors(obj: Any, fn: Callable[[Any], Any]) -> Any:
@@ -40,3 +40,30 @@ def to_host(value: Any) -> Any:
         value = value.detach()
         return value.item() if value.ndim == 0 else value.to("cpu")
     return value
+
+
+def collective_device(backend: Any) -> Any:
+    """Where ``backend``'s collectives take their tensors: gloo reduces host tensors, nccl and the
+    accelerators' process groups device ones."""
+    return "cpu" if getattr(backend, "dist_backend", "gloo") == "gloo" else backend.device()
+
+
+def same_on_every_rank(backend: Any, key: object) -> bool:
+    """Whether every rank passed an equal ``key`` (its ``repr``), in one collective of four integers.
+
+    Each rank adds two 20-bit hashes ``h`` of its key and their squares; the sums satisfy
+    ``sum(h) ** 2 == world * sum(h * h)`` only when every ``h`` is the same (Cauchy-Schwarz).
+    Different keys pass unnoticed only when both hashes collide (about 1 in 2**40).
+    """
+    import zlib
+
+    import torch
+
+    text = repr(key).encode()
+    hashes = [zlib.crc32(text) & 0xFFFFF, zlib.adler32(text) & 0xFFFFF]
+    values = torch.tensor([v for h in hashes for v in (h, h * h)], dtype=torch.int64,
+                          device=collective_device(backend))
+    backend.all_reduce(values)
+    sums = [int(v) for v in values.tolist()]
+    world = backend.world_size()
+    return all(sums[i] ** 2 == world * sums[i + 1] for i in (0, 2))

@@ -6,7 +6,9 @@ state as their ``state_dict()``). A checkpoint directory holds DCP's shard files
 (one per rank) and ``.metadata``, plus ``accelport.json`` (what is where) and
 ``plain.pt`` (the plain values, from rank 0). Both are published the same way:
 written under a hidden temporary name next to ``path``, then renamed onto it, so
-an interrupted save never replaces the last good checkpoint.
+an interrupted save never replaces the last good checkpoint. A directory's save
+or load that fails on one rank is raised on every rank at the same point
+(:func:`_agree`), so no rank is left waiting in a collective.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ def save(backend: Any, obj: Any, path: str | os.PathLike[str], *, background: bo
     """
     if not isinstance(background, bool):
         raise TypeError(f"ap.save(background=...) takes True or False, not {background!r}")
+    if not isinstance(path, (str, os.PathLike)) or os.fspath(path) in ("", b""):
+        raise CheckpointError(f"ap.save needs the path of the checkpoint to write, such as 'ckpt.pt' or "
+                              f"'checkpoints/step100', not {path!r}")
     _finish_pending(backend)
     modules = _entries(obj, "module")
     if any(_fsdp2_sharded(m) for m in modules.values()):
@@ -73,7 +78,7 @@ def load(backend: Any, path: str | os.PathLike[str], map_location: Any, *, weigh
                 f"ap.load: {os.fspath(path)!r} is a sharded checkpoint directory (written by "
                 f"{manifest.get('world_size', '?')} ranks): pass what to restore in place, such as "
                 f"ap.load(path, into={{{_example(manifest)}}}); the plain values come back as the result")
-        return _load_sharded(target, manifest, map_location, weights_only=weights_only, into=into)
+        return _load_sharded(backend, target, manifest, map_location, weights_only=weights_only, into=into)
     loaded = load_file(target, map_location, weights_only=weights_only)
     if into is None:
         return loaded
@@ -87,10 +92,11 @@ class PendingSave:
     the process (without the barrier).
     """
 
-    def __init__(self, path: str, future: Any = None, group_barrier: Callable[[], None] | None = None) -> None:
+    def __init__(self, path: str, future: Any = None,
+                 agree: Callable[[CheckpointError | None], None] | None = None) -> None:
         self.path = path
         self._future = future
-        self._barrier = group_barrier
+        self._agree = agree  # every rank learns whether any rank's part failed
         self._published = threading.Event()
         self._error: BaseException | None = None
         self._waited = future is None
@@ -115,16 +121,19 @@ class PendingSave:
         return self._published.is_set()
 
     def wait(self, *, barrier: bool = True) -> None:
-        """Block until the checkpoint is in place on every rank; raise what the save raised."""
+        """Block until the checkpoint is in place on every rank; raise what the save raised, on every rank."""
         if self._waited:
             return
         self._published.wait()
         self._waited = True
+        failure = None
         if self._error is not None:
-            raise CheckpointError(f"ap.save(background=True) to {self.path!r} failed: "
-                                  f"{type(self._error).__name__}: {_first_line(self._error)}") from self._error
-        if barrier and self._barrier is not None:
-            self._barrier()  # every rank returns once rank 0 has renamed the directory
+            failure = CheckpointError(f"ap.save(background=True) to {self.path!r} failed: {_describe(self._error)}")
+            failure.__cause__ = self._error
+        if barrier and self._agree is not None:
+            self._agree(failure)  # every rank returns once rank 0 has renamed the directory, or raises
+        elif failure is not None:
+            raise failure
 
     def __repr__(self) -> str:
         return f"<PendingSave {self.path!r} {'done' if self.done() else 'writing'}>"
@@ -216,6 +225,110 @@ def _first_line(exc: BaseException) -> str:
     return lines[-1] if lines else type(exc).__name__
 
 
+def _rank_errors(exc: BaseException) -> list[tuple[int, BaseException]]:
+    """The error of each failed rank inside DCP's ``CheckpointException`` (rank order), else none."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, Mapping):
+        return []
+    found = []
+    for rank in sorted(failures):
+        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        if isinstance(inner, BaseException):
+            found.append((rank, inner))
+    return found
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` of ``exc``, or of the first failed rank's error inside DCP's CheckpointException."""
+    for rank, inner in _rank_errors(exc):
+        return f"on rank {rank}, {type(inner).__name__}: {_first_line(inner)}"
+    return f"{type(exc).__name__}: {_first_line(exc)}"
+
+
+# -- every rank stops together -----------------------------------------------------------------
+
+#: How much of a failing rank's message reaches the others.
+_MESSAGE_BYTES = 4096
+
+
+def _agree(rank: int, world: int, failure: CheckpointError | None, reduce: Callable[[Any], Any],
+           device: Any) -> None:
+    """Every rank learns whether any rank failed; then all raise the first failing rank's error.
+
+    One collective of a flag per rank when all went well, a second carrying the
+    message when not: a failure on one rank never leaves the others waiting in the
+    next collective, and a script that catches the error stays in step with its peers.
+    """
+    if world == 1:
+        if failure is not None:
+            raise failure
+        return
+    import torch
+
+    flags = torch.zeros(world, dtype=torch.int32, device=device)
+    if failure is not None:
+        flags[rank] = 1
+    reduce(flags)
+    failed = [r for r, flag in enumerate(flags.tolist()) if flag]
+    if not failed:
+        return
+    source = failed[0]
+    text = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8, device=device)
+    if rank == source:
+        data = str(failure).encode()[:_MESSAGE_BYTES]
+        text[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    reduce(text)  # the others hold zeros: the sum is the source's bytes
+    if rank == source and failure is not None:
+        raise failure
+    message = bytes(text.cpu().tolist()).rstrip(b"\0").decode("utf-8", "ignore")
+    raise CheckpointError(f"{message} (the error of rank {source}, raised on every rank)")
+
+
+def _backend_agree(backend: Any) -> Callable[[CheckpointError | None], None]:
+    """:func:`_agree` over the backend's own process group."""
+    from accelport.tensors import collective_device
+
+    return lambda failure: _agree(backend.rank(), backend.world_size(), failure, backend.all_reduce,
+                                  collective_device(backend))
+
+
+def _numpy_problem(verb: str, rank: int) -> CheckpointError | None:
+    """Why this rank cannot take part in a checkpoint of several ranks for want of numpy, or None.
+
+    torch.distributed.checkpoint sends its plans between ranks as pickled objects,
+    which torch reads back through numpy (``Tensor.numpy()``); torch's CPU wheels do
+    not install numpy, and without it rank 0 dies in DCP while its peers see the
+    connection close. The same call is tried here, before the first collective.
+    """
+    import torch
+
+    try:
+        torch.zeros(1, dtype=torch.uint8).numpy()
+    except Exception as exc:  # noqa: BLE001 - torch says "Numpy is not available" (RuntimeError)
+        return CheckpointError(
+            f"{verb}: a sharded checkpoint on several ranks needs numpy, and rank {rank} cannot use it "
+            f"({type(exc).__name__}: {_first_line(exc)}): torch.distributed.checkpoint passes its plans "
+            "between ranks as pickled objects, which torch reads through numpy, and torch's CPU wheels do "
+            "not install it. Run `pip install numpy` in the environment of every rank")
+    return None
+
+
+def _start_error(exc: Exception, path: str) -> CheckpointError:
+    """What rank 0 says when it cannot begin a checkpoint directory at ``path``."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    if isinstance(exc, OSError):
+        where = f" ({exc.filename!r})" if exc.filename else ""
+        error = CheckpointError(f"ap.save: cannot write the checkpoint at {path!r}: "
+                                f"{exc.strerror or _first_line(exc)}{where}; give a path in a directory "
+                                "this process can create and write (every part of it a directory)")
+    else:
+        error = CheckpointError(f"ap.save: rank 0 could not start the checkpoint at {path!r} "
+                                f"({type(exc).__name__}: {_first_line(exc)})")
+    error.__cause__ = exc
+    return error
+
+
 # -- checkpoint directories (torch.distributed.checkpoint) -------------------------------------
 
 
@@ -275,19 +388,25 @@ def _publish(tmp: str, target: str) -> None:
 
 def _prepare_target(target: str, verb: str) -> None:
     """Rank 0, before a save: refuse a foreign directory, recover a half-published save, clear leftovers."""
+    here = os.path.realpath(os.getcwd())
+    if os.path.isdir(target) and os.path.commonpath([here, os.path.realpath(target)]) == os.path.realpath(target):
+        raise CheckpointError(f"{verb}: {target!r} is the directory this process runs in (or holds it); saving "
+                              "would replace it. Give a new path such as "
+                              f"{os.path.join(target, 'checkpoint')!r}")
     if os.path.isdir(target) and _manifest(target) is None and os.listdir(target):
         raise CheckpointError(f"{verb}: {target!r} is a directory that is not an accelport checkpoint; saving "
                               "would replace it. Give a new path such as "
                               f"{os.path.join(target, 'checkpoint')!r}")
     if not os.path.lexists(target) and os.path.lexists(_old(target)):
         os.rename(_old(target), target)  # a save that stopped between its renames: keep the previous one
+    _make_parents(target)
     _remove(_tmp_dir(target))
-    os.makedirs(os.path.dirname(target), exist_ok=True)
 
 
 def _save_sharded(backend: Any, obj: Mapping[str, Any], path: str, *, background: bool) -> PendingSave | None:
     import torch
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     target = os.path.abspath(path)
@@ -296,8 +415,9 @@ def _save_sharded(backend: Any, obj: Mapping[str, Any], path: str, *, background
     pairs = _pair(optimizers, modules, "ap.save")
     rank, world = backend.rank(), backend.world_size()
     tmp = _tmp_dir(target)
-    failure = None
-    if rank == 0:
+    agree = _backend_agree(backend)
+    failure = _numpy_problem("ap.save", rank) if world > 1 else None
+    if rank == 0 and failure is None:
         try:
             _prepare_target(target, "ap.save")
             os.makedirs(tmp)
@@ -310,15 +430,10 @@ def _save_sharded(backend: Any, obj: Mapping[str, Any], path: str, *, background
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
-        except CheckpointError as exc:
-            failure = exc
-    # Every rank learns whether rank 0 could start, so none is left waiting in a collective.
-    flag = torch.tensor([0 if failure is None else 1], device=_collective_device(backend))
-    backend.all_reduce(flag)
-    if failure is not None:
-        raise failure
-    if int(flag.item()):
-        raise CheckpointError(f"ap.save: rank 0 could not start the checkpoint at {path!r} (see its error)")
+        except Exception as exc:  # noqa: BLE001 - whatever stops rank 0 must reach the others, not strand them
+            failure = _start_error(exc, path)
+    # Every rank learns whether every rank could start, so none is left waiting in a collective.
+    agree(failure)
     state: dict[str, Any] = {k: get_model_state_dict(m) for k, m in modules.items()}
     for key, opt in optimizers.items():
         state[key] = get_optimizer_state_dict(modules[pairs[key]], opt)
@@ -334,22 +449,29 @@ def _save_sharded(backend: Any, obj: Mapping[str, Any], path: str, *, background
         group = shards.checkpoint_group
         response = dcp.async_save(state, checkpoint_id=tmp, process_group=group)
         future = getattr(response, "upload_completion", response)
-        pending = PendingSave(path, future, group_barrier=lambda: dist.barrier(group=group))
+        pending = PendingSave(path, future, agree=lambda failure: _agree(
+            rank, world, failure, lambda t: dist.all_reduce(t, group=group), "cpu"))
         pending._publish_when_done((lambda: _publish(tmp, target)) if rank == 0 else None)
         shards.pending = pending
         _wait_at_exit(pending)
         return pending
-    dcp.save(state, checkpoint_id=tmp)
-    backend.barrier()
+    try:
+        dcp.save(state, checkpoint_id=tmp)
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        # DCP raises on every rank when one failed: all stop here together.
+        raise CheckpointError(f"ap.save: writing the checkpoint at {path!r} failed ({_describe(exc)}); the "
+                              "previous checkpoint there is untouched") from exc
+    # dcp.save returns on every rank only after rank 0 wrote .metadata: every shard is in place.
+    failure = None
     if rank == 0:
-        _publish(tmp, target)
-    backend.barrier()
+        try:
+            _publish(tmp, target)
+        except Exception as exc:  # noqa: BLE001 - reaches every rank, as at the start
+            failure = CheckpointError(f"ap.save: the checkpoint written to {tmp!r} could not be renamed onto "
+                                      f"{path!r} ({_describe(exc)})")
+            failure.__cause__ = exc
+    agree(failure)
     return None
-
-
-def _collective_device(backend: Any) -> Any:
-    # gloo reduces host tensors; nccl and the accelerator process groups need device ones.
-    return "cpu" if getattr(backend, "dist_backend", "gloo") == "gloo" else backend.device()
 
 
 _AT_EXIT: list[PendingSave] = []
@@ -372,9 +494,66 @@ def _drain() -> None:
             pass
 
 
-def _load_sharded(target: str, manifest: Mapping[str, Any], map_location: Any, *, weights_only: bool,
-                  into: Mapping[str, Any]) -> dict[str, Any]:
-    import torch
+class _Mismatch(ValueError):
+    """Raised in DCP's planning step when the checkpoint and the objects given differ (picklable: it
+    travels to rank 0 with DCP's other failures)."""
+
+
+def _exact_planner() -> Any:
+    """DCP's default load planner, also refusing saved values that the objects given lack.
+
+    DCP reads only what the objects ask for: a checkpoint of a 3-block model loads
+    into a 2-block one without a word. Here every saved value under a top-level
+    entry being restored must have a place, and the missing values and other shapes
+    DCP refuses are all named, not just the first.
+    """
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    class ExactLoadPlanner(DefaultLoadPlanner):
+        def create_local_plan(self) -> Any:
+            saved = self.metadata.state_dict_metadata if self.metadata is not None else {}
+            try:
+                plan = super().create_local_plan()
+            except (RuntimeError, ValueError) as exc:  # DCP's "Missing key", "Size mismatch"
+                raise _Mismatch(self._differences(saved) or _first_line(exc)) from exc
+            if self._extra(saved):
+                raise _Mismatch(self._differences(saved))
+            return plan
+
+        def _extra(self, saved: Mapping[str, Any]) -> list[str]:
+            entries = set(self.original_state_dict)
+            paths = getattr(self.metadata, "planner_data", None) or {}
+
+            def entry(key: str) -> Any:
+                path = paths.get(key)
+                return path[0] if path else key.split(".", 1)[0]
+
+            return sorted(k for k in saved if k not in self.state_dict and entry(k) in entries)
+
+        def _differences(self, saved: Mapping[str, Any]) -> str:
+            extra = self._extra(saved)
+            missing = sorted(k for k in self.state_dict if k not in saved)
+            shapes = sorted((k, tuple(saved[k].size), tuple(v.size())) for k, v in self.state_dict.items()
+                            if k in saved and isinstance(saved[k], TensorStorageMetadata)
+                            and callable(getattr(v, "size", None)) and tuple(saved[k].size) != tuple(v.size()))
+            parts = []
+            if extra:
+                parts.append(f"{len(extra)} saved value(s) that the objects given have no place for, such as "
+                             f"{extra[0]!r}")
+            if missing:
+                parts.append(f"{len(missing)} value(s) of the objects given that it lacks, such as {missing[0]!r}")
+            if shapes:
+                key, was, now = shapes[0]
+                parts.append(f"{len(shapes)} value(s) of another shape, such as {key!r}: saved {was}, here {now}")
+            return "; ".join(parts)
+
+    return ExactLoadPlanner()
+
+
+def _load_sharded(backend: Any, target: str, manifest: Mapping[str, Any], map_location: Any, *,
+                  weights_only: bool, into: Mapping[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
@@ -393,28 +572,93 @@ def _load_sharded(target: str, manifest: Mapping[str, Any], map_location: Any, *
             f"{manifest.get('modules')}, optimizers {list(manifest.get('optimizers', {}))} and values "
             f"{manifest.get('plain')}")
     pairs = _pair(optimizers, modules, "ap.load")
+    alone = not (dist.is_available() and dist.is_initialized())  # a checkpoint of N ranks read by one process
+    # Everything that can fail on one rank alone comes before DCP's collectives, and the
+    # plain values before anything is restored in place: a failure leaves the objects as they were.
+    failure = None if alone else _numpy_problem("ap.load", backend.rank())
+    plain: Any = None
+    if failure is None:
+        try:
+            _check_files(target)
+            plain = _load_plain(target, weights_only)
+        except CheckpointError as exc:
+            failure = exc
+    if alone:
+        if failure is not None:
+            raise failure
+    else:
+        _backend_agree(backend)(failure)
     state: dict[str, Any] = {k: get_model_state_dict(m) for k, m in modules.items()}
     for key, opt in optimizers.items():
         state[key] = get_optimizer_state_dict(modules[pairs[key]], opt)
-    import torch.distributed as dist
-
-    alone = not (dist.is_available() and dist.is_initialized())  # a checkpoint of N ranks read by one process
     try:
-        dcp.load(state, checkpoint_id=target, no_dist=alone)
+        dcp.load(state, checkpoint_id=target, no_dist=alone, planner=_exact_planner())
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-        raise CheckpointError(f"ap.load: {target!r} does not fit the objects given in into= "
-                              f"({type(exc).__name__}: {_first_line(exc)}); build them as they were when saved") \
-            from exc
+        # DCP gathers every rank's failure and raises on all of them: every rank says the same.
+        mismatch = _mismatch_in(exc)
+        if mismatch is not None:
+            raise CheckpointError(f"ap.load: {target!r} does not fit the objects given in into= ({mismatch}): "
+                                  "build them as they were when saved (the same classes and sizes)") from exc
+        raise CheckpointError(f"ap.load: {target!r} is damaged or incomplete: its files do not hold what its "
+                              f".metadata lists ({_describe(exc)}). Restore the directory from a copy, or "
+                              "load an earlier checkpoint") from exc
     for key, module in modules.items():
         set_model_state_dict(module, state[key])
     for key, opt in optimizers.items():
         set_optimizer_state_dict(modules[pairs[key]], opt, state[key])
-    plain_path = os.path.join(target, PLAIN)
-    try:
-        plain = torch.load(plain_path, map_location="cpu", weights_only=weights_only)
-    except FileNotFoundError:
-        plain = {}
     return tree_map_tensors(plain, lambda t: t.to(map_location))
+
+
+def _mismatch_in(exc: BaseException) -> str | None:
+    """The text of a :class:`_Mismatch` raised on any rank inside ``exc``, or None."""
+    if isinstance(exc, _Mismatch):
+        return str(exc)
+    return next((str(inner) for _, inner in _rank_errors(exc) if isinstance(inner, _Mismatch)), None)
+
+
+def _check_files(target: str) -> None:
+    """Refuse a checkpoint directory whose shard files are missing or shorter than its ``.metadata`` says.
+
+    DCP's metadata records where each saved value lies (file, offset, length), and
+    no checksum: a file cut short is found here, even in parts this load would not
+    read, but a changed byte inside a value is not (see docs/distributed.md).
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(target).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - missing, cut short, not a pickle
+        raise CheckpointError(f"ap.load: {target!r} is damaged or incomplete: its .metadata cannot be read "
+                              f"({type(exc).__name__}: {_first_line(exc)}). Restore the directory from a copy, or "
+                              "load an earlier checkpoint") from exc
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name, end = getattr(info, "relative_path", None), getattr(info, "offset", 0) + getattr(info, "length", 0)
+        if isinstance(name, str):
+            needed[name] = max(needed.get(name, 0), end)
+    for name, end in sorted(needed.items()):
+        try:
+            size = os.path.getsize(os.path.join(target, name))
+        except OSError:
+            size = None
+        if size is None or size < end:
+            held = "is missing" if size is None else f"holds {size} bytes"
+            raise CheckpointError(f"ap.load: {target!r} is damaged or incomplete: {name} {held}, but its .metadata "
+                                  f"places data up to byte {end}. Restore the directory from a copy, or load an "
+                                  "earlier checkpoint")
+
+
+def _load_plain(target: str, weights_only: bool) -> Any:
+    """The plain values of a checkpoint directory (``plain.pt``, which every save writes)."""
+    path = os.path.join(target, PLAIN)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"ap.load: {target!r} is incomplete: it has no {PLAIN} (the plain values, which "
+                              "rank 0 writes with every save). Restore the directory from a copy, or load an "
+                              "earlier checkpoint")
+    try:
+        return load_file(path, "cpu", weights_only=weights_only)
+    except AccelportError as exc:
+        raise CheckpointError(f"ap.load: {target!r}: {str(exc).removeprefix('ap.load: ')}") from exc
 
 
 def _restore_from_file(path: str, loaded: Any, into: Mapping[str, Any]) -> dict[str, Any]:
@@ -633,6 +877,25 @@ def _no_space(directory: str, exc: BaseException) -> AccelportError | None:
                           "is untouched. Free space there, or save to another directory")
 
 
+def _make_parents(path: str) -> None:
+    """Create the missing directories above ``path``, or say which part of it is in the way."""
+    directory = os.path.dirname(path)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        blocker = directory
+        while blocker and not os.path.lexists(blocker):
+            blocker = os.path.dirname(blocker)
+        if os.path.islink(blocker) and not os.path.exists(blocker):
+            why = f"{blocker!r} is a symlink to {os.readlink(blocker)!r}, which does not exist"
+        elif os.path.lexists(blocker) and not os.path.isdir(blocker):
+            why = f"{blocker!r} is a file, not a directory"
+        else:
+            why = f"{exc.strerror or _first_line(exc)} ({exc.filename or directory!r})"
+        raise CheckpointError(f"ap.save: cannot create the directory of {path!r}: {why}; give a path whose "
+                              "every part is a directory this process can write") from exc
+
+
 def atomic_torch_save(torch: Any, obj: Any, path: str) -> None:
     """torch.save to a temp file, fsync, rename: readers never see a half-written file.
 
@@ -642,9 +905,14 @@ def atomic_torch_save(torch: Any, obj: Any, path: str) -> None:
     A symlink at ``path`` is written through: the file it points at is replaced.
     The file gets the mode of the one it replaces, or the umask's for a new one.
     """
-    path = os.path.realpath(os.path.abspath(path))
+    given = os.path.abspath(path)
+    _make_parents(given)
+    path = os.path.realpath(given)
     directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
+    if not os.path.isdir(directory):
+        # Only the path as written gets its missing directories, never a place a symlink points at.
+        raise CheckpointError(f"ap.save: {given!r} is a symlink to {path!r}, whose directory {directory!r} does "
+                              "not exist; create that directory, or remove the link to save at its place")
     _remove_orphans(path)
     mode = _file_mode(path)
     fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=_TMP_SUFFIX, dir=directory)

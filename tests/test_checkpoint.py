@@ -232,3 +232,39 @@ def test_a_full_disk_is_named_and_killed_writers_orphans_do_not_fill_it(small_di
     ap.save({"w": torch.ones(256 * 1024)}, path)
     assert float(ap.load(path)["w"].sum()) == 256 * 1024
     assert sorted(p.name for p in small_disk.iterdir()) == ["ckpt.pt"]
+
+
+def test_an_empty_path_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ap.use("cpu")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ap.CheckpointError, match="ap.save needs the path of the checkpoint to write, such as "
+                                                 "'ckpt.pt' or 'checkpoints/step100', not ''"):
+        ap.save({"a": 1}, "")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_dangling_symlink_is_not_followed_into_new_directories(tmp_path: Path) -> None:
+    ap.use("cpu")
+    link = tmp_path / "latest.pt"
+    link.symlink_to(tmp_path / "gone" / "run1" / "ckpt.pt")
+    with pytest.raises(ap.CheckpointError, match=r"is a symlink to .*gone/run1/ckpt\.pt', whose directory "
+                                                 r".*gone/run1' does not exist; create that directory, or remove "
+                                                 "the link"):
+        ap.save({"a": 1}, link)
+    assert not (tmp_path / "gone").exists() and link.is_symlink()
+    # The same link, once its directory exists, is written through as before.
+    (tmp_path / "gone" / "run1").mkdir(parents=True)
+    ap.save({"a": 2}, link)
+    assert ap.load(tmp_path / "gone" / "run1" / "ckpt.pt")["a"] == 2
+
+
+def test_a_parent_that_is_a_file_or_a_dangling_link_is_named(tmp_path: Path) -> None:
+    ap.use("cpu")
+    (tmp_path / "notes").write_text("a file")
+    with pytest.raises(ap.CheckpointError, match=r"cannot create the directory of .*notes/sub/ckpt\.pt': "
+                                                 r".*notes' is a file, not a directory"):
+        ap.save({"a": 1}, tmp_path / "notes" / "sub" / "ckpt.pt")
+    (tmp_path / "runs").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ap.CheckpointError, match=r".*runs' is a symlink to .*elsewhere', which does not exist"):
+        ap.save({"a": 1}, tmp_path / "runs" / "ckpt.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "runs"]

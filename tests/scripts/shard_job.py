@@ -2,7 +2,9 @@
 
     shard_job.py train OUT          4 ranks: sharded against replicated, a checkpoint at step 3, bad input
     shard_job.py resume OUT CKPT FILE   2 ranks: the 4-rank checkpoint resumed sharded and replicated,
-                                    a background save, a single-file checkpoint loaded into a sharded model
+                                    a background save, a single-file checkpoint loaded into a sharded model,
+                                    tied weights, failing saves and loads, mismatched collectives
+    shard_job.py nonumpy OUT CKPT   2 ranks, rank SHARD_JOB_NO_NUMPY_RANK without numpy: save and load refused
     shard_job.py big PATH           2 ranks: a 400 MB sharded save that the test kills midway
 
 Each rank writes what it saw to OUT/rank<r>.pt; the test compares.
@@ -13,6 +15,10 @@ from __future__ import annotations
 import os
 import sys
 
+if os.environ.get("SHARD_JOB_NO_NUMPY_RANK") == os.environ.get("RANK", "0"):
+    # As in an environment with torch's CPU wheel alone: numpy cannot be imported, by torch either.
+    sys.modules["numpy"] = None  # type: ignore[assignment]
+
 import torch
 import torch.nn.functional as F
 
@@ -22,17 +28,39 @@ VOCAB, WIDTH, GLOBAL_BATCH, SEQ = 16, 32, 8, 8
 
 
 class Tiny(torch.nn.Module):
-    """A small transformer: embedding, two encoder layers, a head."""
+    """A small transformer: embedding, two encoder layers (or ``layers``), a head."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: int = 2) -> None:
         super().__init__()
         self.emb = torch.nn.Embedding(VOCAB, WIDTH)
         layer = torch.nn.TransformerEncoderLayer(WIDTH, 4, 64, dropout=0.0, batch_first=True)
-        self.enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.enc = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = torch.nn.Linear(WIDTH, VOCAB)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.enc(self.emb(x)))
+
+
+class Tied(torch.nn.Module):
+    """GPT-2's layout: the output head shares the token embedding's weight, outside the body holding it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = torch.nn.ModuleDict({
+            "wte": torch.nn.Embedding(VOCAB, WIDTH),
+            "wpe": torch.nn.Embedding(SEQ, WIDTH),
+            "h": torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(2)),
+            "ln_f": torch.nn.LayerNorm(WIDTH),
+        })
+        self.lm_head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
+        self.lm_head.weight = self.transformer["wte"].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.transformer
+        h = t["wte"](x) + t["wpe"](torch.arange(x.shape[1], device=x.device))
+        for block in t["h"]:
+            h = torch.tanh(block(h))
+        return self.lm_head(t["ln_f"](h))
 
 
 class Big(torch.nn.Module):
@@ -48,9 +76,9 @@ class Big(torch.nn.Module):
         return x
 
 
-def make(seed: int = 0) -> Tiny:
+def make(seed: int = 0, layers: int = 2) -> Tiny:
     torch.manual_seed(seed)
-    return Tiny()
+    return Tiny(layers)
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,6 +120,11 @@ def error_of(fn: object) -> str:
     return "no error"
 
 
+def in_step() -> float:
+    """A sum over every rank after an error: the world size if no rank was left behind in a collective."""
+    return ap.all_reduce(torch.ones(1)).item()
+
+
 def nbytes(tensors: object) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))  # type: ignore[attr-defined]
 
@@ -129,6 +162,9 @@ def job_train(out: str) -> dict[str, object]:
     result["mixed_optimizer"] = error_of(lambda: ap.optimizer_step(mixed))
     result["nothing_matches"] = error_of(lambda: ap.shard(make(), policy={torch.nn.GRU}))
     result["foreign_directory"] = error_of(lambda: ap.save({"model": sharded}, out))  # holds rank*.pt files
+    # The 2-layer checkpoint into a 1-layer model: DCP alone would read the layer both have and say nothing.
+    result["fewer_layers"] = error_of(lambda: ap.load(f"{out}/ckpt", into={"model": ap.shard(make(layers=1))}))
+    result["in_step_after_load"] = in_step()
 
     # A NaN loss on the sharded model: each rank finds it in its own shard of the gradients.
     x, y = batch(6)
@@ -182,6 +218,88 @@ def job_resume(out: str, ckpt: str, single_file: str) -> dict[str, object]:
 
     result["load_without_into"] = error_of(lambda: ap.load(ckpt))
     result["load_unknown_key"] = error_of(lambda: ap.load(ckpt, into={"net": make()}))
+    result.update(bad_checkpoints(out, ckpt, sharded))
+    result.update(collectives(sharded))
+    result.update(tied(out))
+    return result
+
+
+def bad_checkpoints(out: str, ckpt: str, sharded: torch.nn.Module) -> dict[str, object]:
+    """Saves rank 0 cannot start and checkpoints that do not fit: every rank raises, and stays in step."""
+    result: dict[str, object] = {}
+    result["fewer_layers"] = error_of(lambda: ap.load(ckpt, into={"model": ap.shard(make(layers=1))}))
+    result["more_layers"] = error_of(lambda: ap.load(ckpt, into={"model": ap.shard(make(layers=3))}))
+    result["in_step_after_load"] = in_step()
+    if ap.is_main_process():
+        open(f"{out}/a-file", "w").write("not a directory")
+        os.makedirs(f"{out}/empty")
+        import shutil
+
+        shutil.copytree(ckpt, f"{out}/cut")
+        shard = f"{out}/cut/__1_0.distcp"
+        os.truncate(shard, os.path.getsize(shard) // 2)
+    ap.barrier()
+    result["parent_is_a_file"] = error_of(lambda: ap.save({"model": sharded}, f"{out}/a-file/ckpt"))
+    result["in_step_after_save"] = in_step()
+    result["cut_shard"] = error_of(lambda: ap.load(f"{out}/cut", into={"model": ap.shard(make())}))
+    result["in_step_after_cut"] = in_step()
+    here = os.getcwd()
+    os.chdir(f"{out}/empty")
+    try:
+        result["empty_path"] = error_of(lambda: ap.save({"model": sharded}, ""))
+        result["dot_path"] = error_of(lambda: ap.save({"model": sharded}, "."))
+    finally:
+        os.chdir(here)
+    result["empty_still_there"] = sorted(os.listdir(out)).count("empty") == 1 and os.listdir(f"{out}/empty") == []
+    result["in_step_after_paths"] = in_step()
+    return result
+
+
+def collectives(sharded: torch.nn.Module) -> dict[str, object]:
+    """ap.all_reduce and ap.broadcast given what they cannot reduce or copy."""
+    result: dict[str, object] = {}
+    result["uint8_sum"] = error_of(lambda: ap.all_reduce(torch.full((2,), 200, dtype=torch.uint8)))
+    result["shapes_differ"] = error_of(lambda: ap.all_reduce(torch.ones(2 + ap.rank())))
+    result["dtypes_differ"] = error_of(lambda: ap.all_reduce(torch.ones(2, dtype=(torch.float32, torch.float64)[
+        ap.rank() % 2])))
+    result["in_step_after_all_reduce"] = in_step()
+    result["broadcast_sharded"] = error_of(lambda: ap.broadcast(sharded))
+    result["broadcast_sparse"] = error_of(lambda: ap.broadcast(torch.eye(3).to_sparse()))
+    result["in_step_after_broadcast"] = in_step()
+    return result
+
+
+def tied(out: str) -> dict[str, object]:
+    """A GPT-2-style tied embedding and head sharded with the default policy: trained, saved and loaded."""
+    result: dict[str, object] = {}
+    torch.manual_seed(3)
+    replicated = Tied()
+    torch.manual_seed(3)
+    sharded = ap.shard(Tied())
+    result["tied_still_tied"] = sharded.lm_head.weight is sharded.transformer["wte"].weight
+    losses = {}
+    for name, model in (("sharded", sharded), ("replicated", replicated)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses[name] = train(model, opt, range(3))
+    result["tied_losses"] = losses
+    ap.save({"model": sharded}, f"{out}/tied")
+    torch.manual_seed(4)
+    back = ap.shard(Tied())
+    ap.load(f"{out}/tied", into={"model": back})
+    want, got = full_params(sharded), full_params(back)
+    result["tied_round_trip"] = sorted(want) == sorted(got) and all(torch.equal(want[k], got[k]) for k in want)
+    return result
+
+
+def job_nonumpy(out: str, ckpt: str) -> dict[str, object]:
+    """One rank without numpy: sharded saves and loads are refused on every rank before DCP starts."""
+    result: dict[str, object] = {}
+    sharded = ap.shard(make())
+    result["save"] = error_of(lambda: ap.save({"model": sharded, "step": 1}, f"{out}/ckpt"))
+    result["in_step_after_save"] = in_step()
+    result["load"] = error_of(lambda: ap.load(ckpt, into={"model": sharded}))
+    result["in_step_after_load"] = in_step()
+    result["written"] = sorted(os.listdir(out))
     return result
 
 
@@ -208,7 +326,12 @@ def main(argv: list[str]) -> None:
         job_big(argv[1])
         return
     out = argv[1]
-    result = job_train(out) if mode == "train" else job_resume(out, argv[2], argv[3])
+    if mode == "train":
+        result = job_train(out)
+    elif mode == "nonumpy":
+        result = job_nonumpy(out, argv[2])
+    else:
+        result = job_resume(out, argv[2], argv[3])
     result["rank"], result["world"] = ap.rank(), ap.world_size()
     torch.save(result, f"{out}/rank{ap.rank()}.pt")
     ap.barrier()

@@ -1,9 +1,10 @@
 """Real sharded jobs: 4 and 2 cpu processes over gloo, started by `accelport launch` (tests/scripts/shard_job.py).
 
 The 4-rank job trains a small transformer sharded and replicated and writes a
-checkpoint at step 3; the 2-rank job resumes it both ways; a third job is killed
-in the middle of a 400 MB sharded save. Kept to three launches: the CI machine
-has two cores.
+checkpoint at step 3; the 2-rank job resumes it both ways and goes through the
+ways a save, a load or a collective can fail; a third job runs with one rank
+unable to import numpy; a fourth is killed in the middle of a 400 MB sharded
+save. Kept to four launches: the CI machine has two cores.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("ACCELPORT_")}
 
 
-def launch(nprocs: int, *args: str) -> subprocess.CompletedProcess[str]:
+def launch(nprocs: int, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`accelport launch` in a fresh process, as a user runs it; the timeout only guards a hang."""
     return subprocess.run([sys.executable, "-m", "accelport", "launch", "--backend", "cpu", "--nprocs", str(nprocs),
                            "--oversubscribe",
-                           str(SCRIPT), *args], capture_output=True, text=True, env=_env(), timeout=600, cwd=REPO)
+                           str(SCRIPT), *args], capture_output=True, text=True, env={**_env(), **(env or {})},
+                          timeout=600, cwd=REPO)
 
 
 def job_module() -> Any:
@@ -125,7 +127,18 @@ def test_bad_input_with_four_ranks_gets_specific_errors(four: tuple[Path, list[d
     assert "policy {GRU} matched no submodule" in got["nothing_matches"]
     assert got["foreign_directory"].startswith("CheckpointError: ap.save: ") and \
         "is a directory that is not an accelport checkpoint" in got["foreign_directory"]
-    assert four[1][1]["foreign_directory"].startswith("CheckpointError: ap.save: rank 0 could not start")
+    for peer in four[1][1:]:  # the same specific error on every rank
+        assert peer["foreign_directory"] == got["foreign_directory"] + " (the error of rank 0, raised on every rank)"
+
+
+def test_a_checkpoint_of_more_layers_is_refused_on_four_ranks(four: tuple[Path, list[dict[str, Any]]]) -> None:
+    # DCP alone reads the layer both models have and ignores the saved second one.
+    for got in four[1]:
+        assert got["fewer_layers"] == four[1][0]["fewer_layers"]
+        assert got["fewer_layers"].startswith("CheckpointError: ap.load: ") and "does not fit the objects given" in \
+            got["fewer_layers"] and "12 saved value(s) that the objects given have no place for, such as " \
+            "'model.enc.layers.1." in got["fewer_layers"]
+        assert got["in_step_after_load"] == 4.0  # no rank was left behind in a collective
 
 
 # -- checkpoints ---------------------------------------------------------------------------
@@ -166,6 +179,95 @@ def test_a_background_save_holds_the_state_of_the_moment_it_was_called(
         assert got["background_done"] and got["background_equal"] and got["background_plain"] == {"step": 6}
     assert sorted(os.listdir(out / "background"))[:3] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert not (out / ".background.accelport-tmp").exists()
+
+
+def test_a_save_rank_0_cannot_start_stops_every_rank_with_its_error(
+        two: tuple[Path, list[dict[str, Any]], dict[str, Any]]) -> None:
+    out, (first, second), _ = two
+    # A parent that is a file fails for root too: rank 0's OSError used to strand rank 1 in a collective.
+    assert first["parent_is_a_file"] == (f"CheckpointError: ap.save: cannot create the directory of "
+                                         f"'{out}/a-file/ckpt': '{out}/a-file' is a file, not a directory; give a "
+                                         "path whose every part is a directory this process can write")
+    assert second["parent_is_a_file"] == first["parent_is_a_file"] + " (the error of rank 0, raised on every rank)"
+    for got in (first, second):
+        assert got["in_step_after_save"] == 2.0  # a script that caught it is still in step
+
+
+def test_a_checkpoint_that_does_not_fit_or_is_cut_short_is_refused_on_every_rank(
+        two: tuple[Path, list[dict[str, Any]], dict[str, Any]]) -> None:
+    out, results, _ = two
+    for got in results:
+        assert "does not fit the objects given in into= (12 saved value(s) that the objects given have no place " \
+            "for, such as 'model.enc.layers.1.linear1.bias')" in got["fewer_layers"]
+        assert "(12 value(s) of the objects given that it lacks, such as 'model.enc.layers.2.linear1.bias')" in \
+            got["more_layers"]
+        # Cut to half: the parameters this load reads are whole, yet the file is not what was saved.
+        assert got["cut_shard"].startswith(f"CheckpointError: ap.load: '{out}/cut' is damaged or incomplete: "
+                                           "__1_0.distcp holds ")
+        assert got["in_step_after_load"] == got["in_step_after_cut"] == 2.0
+
+
+def test_an_empty_path_or_the_working_directory_is_never_replaced(
+        two: tuple[Path, list[dict[str, Any]], dict[str, Any]]) -> None:
+    out, results, _ = two
+    for got in results:
+        assert got["empty_path"] == ("CheckpointError: ap.save needs the path of the checkpoint to write, such as "
+                                     "'ckpt.pt' or 'checkpoints/step100', not ''")
+        assert got["dot_path"].startswith(f"CheckpointError: ap.save: '{out}/empty' is the directory this process "
+                                          "runs in")
+        assert got["empty_still_there"] and got["in_step_after_paths"] == 2.0
+    assert (out / "empty").is_dir() and list((out / "empty").iterdir()) == []
+
+
+def test_collectives_refuse_what_they_would_get_wrong_on_every_rank(
+        two: tuple[Path, list[dict[str, Any]], dict[str, Any]]) -> None:
+    for rank, got in enumerate(two[1]):
+        assert got["uint8_sum"].startswith("TypeError: ap.all_reduce of a torch.uint8 tensor would wrap around")
+        shape = (2 + rank,)
+        assert got["shapes_differ"].startswith(f"ValueError: ap.all_reduce: the replicas passed different tensors "
+                                               f"(here rank {rank}: shape {shape}, torch.float32, op='sum')")
+        dtype = ("torch.float32", "torch.float64")[rank]
+        assert f"(here rank {rank}: shape (2,), {dtype}, op='sum')" in got["dtypes_differ"]  # it used to hang
+        assert got["in_step_after_all_reduce"] == 2.0
+        assert got["broadcast_sharded"].startswith("ShardingError: ap.broadcast: this FSDPTiny is sharded") and \
+            "before ap.shard" in got["broadcast_sharded"]
+        assert got["broadcast_sparse"].startswith("TypeError: ap.broadcast takes dense tensors, not a "
+                                                  "torch.sparse_coo one")
+        assert got["in_step_after_broadcast"] == 2.0
+
+
+def test_a_tied_embedding_and_head_shard_with_the_default_policy(
+        two: tuple[Path, list[dict[str, Any]], dict[str, Any]]) -> None:
+    import torch
+
+    for got in two[1]:
+        assert got["tied_still_tied"]
+        losses = got["tied_losses"]
+        assert len(losses["sharded"]) == 3 and losses["sharded"][-1] < losses["sharded"][0]
+        torch.testing.assert_close(losses["sharded"], losses["replicated"], rtol=1e-5, atol=1e-6)
+        assert got["tied_round_trip"]
+
+
+@pytest.fixture(scope="module")
+def no_numpy(four: tuple[Path, list[dict[str, Any]]],
+             tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("nonumpy")
+    proc = launch(2, "nonumpy", str(out), str(four[0] / "ckpt"), env={"SHARD_JOB_NO_NUMPY_RANK": "0"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out, ranks(out, 2)
+
+
+def test_without_numpy_sharded_checkpoints_are_refused_before_the_first_collective(
+        no_numpy: tuple[Path, list[dict[str, Any]]]) -> None:
+    _, (first, second) = no_numpy
+    for verb in ("save", "load"):
+        assert first[verb].startswith(f"CheckpointError: ap.{verb}: a sharded checkpoint on several ranks needs "
+                                      "numpy, and rank 0 cannot use it (RuntimeError: Numpy is not available)")
+        assert first[verb].endswith("Run `pip install numpy` in the environment of every rank")
+        assert second[verb] == first[verb] + " (the error of rank 0, raised on every rank)"
+    for got in (first, second):
+        assert got["in_step_after_save"] == got["in_step_after_load"] == 2.0
+        assert got["written"] == []  # not even a temporary directory
 
 
 def test_a_single_file_written_alone_loads_into_a_sharded_model(
@@ -213,6 +315,39 @@ def test_a_checkpoint_of_four_ranks_resumes_alone(four: tuple[Path, list[dict[st
     ap.save({"model": model, "opt": opt, "step": 6}, copy)
     assert copy.is_file() and ap.load(copy, into={"model": job.make(), "opt": opt})["step"] == 6
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+@pytest.mark.parametrize(("damage", "words"), [
+    ("fewer layers", "does not fit the objects given in into= (12 saved value(s) that the objects given have no "
+                     "place for, such as 'model.enc.layers.1.linear1.bias')"),
+    ("no plain.pt", "is incomplete: it has no plain.pt"),
+    ("no .metadata", "is damaged or incomplete: its .metadata cannot be read (FileNotFoundError"),
+    ("no shard", "is damaged or incomplete: __2_0.distcp is missing, but its .metadata places data up to byte "),
+    ("cut shard", "is damaged or incomplete: __1_0.distcp holds "),
+])
+def test_a_checkpoint_that_does_not_fit_or_is_damaged_is_refused_alone_and_nothing_is_restored(
+        four: tuple[Path, list[dict[str, Any]]], tmp_path: Path, damage: str, words: str) -> None:
+    import shutil
+
+    import torch
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(four[0] / "ckpt", copy)
+    if damage == "no plain.pt":
+        (copy / "plain.pt").unlink()  # it used to come back as {}
+    elif damage == "no .metadata":
+        (copy / ".metadata").unlink()
+    elif damage == "no shard":
+        (copy / "__2_0.distcp").unlink()
+    elif damage == "cut shard":
+        os.truncate(copy / "__1_0.distcp", (copy / "__1_0.distcp").stat().st_size // 2)
+    ap.use("cpu")
+    model = job_module().make(seed=5, layers=1 if damage == "fewer layers" else 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ap.CheckpointError) as info:
+        ap.load(copy, into={"model": model})
+    assert str(info.value).startswith(f"ap.load: '{copy}' ") and words in str(info.value)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # refused before any read
 
 
 def test_sigkill_during_a_sharded_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:

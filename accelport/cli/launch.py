@@ -32,9 +32,13 @@ def register(sub: Any) -> None:
     p.add_argument("--oversubscribe", action="store_true",
                    help="allow --nprocs above this host's devices (CPU cores on cpu), e.g. to test a larger world")
     p.add_argument("--timeout", type=int, default=None, metavar="SECONDS",
-                   help="stop the job when a worker goes this long without ending a training step "
-                        "(ap.optimizer_step; from its start until the first step): a hang ends instead of waiting "
-                        "for ever (default: no limit)")
+                   help="stop the job when a worker that ended a training step (ap.optimizer_step) goes this long "
+                        "without ending another: a hang ends instead of waiting for ever, naming the rank that "
+                        "hangs and its line (default: no limit)")
+    p.add_argument("--startup-timeout", type=int, default=None, metavar="SECONDS",
+                   help="stop the job when a worker has not ended its first training step this long after the "
+                        "launch (start-up, imports, data, a first compilation; default with --timeout: the larger "
+                        "of --timeout and 600, else no limit)")
     hosts = p.add_argument_group("several hosts (torchrun rendezvous; the same values on every host; "
                                  "refused with --nnodes 1)")
     hosts.add_argument("--nnodes", default="1", help="number of hosts, or MIN:MAX (default 1)")
@@ -84,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
                       rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id, rdzv_timeout=args.rdzv_timeout)
     backend = _backend(args.backend, args.dry_run)
     plan = build_plan(backend, args.script, args.script_args, nprocs=args.nprocs, rdzv=rdzv, timeout=args.timeout,
-                      oversubscribe=args.oversubscribe)
+                      startup_timeout=args.startup_timeout, oversubscribe=args.oversubscribe)
     if args.dry_run:
         if args.json:
             emit_json(plan.to_dict())

@@ -44,6 +44,11 @@ _XLA_NUM_DEVICES = {"CPU": "CPU_NUM_DEVICES", "NEURON": "NEURONCORE_NUM_DEVICES"
 #: fails, unless --rdzv-timeout says otherwise: torchrun's own default, now passed
 #: explicitly, so the bound is visible in a dry run and stays the same across torch versions.
 RDZV_TIMEOUT_S = 600
+#: Seconds a worker may take from the launch to the end of its first training step under
+#: --timeout, unless --startup-timeout says otherwise (and never less than --timeout):
+#: starting Python, importing torch, loading data and a first compilation are not steps,
+#: and take as long as they take on a busy host. The same bound as the hosts' rendezvous.
+STARTUP_TIMEOUT_S = RDZV_TIMEOUT_S
 #: The --rdzv-conf key each rendezvous backend reads its timeout from (torch 2.x:
 #: static_tcp_rendezvous.py and etcd_rendezvous.py read "timeout"; the dynamic
 #: rendezvous of c10d and etcd-v2 reads "join_timeout").
@@ -98,8 +103,12 @@ class LaunchPlan:
     #: Where the hosts meet, on several hosts: option, host, port, timeout_s. Empty on one host.
     #: ``run_plan`` checks that the host resolves before anything starts.
     rendezvous: dict[str, Any] = field(default_factory=dict)
-    #: --timeout: seconds a worker may go without ending a training step before the job is stopped.
+    #: --timeout: seconds a worker may go without ending a training step, once it ended its first,
+    #: before the job is stopped.
     timeout: int | None = None
+    #: Seconds from the launch a worker may take to end its first training step (--startup-timeout;
+    #: with --timeout at least that, :data:`STARTUP_TIMEOUT_S` by default); None: no limit.
+    startup_timeout: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -157,13 +166,15 @@ def build_plan(
     platform: str | None = None,
     python: str | None = None,
     timeout: int | None = None,
+    startup_timeout: int | None = None,
     oversubscribe: bool = False,
 ) -> LaunchPlan:
     """The command and environment that start ``script`` on ``backend``. Imports nothing heavy.
 
-    Raises the CLI's usage error for bad input (no such script, ``nprocs`` < 1 or more
-    than the host's devices without ``oversubscribe``, a ``timeout`` < 1, rendezvous
-    options that cannot work), with what to do instead.
+    Raises the CLI's usage error for bad input (no such script, a script path that
+    starts with "-", ``nprocs`` < 1 or more than the host's devices without
+    ``oversubscribe``, a ``timeout`` or ``startup_timeout`` < 1, rendezvous options
+    that cannot work), with what to do instead.
     """
     environ = os.environ if environ is None else environ
     rdzv = rdzv or Rendezvous()
@@ -173,9 +184,16 @@ def build_plan(
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 1):
         raise _usage(f"--timeout must be at least 1 (seconds a worker may go without ending a training step "
                      f"before the job is stopped), not {timeout!r}")
-    if not os.path.isfile(script):
-        what = "is a directory" if os.path.isdir(script) else f"not found (relative to {os.getcwd()})"
-        raise _usage(f"script {script!r} {what}; give the path of the training script to run")
+    if startup_timeout is not None and (isinstance(startup_timeout, bool) or not isinstance(startup_timeout, int)
+                                        or startup_timeout < 1):
+        raise _usage(f"--startup-timeout must be at least 1 (seconds from the launch a worker may take to end its "
+                     f"first training step), not {startup_timeout!r}")
+    if timeout is not None and startup_timeout is not None and startup_timeout < timeout:
+        raise _usage(f"--startup-timeout {startup_timeout} is shorter than --timeout {timeout}: the first step "
+                     "also has to start the worker. Give a --startup-timeout of at least the --timeout, or "
+                     "leave it out (default: the larger of --timeout and "
+                     f"{STARTUP_TIMEOUT_S})")
+    _check_script(script)
     _check_nnodes(rdzv.nnodes)
     _check_rendezvous(rdzv)
     probe = backend.probe()
@@ -202,7 +220,25 @@ def build_plan(
         parent_env_preload=getattr(backend, "vendor_module", None),
         available=probe.available, reason=probe.reason, notes=notes,
         rendezvous=_meeting_point(rdzv) if engine == "torchrun" else {}, timeout=timeout,
+        startup_timeout=startup_timeout or (max(timeout, STARTUP_TIMEOUT_S) if timeout else None),
     )
+
+
+def _check_script(script: str) -> None:
+    """Refuse a script that is not a file, or whose path the worker would read as an option."""
+    if script.startswith("-"):
+        # Python (and torchrun, which starts `python -u SCRIPT`) take a leading "-" for an
+        # option: `python --evil.py` is "unknown option", `python -` reads stdin. So would the
+        # worker wrapper. "./" in front names the same file and cannot be taken for one.
+        if os.path.isfile(script):
+            raise _usage(f"script {script!r} starts with '-', which Python and torchrun read as an option; "
+                         f"give its path as {os.path.join('.', script)!r}")
+        raise _usage(f"script {script!r} starts with '-' and is not a file: accelport launch's own options go "
+                     "before the script (and before a `--`); a script whose name starts with '-' is given as "
+                     f"{os.path.join('.', script)!r}")
+    if not os.path.isfile(script):
+        what = "is a directory" if os.path.isdir(script) else f"not found (relative to {os.getcwd()})"
+        raise _usage(f"script {script!r} {what}; give the path of the training script to run")
 
 
 def _check_room(backend: Backend, nprocs: int, available: bool, device_count: int | None) -> None:

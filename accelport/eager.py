@@ -9,6 +9,7 @@ place, :meth:`EagerBackend.device_api`, from the ``sync_api`` constant.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -21,7 +22,7 @@ from accelport.settings import env_int
 from accelport.sharding import optimizer_is_sharded
 from accelport.tensors import tree_map_tensors
 
-__all__ = ["EagerBackend", "ACCELERATOR_EQUIVALENTS"]
+__all__ = ["EagerBackend", "ACCELERATOR_EQUIVALENTS", "skip_teardown_at_exit", "teardown_process_group"]
 
 #: Device-module function -> its ``torch.accelerator`` equivalent (torch >= 2.6).
 ACCELERATOR_EQUIVALENTS: Mapping[str, str] = {
@@ -103,8 +104,21 @@ def teardown_process_group(timeout: float | None = None) -> bool | None:
 def _teardown_at_exit() -> None:
     # After an uncaught exception the peers may be inside a collective this process will
     # never join: waiting for them, or destroying gloo's threads under them, could hang.
+    # (A SystemExit sets neither: a launched worker says so with skip_teardown_at_exit.)
     if getattr(sys, "last_exc", None) is None and getattr(sys, "last_value", None) is None:
         teardown_process_group()
+
+
+def skip_teardown_at_exit() -> None:
+    """This process is ending with an error: at exit, leave its process group as it is.
+
+    Neither wait for the other replicas (they may run for much longer, or wait in a
+    collective this process never joins: the launch would be held for the whole
+    exit barrier) nor destroy gloo's threads under them. Python records no exception
+    for ``sys.exit("message")`` or ``SystemExit(1)``, so the at-exit hook cannot tell
+    those from a clean end by itself; the worker wrapper calls this before they propagate.
+    """
+    atexit.unregister(_teardown_at_exit)
 
 
 class EagerBackend(Backend):
@@ -177,8 +191,6 @@ class EagerBackend(Backend):
 
             if dist.is_available() and not dist.is_initialized():
                 dist.init_process_group(backend=self.dist_backend)
-                import atexit
-
                 atexit.register(_teardown_at_exit)  # the group accelport made, it tears down
 
     def _load_device_module(self, torch: Any) -> None:

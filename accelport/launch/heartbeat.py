@@ -5,11 +5,19 @@
 ``$ACCELPORT_LAUNCH_DIR/heartbeat-rank<N>`` when it starts and then at most once a
 second as its steps end (a built-in plugin on ``accelport_step_end``, named
 ``launch-heartbeat``, active only where the worker wrapper set
-``ACCELPORT_HEARTBEAT``). A worker whose last beat is older than the timeout has
-stopped making progress. When its script returns, the worker writes
-``done-rank<N>.json``: a rank that finished is never taken for one that hangs, and
-a rank that finished while the others still ran is named as the cause of their
-failure.
+``ACCELPORT_HEARTBEAT``). A worker that ended a step and whose last beat is older
+than the timeout has stopped making progress; before its first step, the time since
+the launch counts, against ``--startup-timeout``. When its script returns, the
+worker writes ``done-rank<N>.json``: a rank that finished is never taken for one
+that hangs, and a rank that finished while the others still ran is named as the
+cause of their failure.
+
+When something looks wrong (a rank stopped making progress, or a rank finished
+while the others still run), the launcher asks every worker where its script is:
+it rewrites ``probe`` with a new sequence number, and each worker's wrapper
+answers in ``where-rank<N>.json`` with the script's own line and the collective it
+waits in, if any (:mod:`accelport.launch.worker`). A rank stuck outside any
+collective is the one that hangs; a rank waiting in one waits for another.
 
 The files hold small JSON objects, written to a temporary name and renamed, so
 the launcher never reads half of one.
@@ -25,23 +33,41 @@ from typing import Any
 
 from accelport.plugins.hookspecs import hookimpl
 
-__all__ = ["HEARTBEAT_PREFIX", "DONE_PREFIX", "INTERVAL_S", "Heartbeat", "beat", "create_plugin", "read",
-           "write_json"]
+__all__ = ["HEARTBEAT_PREFIX", "DONE_PREFIX", "WHERE_PREFIX", "PROBE_FILE", "INTERVAL_S", "Heartbeat", "beat",
+           "create_plugin", "read", "write_json"]
 
 HEARTBEAT_PREFIX = "heartbeat-rank"
 DONE_PREFIX = "done-rank"
+#: The launcher's question (``{"seq": N}``) and each worker's answer (``where-rank<N>.json``).
+PROBE_FILE = "probe"
+WHERE_PREFIX = "where-rank"
 #: At most one beat per this many seconds: a file write per second, not per step.
 INTERVAL_S = 1.0
 
 
-def write_json(path: str, record: Mapping[str, Any]) -> None:
-    """Write ``record`` to ``path`` atomically; a failure to write is ignored (the launcher falls back)."""
+def write_json(path: str, record: Mapping[str, Any], *, replace: bool = True) -> bool:
+    """Write ``record`` to ``path`` atomically; False if it was not written.
+
+    ``replace=False`` keeps a record that is already there (the first verdict on a rank
+    stands: the launcher's, or the worker's own). A failure to write is not raised: the
+    launcher falls back to what the engine reports.
+    """
+    tmp = f"{path}.{os.getpid()}.tmp"  # per process: the launcher and a worker may write one name
     try:
-        with open(path + ".tmp", "w") as f:
+        with open(tmp, "w") as f:
             json.dump(dict(record), f)
-        os.replace(path + ".tmp", path)
+        if replace:
+            os.replace(tmp, path)
+            return True
+        try:
+            os.link(tmp, path)  # fails where the file exists: never half a check-then-write
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
     except OSError:
-        pass
+        return False
 
 
 def read(path: str) -> dict[str, Any] | None:

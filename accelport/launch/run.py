@@ -17,12 +17,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from accelport.errors import AccelportError
-from accelport.launch.heartbeat import DONE_PREFIX, HEARTBEAT_PREFIX, read, write_json
+from accelport.launch.heartbeat import DONE_PREFIX, HEARTBEAT_PREFIX, PROBE_FILE, WHERE_PREFIX, read, write_json
 from accelport.launch.plan import LaunchError, LaunchPlan, check_resolves
 
 __all__ = ["WorkerFailure", "WorkerFailedError", "parent_launch_env", "run_plan"]
@@ -39,8 +39,8 @@ class WorkerFailure:
     host: str = ""
     pid: int | None = None
     time: float | None = None
-    #: raised, exit, signal, stopped (by the launcher), stalled (no progress within --timeout),
-    #: ended-early (its script returned while the others still needed it).
+    #: raised, exit, signal, stopped (by the launcher), stalled (no progress within --timeout or
+    #: --startup-timeout), ended-early (its script returned while the others still needed it).
     cause: str = ""
 
     @property
@@ -143,7 +143,7 @@ def run_plan(plan: LaunchPlan, environ: Mapping[str, str] | None = None) -> None
         shutil.rmtree(launch_dir, ignore_errors=True)
 
 
-# -- --timeout: a job that stops making progress -------------------------------------------
+# -- the monitor: a rank that stops making progress, a rank that ends early --------------------
 
 #: Seconds between SIGTERM and SIGKILL for a worker the launcher stops.
 STOP_GRACE_S = 10.0
@@ -220,65 +220,243 @@ def _alive(pid: int) -> bool:
         return True
 
 
-class _Watchdog(threading.Thread):
-    """Stops the job when a worker has not ended a step for ``timeout`` seconds (see launch.heartbeat).
+#: Seconds between two probes while a rank that finished waits at its exit for the others.
+PROBE_GAP_S = 2.0
+#: How long the launcher waits for the workers' answers before it judges a stall without them.
+PROBE_WAIT_S = 5.0
 
-    Progress is a training step ending (``ap.optimizer_step``) on each worker that has not
-    finished its script; before its first step, the time since the worker started counts.
-    A stalled worker gets a failure record saying so, then every worker is stopped and the
-    engine reports them as failed, so the launch ends like any other failure.
+
+def _place(answer: Mapping[str, Any] | None) -> str:
+    """Where a rank's script is, from its answer to a probe, as a clause of an error."""
+    if answer is None:
+        return (f"where its script is is not known (no answer to the launcher's probe within {PROBE_WAIT_S:.0f} s: "
+                "busy in code that holds Python's interpreter lock?)")
+    line = answer.get("where")
+    at = f" at {line}" + (f" ({answer['code']})" if answer.get("code") else "") if line else ""
+    steps = f" after {answer['steps']} step(s)" if isinstance(answer.get("steps"), int) else ""
+    if answer.get("waiting"):
+        return f"its script waits in {answer['waiting']}{at}{steps}, a collective"
+    return f"its script is{at or ' somewhere not known'}{steps}, outside any collective"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _ended_early_error(ended: Mapping[str, Any], others: Sequence[int], detail: str) -> str:
+    """Why a rank whose script returned while the others still needed it is the cause."""
+    steps = f" after {ended['steps']} step(s)" if isinstance(ended.get("steps"), int) else ""
+    return (f"its script returned{steps} while {_ranks(others) if others else 'the others'} still ran and waited "
+            f"for it in a collective it never joined ({detail}). Every rank must run the same steps and "
+            "collectives: give each the same number of batches (ap.loader(..., shard=True) does) and keep "
+            "collectives out of branches that depend on the rank")
+
+
+def _verdict(now: float, stalled: Mapping[int, str], beats: Mapping[int, Mapping[str, Any]],
+             done: Mapping[int, Mapping[str, Any]], answers: Mapping[int, Mapping[str, Any] | None],
+             why: str, ended: Mapping[str, Any] | None = None) -> dict[int, dict[str, Any]]:
+    """The failure record of every rank this host knows, once the job cannot end well.
+
+    ``stalled``: rank -> how it stopped making progress (an error's first part);
+    ``answers``: each running rank's answer to the probe (None: no answer); ``why``:
+    what stopped the job; ``ended``: the done record of a rank that ended early, if
+    that is the verdict already. A stalled rank outside any collective (or that did not
+    answer) hangs: it is the cause, and the ranks waiting in a collective wait for it.
+    If every stalled rank waits in one and a rank had finished its script, that rank
+    ended early.
+    """
+    running = sorted(r for r in beats if r not in done)
+    hung = sorted(r for r in stalled if not (answers.get(r) or {}).get("waiting"))
+    if ended is None and stalled and not hung:
+        unmet = [d for d in done.values() if d.get("peers_met") is not True and isinstance(d.get("rank"), int)]
+        ended = min(unmet, key=lambda d: float(d.get("time") or 0)) if unmet else None
+    records: dict[int, dict[str, Any]] = {}
+
+    def record(rank: int, cause: str, error: str, at: float | None = None) -> None:
+        source = beats.get(rank) or done.get(rank) or {}
+        records[rank] = {"rank": rank, "pid": source.get("pid"), "host": os.uname().nodename,
+                         "time": now if at is None else at, "cause": cause, "error": error}
+
+    if hung:
+        culprit = _ranks(hung)
+        for rank in hung:
+            record(rank, "stalled", f"{stalled[rank]}; {_place(answers.get(rank))}; stopped by the launcher")
+        for rank in running:
+            if rank not in hung:
+                record(rank, "stopped", f"{_place(answers.get(rank))}, for {culprit}, which stopped making "
+                                        f"progress; stopped by the launcher ({why})")
+    elif ended is not None:
+        waits = ", ".join(f"rank {r} in {a['waiting']}" + (f" at {a['where']}" if a.get("where") else "")
+                          for r in running if (a := answers.get(r) or {}).get("waiting"))
+        record(ended["rank"], "ended-early", _ended_early_error(ended, running, waits or "as the launcher saw"),
+               float(ended.get("time") or now))
+        for rank in running:
+            record(rank, "stopped", f"{_place(answers.get(rank))}, for rank {ended['rank']}, whose script had "
+                                    f"returned; stopped by the launcher ({why})")
+    elif stalled:
+        for rank in running:
+            if rank in stalled:
+                record(rank, "stalled", f"{stalled[rank]}; {_place(answers.get(rank))}, as every rank of this host "
+                                        "does: the ranks called different collectives (or a different number of "
+                                        "them), or a rank on another host stopped; stopped by the launcher")
+            else:
+                record(rank, "stopped", f"{_place(answers.get(rank))}; stopped by the launcher ({why}) when "
+                                        f"{_ranks(sorted(stalled))} stopped making progress")
+    else:  # only ranks that never started (they have no heartbeat, and get their error from the engine's report)
+        for rank in running:
+            record(rank, "stopped", f"{_place(answers.get(rank))}; stopped by the launcher ({why}) when a rank "
+                                    "had not started its script")
+    for rank, d in done.items():
+        if rank not in records:
+            steps = f" after {d['steps']} step(s)" if isinstance(d.get("steps"), int) else ""
+            record(rank, "stopped", f"had finished its script{steps} and waited at its exit for the others; "
+                                    f"stopped by the launcher ({why})")
+    return records
+
+
+class _Monitor(threading.Thread):
+    """Watches a launch's workers and stops the job when it can no longer end well.
+
+    - **A rank stopped making progress**: it ended a training step and then went
+      ``timeout`` seconds without another (``--timeout``), or did not end its first step
+      within ``startup`` seconds of the launch (``--startup-timeout``: starting Python,
+      imports, data and a first compilation are not steps, and a busy host takes its time).
+    - **A rank ended early**: its script returned while another rank waits for it in one
+      of accelport's world collectives, on two probes :data:`PROBE_GAP_S` apart, at the
+      same step (not fewer steps than it took). That collective can never complete; the
+      job is stopped then, not after the finished rank's exit barrier.
+
+    Before a verdict the workers are asked where their scripts are (launch.heartbeat): a
+    stalled rank outside any collective is the one that hangs, and the ranks that wait in
+    one wait for it. The verdict is written as the ranks' failure records, then every
+    worker is stopped and the engine reports them as failed, so the launch ends like any
+    other failure. A monitor without ``timeout`` or ``startup`` judges only early ends.
     """
 
-    def __init__(self, launch_dir: str, timeout: int, expected: int | None,
+    def __init__(self, launch_dir: str, *, timeout: int | None, startup: int | None, expected: int | None,
                  workers: Callable[[], list[int]]) -> None:
-        super().__init__(name="accelport-launch-watchdog", daemon=True)
-        self.launch_dir, self.timeout, self.expected, self.workers = launch_dir, timeout, expected, workers
+        super().__init__(name="accelport-launch-monitor", daemon=True)
+        self.launch_dir, self.timeout, self.startup = launch_dir, timeout, startup
+        self.expected, self.workers = expected, workers
         self.started_at = time.time()
         self.fired = False
         self._done = threading.Event()
+        self._seq = 0
+        self._asked_at = float("-inf")
+        self._answers: dict[int, list[dict[str, Any]]] = {}  # each rank's answers, the latest last
 
     def close(self) -> None:
         self._done.set()
 
     def run(self) -> None:
-        poll = min(1.0, self.timeout / 5)
+        poll = min(1.0, self.timeout / 5) if self.timeout else 1.0
         while not self._done.wait(poll):
             if self.check(time.time()):
                 return
 
     def check(self, now: float) -> bool:
-        """Stop the job if it stalled at ``now``; True when it did."""
+        """Stop the job if it cannot end well at ``now``; True when it did."""
         beats = _ranked(self.launch_dir, HEARTBEAT_PREFIX)
         done = _ranked(self.launch_dir, DONE_PREFIX, ".json")
-        stalled = {rank: beat for rank, beat in beats.items()
-                   if rank not in done and now - float(beat.get("time") or 0) > self.timeout}
+        self._read_answers()
+        running = sorted(r for r in beats if r not in done)
+        stalled = self._stalled(now, beats, done)
         missing = (self.expected or 0) - len(beats)
-        if not stalled and not (missing > 0 and now - self.started_at > self.timeout):
-            return False
+        late = missing > 0 and self.startup is not None and now - self.started_at > self.startup
+        if stalled or late:
+            stepped = any(int(beats[r].get("step") or 0) for r in stalled)
+            why = f"--timeout {self.timeout}" if stepped else f"--startup-timeout {self.startup}"
+            records = _verdict(now, stalled, beats, done, self._ask_and_wait(running), why)
+        else:
+            records = self._ended_early(now, beats, done, running)
+            if not records:
+                return False
         self.fired = True
         from accelport.launch.worker import FAILURE_PREFIX
 
-        for rank, beat in stalled.items():
-            step = int(beat.get("step") or 0)
-            since = now - float(beat.get("time") or now)
-            last = f"last heartbeat at step {step}" if step else "none since it started"
-            write_json(os.path.join(self.launch_dir, f"{FAILURE_PREFIX}{rank}.json"), {
-                "rank": rank, "pid": beat.get("pid"), "host": os.uname().nodename, "time": now,
-                "stalled": True, "step": step,
-                "error": f"no training step ended for {since:.0f} s ({last}), more than --timeout {self.timeout}; "
-                         "stopped by the launcher (a hang outside a collective, or a wait inside one for a rank "
-                         "that hangs)"})
-        pids = {int(b["pid"]) for b in beats.values() if isinstance(b.get("pid"), int)}
-        _stop(sorted(pids | set(self.workers())))
+        for rank, rec in records.items():
+            write_json(os.path.join(self.launch_dir, f"{FAILURE_PREFIX}{rank}.json"), rec, replace=False)
+        # The ranks that caused it last: the others are gone before they can see it go and
+        # fail with a lost connection of their own.
+        causes = {r for r, rec in records.items() if rec["cause"] in ("stalled", "ended-early")}
+        pids = {r: int(b["pid"]) for r, b in {**done, **beats}.items() if isinstance(b.get("pid"), int)}
+        first = [p for r, p in pids.items() if r not in causes] + sorted(set(self.workers()) - set(pids.values()))
+        _stop(first + [p for r, p in pids.items() if r in causes])
         return True
 
+    def _stalled(self, now: float, beats: Mapping[int, Mapping[str, Any]],
+                 done: Mapping[int, Mapping[str, Any]]) -> dict[int, str]:
+        """Rank -> how it stopped making progress, for each running rank past its limit."""
+        out: dict[int, str] = {}
+        for rank, beat in beats.items():
+            if rank in done:
+                continue
+            step = int(beat.get("step") or 0)
+            if step:
+                since = now - float(beat.get("time") or now)
+                if self.timeout is not None and since > self.timeout:
+                    out[rank] = (f"no training step ended for {since:.0f} s (last heartbeat at step {step}), "
+                                 f"more than --timeout {self.timeout}")
+            elif self.startup is not None and now - self.started_at > self.startup:
+                out[rank] = (f"did not end its first training step within {self.startup} s of the launch "
+                             f"(--startup-timeout {self.startup})")
+        return out
 
-def _watch(plan: LaunchPlan, launch_dir: str, workers: Callable[[], list[int]]) -> _Watchdog | None:
-    if not plan.timeout:
-        return None
-    dog = _Watchdog(launch_dir, plan.timeout, plan.nprocs if plan.engine == "torchrun" else None, workers)
-    dog.start()
-    return dog
+    def _ask(self, now: float) -> None:
+        self._seq += 1
+        self._asked_at = now
+        write_json(os.path.join(self.launch_dir, PROBE_FILE), {"seq": self._seq, "time": now})
+
+    def _read_answers(self) -> None:
+        for rank, answer in _ranked(self.launch_dir, WHERE_PREFIX, ".json").items():
+            history = self._answers.setdefault(rank, [])
+            if not history or history[-1].get("seq") != answer.get("seq"):
+                history.append(answer)
+                del history[:-3]
+
+    def _ask_and_wait(self, ranks: Sequence[int]) -> dict[int, dict[str, Any] | None]:
+        """Every rank's answer to a new probe; None for a rank that gave none within :data:`PROBE_WAIT_S`."""
+        self._ask(time.time())
+        deadline = time.monotonic() + PROBE_WAIT_S
+        while True:
+            self._read_answers()
+            got = {r: next((a for a in self._answers.get(r, ()) if a.get("seq") == self._seq), None) for r in ranks}
+            if all(got.values()) or time.monotonic() > deadline or self._done.is_set():
+                return got
+            time.sleep(0.1)
+
+    def _ended_early(self, now: float, beats: Mapping[int, Mapping[str, Any]],
+                     done: Mapping[int, Mapping[str, Any]], running: Sequence[int]) -> dict[int, dict[str, Any]]:
+        """The failure records when a finished rank leaves another waiting in a world collective; else {}."""
+        unmet = sorted((d for d in done.values() if d.get("peers_met") is not True and isinstance(d.get("rank"), int)),
+                       key=lambda d: float(d.get("time") or 0))
+        if not unmet or not running:
+            return {}
+        if now - self._asked_at >= PROBE_GAP_S:
+            self._ask(now)
+        for rank in running:
+            pair = self._answers.get(rank, [])[-2:]
+            if len(pair) < 2 or not all(a.get("world") for a in pair):
+                continue
+            first, last = pair
+            if any(first.get(k) != last.get(k) for k in ("waiting", "steps", "where", "pid")):
+                continue  # it moved between the two probes
+            for ended in unmet:
+                if float(ended.get("time") or 0) > float(first.get("time") or 0):
+                    continue  # seen waiting before that rank finished: perhaps for a collective it took part in
+                steps, taken = last.get("steps"), ended.get("steps")
+                if isinstance(steps, int) and isinstance(taken, int) and steps < taken:
+                    continue  # still finishing a step the other took part in
+                answers = {r: history[-1] if (history := self._answers.get(r)) else None for r in running}
+                return _verdict(now, {}, beats, done, answers, "a rank ended early", ended)
+        return {}
+
+
+def _monitor(plan: LaunchPlan, launch_dir: str, workers: Callable[[], list[int]]) -> _Monitor:
+    monitor = _Monitor(launch_dir, timeout=plan.timeout, startup=plan.startup_timeout,
+                       expected=plan.nprocs if plan.engine == "torchrun" else None, workers=workers)
+    monitor.start()
+    return monitor
 
 
 #: Errors of a worker whose peer went away (it waited for it in a collective).
@@ -287,39 +465,39 @@ _LOST_PEER = re.compile(r"Connection (closed|reset) by peer|Broken pipe|DistNetw
 
 
 def _explain(failures: list[WorkerFailure], launch_dir: str,
-             dog: _Watchdog | None) -> tuple[WorkerFailure, list[WorkerFailure]]:
+             monitor: _Monitor | None) -> tuple[WorkerFailure, list[WorkerFailure]]:
     """The first failure and all of them, with a rank that finished early named as the cause.
 
-    A rank whose script returned (exit status 0) while the others still ran leaves them
-    waiting for it in a collective it never joins: they fail with a lost connection or
-    stall, and the one torchrun reports first is a victim, not the cause.
+    The monitor's verdict, when it stopped the job, is in the failure records already. A
+    rank whose script returned (exit status 0) while the others still ran leaves them
+    waiting for it in a collective it never joins; once it is gone they fail with a lost
+    connection, and the one torchrun reports first is a victim, not the cause.
     """
-    if dog is not None and dog.fired:  # the launcher stopped them: say why, not "another worker failed"
+    if monitor is not None and monitor.fired:
         beats = _ranked(launch_dir, HEARTBEAT_PREFIX)
         for i, f in enumerate(failures):
-            if f.cause != "stopped":
-                continue
-            if f.rank in beats:
-                f.error = f"stopped by the launcher (--timeout {dog.timeout}) when another rank stopped making progress"
-            else:
+            if f.cause == "stopped" and f.rank not in beats:  # (a rank with a heartbeat has its verdict)
                 failures[i] = WorkerFailure(
-                    f.rank, f.exitcode, f"never started its script within --timeout {dog.timeout} s of the launch "
-                    "(stuck starting Python or importing?); stopped by the launcher", "", f.host, f.pid, f.time,
-                    "stalled")
+                    f.rank, f.exitcode, f"never started its script within --startup-timeout {monitor.startup} s "
+                    "of the launch (stuck starting Python or importing?); stopped by the launcher", "", f.host,
+                    f.pid, f.time, "stalled")
+        # A rank the monitor found to have ended early may have left its exit barrier (status 0,
+        # so not among the engine's failures) before it was stopped.
+        seen = {f.rank for f in failures}
+        for rank, rec in sorted(_records(launch_dir).items()):
+            if rank not in seen and rec.get("cause") == "ended-early":
+                failures.append(_failure_from(rank, 0, rec))
     first = _first(failures)
+    if first.cause == "ended-early":
+        return first, [first, *(f for f in failures if f is not first)]
     early = [d for d in _ranked(launch_dir, DONE_PREFIX, ".json").values()
              if d.get("peers_met") is not True and isinstance(d.get("rank"), int)
              and float(d.get("time") or 0) <= (first.time or float("inf"))]
-    if not early or not (first.cause == "stalled" or _LOST_PEER.search(first.error)):
+    if first.cause == "stalled" or not early or not _LOST_PEER.search(first.error):
         return first, failures
     ended = min(early, key=lambda d: float(d.get("time") or 0))
     others = sorted(f.rank for f in failures if f.rank != ended["rank"])
-    steps = f" after {ended['steps']} step(s)" if isinstance(ended.get("steps"), int) else ""
-    who = ", ".join(map(str, others)) or "the others"
-    error = (f"its script returned{steps} (exit status 0) while rank {who} still ran and waited for it in a "
-             f"collective it never joined; then rank {first.rank}: {_short(first.error)}. Every rank must run "
-             "the same steps and collectives: give each the same number of batches (ap.loader(..., shard=True) "
-             "does) and keep collectives out of branches that depend on the rank")
+    error = _ended_early_error(ended, others, f"then rank {first.rank}: {_short(first.error)}")
     cause = WorkerFailure(ended["rank"], 0, error, "", os.uname().nodename, ended.get("pid"),
                           float(ended.get("time") or 0), "ended-early")
     rest = [f for f in failures if f.rank != ended["rank"]]
@@ -360,8 +538,10 @@ def _first(failures: list[WorkerFailure]) -> WorkerFailure:
     """
     def key(f: WorkerFailure) -> tuple[int, float]:
         sig = _signal_name(f.exitcode)
-        if f.cause == "stalled":  # the launcher's own verdict, stopped with SIGTERM by it
+        if f.cause in ("stalled", "ended-early"):  # the launcher's own verdict, stopped by it
             return (2, f.time or 0.0)
+        if f.cause == "stopped":  # (SIGKILL too, where SIGTERM did not end it in time)
+            return (5, f.time or 0.0)
         if sig is not None and sig not in ("SIGTERM", "SIGINT"):
             return (0, f.time or 0.0)
         if f.traceback:
@@ -374,7 +554,7 @@ def _first(failures: list[WorkerFailure]) -> WorkerFailure:
 def _failure_from(rank: int, exitcode: int | None, record: dict[str, Any] | None,
                   pid: int | None = None, observed: float | None = None) -> WorkerFailure:
     if record is not None:
-        cause = "stalled" if record.get("stalled") else "raised"
+        cause = str(record.get("cause") or "raised")  # the launcher's verdicts say theirs
         return WorkerFailure(rank, exitcode, record.get("error", ""), record.get("traceback", ""),
                              record.get("host", ""), record.get("pid", pid), record.get("time"), cause)
     sig = _signal_name(exitcode)
@@ -402,7 +582,7 @@ def _run_torchrun(plan: LaunchPlan, env: dict[str, str], launch_dir: str) -> Non
 
         args = torchrun.parse_args(plan.command[3:])
         launcher = os.getpid()  # torchrun runs here: its workers are this process's children
-        dog = _watch(plan, launch_dir, lambda: _children(launcher))
+        monitor = _monitor(plan, launch_dir, lambda: _children(launcher))
         try:
             torchrun.run(args)
         except ChildFailedError as exc:
@@ -411,7 +591,7 @@ def _run_torchrun(plan: LaunchPlan, env: dict[str, str], launch_dir: str) -> Non
                 _failure_from(int(rank), pf.exitcode, records.get(int(rank)), pf.pid, float(pf.timestamp))
                 for rank, pf in sorted(exc.failures.items())
             ]
-            raise WorkerFailedError(*_explain(failures, launch_dir, dog)) from None
+            raise WorkerFailedError(*_explain(failures, launch_dir, monitor)) from None
         except (RendezvousError, DistError) as exc:
             # A static rendezvous (--master-addr) fails with the store's DistError (a client that
             # cannot connect, a master whose clients never came); c10d with a RendezvousError.
@@ -426,17 +606,16 @@ def _run_torchrun(plan: LaunchPlan, env: dict[str, str], launch_dir: str) -> Non
         except SignalException as exc:
             raise LaunchError(f"the launch received {exc.sigval.name}; all workers were stopped") from None
         finally:
-            if dog is not None:
-                dog.close()
+            monitor.close()
     finally:
         os.environ.clear()
         os.environ.update(saved)
 
 
 def _run_subprocess(plan: LaunchPlan, env: dict[str, str], launch_dir: str) -> None:
-    # A session of its own: the watchdog (and an interrupt) stop torch_xla's replicas with it.
+    # A session of its own: the monitor (and an interrupt) stop torch_xla's replicas with it.
     proc = subprocess.Popen(plan.command, env=env, start_new_session=True)
-    dog = _watch(plan, launch_dir, lambda: [proc.pid])
+    monitor = _monitor(plan, launch_dir, lambda: [proc.pid])
     try:
         code = proc.wait()
     except BaseException:
@@ -444,12 +623,11 @@ def _run_subprocess(plan: LaunchPlan, env: dict[str, str], launch_dir: str) -> N
         proc.wait()
         raise
     finally:
-        if dog is not None:
-            dog.close()
+        monitor.close()
     if code == 0:
         return
     records = _records(launch_dir)
     failures = [_failure_from(rank, code, rec) for rank, rec in sorted(records.items())]
     if not failures:
         failures = [_failure_from(0, code, None)]
-    raise WorkerFailedError(*_explain(failures, launch_dir, dog))
+    raise WorkerFailedError(*_explain(failures, launch_dir, monitor))

@@ -7,13 +7,19 @@ process per replica and this module runs the script in it. With ``--engine
 xla`` it hands the script to ``torch_xla.launch``, which starts one process per
 device it finds (``--single-process``: one process, torch_xla's debug mode).
 
-If the script raises, the error is recorded (when the launcher asked for it
-through ``ACCELPORT_LAUNCH_DIR``) with a precise time, so the launcher can name
-the replica that failed first, not one that failed because a peer vanished;
-then the exception propagates as usual (traceback on this worker's stderr,
-exit status 1). If it returns, the worker says so (``done-rank<N>.json``), waits
-for the other replicas and destroys the process group (see
+If the script raises, or ends with ``sys.exit(non-zero)`` or ``sys.exit("message")``,
+the error is recorded (when the launcher asked for it through
+``ACCELPORT_LAUNCH_DIR``) with a precise time, so the launcher can name the
+replica that failed first, not one that failed because a peer vanished; then the
+exception propagates as usual (traceback on this worker's stderr, exit status 1
+or the script's own) without waiting for the other replicas at exit. If it
+returns (or exits with status 0), the worker says so (``done-rank<N>.json``),
+waits for the other replicas and destroys the process group (see
 :func:`accelport.eager.teardown_process_group`).
+
+While the script runs, a thread of the wrapper answers the launcher's probes
+(:mod:`accelport.launch.heartbeat`): the script's own line, and the collective it
+waits in, if it is inside one.
 
 On Linux every worker asks the kernel to kill it when the process that started
 it ends (``PR_SET_PDEATHSIG``): torchrun starts its workers in sessions of their
@@ -24,23 +30,42 @@ for ``--timeout`` (:mod:`accelport.launch.heartbeat`).
 
 from __future__ import annotations
 
-import json
 import os
 import runpy
 import signal
 import sys
+import threading
 import time
 import traceback
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
 
-from accelport.launch.heartbeat import DONE_PREFIX, HEARTBEAT_PREFIX, beat, write_json
+from accelport.launch.heartbeat import DONE_PREFIX, HEARTBEAT_PREFIX, PROBE_FILE, WHERE_PREFIX, beat, read, write_json
 
-__all__ = ["main", "run_script", "die_with_parent", "FAILURE_PREFIX"]
+__all__ = ["main", "run_script", "die_with_parent", "locate", "world_collectives", "FAILURE_PREFIX",
+           "WORLD_COLLECTIVES"]
 
 #: Failure records are ``$ACCELPORT_LAUNCH_DIR/<FAILURE_PREFIX><rank>.json``.
 FAILURE_PREFIX = "failure-rank"
 
 
+def _describe(exc: BaseException) -> str:
+    """The one-line error the launcher shows for ``exc``."""
+    if isinstance(exc, SystemExit):
+        code = exc.code
+        if isinstance(code, int):  # (bool too: sys.exit(True) is status 1)
+            return f"SystemExit: exit status {int(code)}"
+        return f"SystemExit: {code} (exit status 1)"  # sys.exit("message") prints it and exits with 1
+    return f"{type(exc).__name__}: {exc}"
+
+
 def _record_failure(rank: int, exc: BaseException) -> None:
+    """Record why this worker fails, and leave its process group alone at exit (the peers may never come)."""
+    if "accelport.eager" in sys.modules:  # (otherwise no process group of accelport's to leave alone)
+        from accelport.eager import skip_teardown_at_exit
+
+        skip_teardown_at_exit()
     directory = os.environ.get("ACCELPORT_LAUNCH_DIR")
     if not directory:
         return
@@ -50,16 +75,13 @@ def _record_failure(rank: int, exc: BaseException) -> None:
         "host": os.uname().nodename,
         "pid": os.getpid(),
         "time": time.time(),
-        "error": f"{type(exc).__name__}: {exc}",
+        "error": _describe(exc),
         "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
     }
-    path = os.path.join(directory, f"{FAILURE_PREFIX}{rank}.json")
-    try:
-        with open(path + ".tmp", "w") as f:
-            json.dump(record, f)
-        os.replace(path + ".tmp", path)
-    except OSError:
-        pass  # the launcher falls back to the exit status
+    # Not over a verdict the launcher wrote before it stopped this worker (a peer's failure
+    # seen while the stop was under way is not this rank's own). If it cannot be written,
+    # the launcher falls back to the exit status.
+    write_json(os.path.join(directory, f"{FAILURE_PREFIX}{rank}.json"), record, replace=False)
 
 
 #: prctl(2) option: the signal this process gets when its parent ends (<linux/prctl.h>).
@@ -116,10 +138,95 @@ def _finished(rank: int, directory: str | None) -> None:
         write_json(path, {**record, "peers_met": met})
 
 
+#: accelport's calls that every replica makes together, over the whole world (the default
+#: group): a script inside one waits for every other rank. (ap.optimizer_step averages
+#: the gradients before it steps.)
+WORLD_COLLECTIVES = ("optimizer_step", "barrier", "all_reduce", "broadcast")
+#: torch.distributed's own files: a script inside them waits in a collective (of any group).
+_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
+#: Seconds between two looks at the probe file: a stat each time, nothing else.
+PROBE_POLL_S = 0.5
+
+
+def world_collectives(api: Any) -> dict[types.CodeType, str]:
+    """The code of ``api``'s (``accelport``'s) world collectives, by the name the user calls them."""
+    out: dict[types.CodeType, str] = {}
+    for name in WORLD_COLLECTIVES:
+        code = getattr(getattr(api, name, None), "__code__", None)
+        if isinstance(code, types.CodeType):
+            out[code] = f"ap.{name}"
+    return out
+
+
+def locate(frame: types.FrameType | None, collectives: Mapping[types.CodeType, str]) -> dict[str, Any]:
+    """Where a thread whose innermost frame is ``frame`` is: its user's line, and what it waits in.
+
+    ``where`` is ``file:line`` of the innermost frame outside accelport, torch and the
+    import machinery, ``code`` that line's text; ``waiting`` the collective it is
+    inside (``ap.optimizer_step``, ``torch.distributed.all_reduce``), else None, and
+    ``world`` whether that collective is one of ``collectives`` (over every rank).
+    """
+    from accelport.diagnose.watch import user_site  # the same "user's line" as diagnose shows
+
+    waiting, world = None, False
+    f = frame
+    while f is not None:
+        code = f.f_code
+        if code in collectives:  # the outermost wins: ap.optimizer_step, not what it calls
+            waiting, world = collectives[code], True
+        elif waiting is None and _DISTRIBUTED in os.path.abspath(code.co_filename):
+            # The innermost of torch.distributed's frames: all_reduce, not its logging wrapper.
+            waiting = f"torch.distributed.{code.co_name}"
+        f = f.f_back
+    site = user_site(frame) if frame is not None else None
+    text = ""
+    if site is not None:
+        import linecache
+
+        text = linecache.getline(site[0], site[1]).strip()
+    return {"where": f"{site[0]}:{site[1]}" if site else None, "code": text, "waiting": waiting, "world": world}
+
+
+class _Responder(threading.Thread):
+    """Answers the launcher's probes: where the script's thread is now, and what it waits in."""
+
+    def __init__(self, directory: str, rank: int, thread: int, steps: Callable[[], int | None]) -> None:
+        super().__init__(name="accelport-launch-probe", daemon=True)
+        self.question = os.path.join(directory, PROBE_FILE)
+        self.answer = os.path.join(directory, f"{WHERE_PREFIX}{rank}.json")
+        self.thread, self.steps = thread, steps
+
+    def run(self) -> None:
+        seen: tuple[int, int] | None = None
+        answered = None
+        while True:
+            time.sleep(PROBE_POLL_S)
+            try:
+                st = os.stat(self.question)
+            except OSError:
+                continue
+            if (st.st_mtime_ns, st.st_ino) == seen:
+                continue
+            seen = (st.st_mtime_ns, st.st_ino)
+            seq = (read(self.question) or {}).get("seq")
+            if seq is None or seq == answered:
+                continue
+            answered = seq
+            try:
+                frame = sys._current_frames().get(self.thread)
+                place = locate(frame, world_collectives(sys.modules.get("accelport")))
+                del frame
+            except Exception as exc:  # an answer without a place is still an answer
+                place = {"where": None, "code": "", "waiting": None, "world": False, "error": repr(exc)}
+            write_json(self.answer, {"seq": seq, "pid": os.getpid(), "time": time.time(), "steps": self.steps(),
+                                     **place})
+
+
 def run_script(rank: int, script: str, args: list[str]) -> None:
     """Run ``script`` as ``__main__`` with ``args``; record a failure before it propagates."""
     directory = os.environ.get("ACCELPORT_LAUNCH_DIR") or None
     if directory:
+        _Responder(directory, rank, threading.get_ident(), _steps_taken).start()
         heartbeat = os.path.join(directory, f"{HEARTBEAT_PREFIX}{rank}")
         os.environ["ACCELPORT_HEARTBEAT"] = heartbeat  # read by the launch-heartbeat plugin on first use
         beat(heartbeat, 0)
@@ -129,7 +236,7 @@ def run_script(rank: int, script: str, args: list[str]) -> None:
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
-        if exc.code not in (None, 0):
+        if exc.code not in (None, 0):  # sys.exit("message") or a non-zero status: this rank fails
             _record_failure(rank, exc)
             raise
         _finished(rank, directory)

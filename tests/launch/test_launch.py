@@ -23,11 +23,29 @@ from tests.conftest import REPO
 SCRIPTS = Path(REPO) / "tests" / "scripts"
 
 
+#: Run the rest of argv in a fresh Python with the stop signals at their defaults: a test run
+#: that inherited them ignored (a background job, some CI runners) must not change how
+#: torchrun's SIGTERM stops the workers.
+_DEFAULT_SIGNALS = ("import os, signal, sys\n"
+                    "for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):\n"
+                    "    signal.signal(s, signal.SIG_DFL)\n"
+                    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n")
+
+
 def launch(*args: str, timeout: float = 180, **extra: str) -> subprocess.CompletedProcess[str]:
     """`accelport launch ...` in a fresh process, as a user runs it. The timeout only guards a hang."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELPORT_")} | extra
-    return subprocess.run([sys.executable, "-m", "accelport", "launch", *args], capture_output=True,
-                          text=True, env=env, timeout=timeout, cwd=REPO)
+    return subprocess.run([sys.executable, "-c", _DEFAULT_SIGNALS, "-m", "accelport", "launch", *args],
+                          capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+
+
+def timed_launch(*args: str, **kwargs: Any) -> tuple[subprocess.CompletedProcess[str], float]:
+    """:func:`launch` and the seconds it took (asserted only against bounds far from it)."""
+    import time
+
+    start = time.monotonic()
+    proc = launch(*args, **kwargs)
+    return proc, time.monotonic() - start
 
 
 @pytest.fixture
@@ -358,6 +376,43 @@ def test_a_host_that_never_comes_ends_the_launch_after_the_rendezvous_timeout(sc
     assert data["error"].startswith("the 2 hosts did not meet within 2 s ("), data
 
 
+@pytest.mark.parametrize("as_json", [False, True], ids=["plain", "json"])
+def test_a_script_path_that_starts_with_a_dash_is_refused_with_the_path_to_give(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], as_json: bool) -> None:
+    # Python and torchrun take it for an option (`python --evil.py`: "unknown option"), so would the worker.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "--evil.py").write_text("print('ran')\n")
+    flags = ["--json"] if as_json else []
+    cases = [("--evil.py", "script '--evil.py' starts with '-', which Python and torchrun read as an option; "
+                           "give its path as './--evil.py'"),
+             ("--nprocs", "script '--nprocs' starts with '-' and is not a file: accelport launch's own options go "
+                          "before the script")]
+    for script, message in cases:
+        assert main(["launch", *flags, "--backend", "cpu", "--", script]) == 2
+        out = capsys.readouterr()
+        if as_json:
+            data = json.loads(out.out)
+            assert data["kind"] == "usage" and data["error"].startswith(message), data
+        else:
+            assert out.err.startswith(f"accelport: error: {message}") and "Traceback" not in out.err, out.err
+    assert main(["launch", "--dry-run", "--json", "--backend", "cpu", "--", "./--evil.py"]) == 0  # the way to give it
+    assert json.loads(capsys.readouterr().out)["command"][-1] == "./--evil.py"
+
+
+def test_the_start_up_allowance_is_at_least_the_timeout_and_shown_in_the_plan(script: str) -> None:
+    from accelport.launch.plan import STARTUP_TIMEOUT_S
+
+    assert build_plan(cpu(), script).startup_timeout is None  # no --timeout: no limit
+    assert build_plan(cpu(), script, timeout=5).startup_timeout == STARTUP_TIMEOUT_S == 600
+    assert build_plan(cpu(), script, timeout=900).startup_timeout == 900
+    assert build_plan(cpu(), script, timeout=5, startup_timeout=30).startup_timeout == 30
+    assert build_plan(cpu(), script, startup_timeout=30).startup_timeout == 30
+    with pytest.raises(UsageError, match=r"--startup-timeout 3 is shorter than --timeout 5"):
+        build_plan(cpu(), script, timeout=5, startup_timeout=3)
+    with pytest.raises(UsageError, match=r"--startup-timeout must be at least 1"):
+        build_plan(cpu(), script, startup_timeout=0)
+
+
 def test_missing_script_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["launch", "--json", str(tmp_path / "nope.py")]) == 2
     data = json.loads(capsys.readouterr().out)
@@ -662,50 +717,139 @@ def test_workers_end_when_the_launcher_is_killed(tmp_path: Path) -> None:
 
 
 STEPPING = """
-import sys, time
+import os, sys, time
+if os.environ["RANK"] == "0":
+    time.sleep(float(sys.argv[4]) if len(sys.argv) > 4 else 0)  # a slow start: before any step or import
 import torch
 import accelport as ap
 
 model = torch.nn.Linear(2, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for step in range(int(sys.argv[1 + ap.rank()])):
+steps = int(sys.argv[1 + ap.rank()])
+for step in range(steps + 1):
     if ap.rank() == 1 and step == int(sys.argv[3]):
-        time.sleep(300)  # a hang outside any collective
+        time.sleep(300)  # HANG: outside any collective (after the last step where it equals the count)
+    if step == steps:
+        break
     model(torch.ones(4, 2)).sum().backward()
-    ap.optimizer_step(opt)  # the gradient all-reduce: a collective every step
+    ap.optimizer_step(opt)  # STEP: the gradient all-reduce, a collective every step
     opt.zero_grad()
 """
 
 
-def test_a_job_that_stops_making_progress_ends_after_the_timeout(tmp_path: Path) -> None:
+def _line(marker: str) -> int:
+    return next(i for i, text in enumerate(STEPPING.splitlines(), 1) if marker in text)
+
+
+def _failures(data: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    return {f["rank"]: f for f in data["failures"]}
+
+
+def test_a_job_that_stops_making_progress_names_the_rank_that_hangs_not_a_slow_starter(tmp_path: Path) -> None:
     job = tmp_path / "hang.py"
     job.write_text(STEPPING)
+    # Rank 0 starts 8 s late, longer than --timeout: start-up is not a step, so it is not stalled
+    # (it used to be, after 5 s: "none since it started"). Then rank 1 hangs at step 3 while
+    # rank 0 waits for it in the gradient all-reduce of step 4.
     proc = launch("--json", "--backend", "cpu", "--nprocs", "2", "--timeout", "5", str(job), "1000", "1000", "3",
-                  timeout=240)
+                  "8", timeout=240)
     assert proc.returncode == 1, proc.stderr[-3000:]
     data = json.loads(proc.stdout)
     assert data["kind"] == "WorkerFailedError", data
-    stalled = [f for f in data["failures"] if f["cause"] == "stalled"]
-    assert {f["rank"] for f in stalled} == {0, 1}, data  # rank 1 sleeps, rank 0 waits for it in the all-reduce
-    assert " stopped making progress: no training step ended for " in data["error"]
-    assert "more than --timeout 5; stopped by the launcher" in data["error"]
-    assert data["first"]["exitcode"] in (-15, -9)
+    first, ranks = data["first"], _failures(data)
+    assert (first["rank"], first["cause"]) == (1, "stalled"), data
+    assert data["error"].startswith("rank 1 stopped making progress: no training step ended for "), data["error"]
+    assert "more than --timeout 5; its script is at " in first["error"]
+    assert f"hang.py:{_line('HANG')} (time.sleep(300)" in first["error"]
+    assert "after 3 step(s), outside any collective; stopped by the launcher" in first["error"]
+    waiting = ranks[0]
+    assert waiting["cause"] == "stopped" and "first training step" not in waiting["error"], data
+    assert waiting["error"].startswith(f"its script waits in ap.optimizer_step at {job}:{_line('STEP')} ")
+    assert "after 3 step(s), a collective, for rank 1, which stopped making progress" in waiting["error"]
+    assert first["exitcode"] in (-15, -9)
 
 
-def test_a_rank_that_ends_early_is_named_not_the_peer_it_left_waiting(tmp_path: Path) -> None:
+def test_a_rank_that_hangs_after_its_steps_is_named_not_the_rank_that_finished(tmp_path: Path) -> None:
+    job = tmp_path / "hang.py"
+    job.write_text(STEPPING)
+    # Both take 6 steps; rank 0 returns and waits at its exit, rank 1 hangs after its last step.
+    proc, took = timed_launch("--json", "--backend", "cpu", "--nprocs", "2", "--timeout", "5", str(job),
+                              "6", "6", "6", timeout=240)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    first, ranks = data["first"], _failures(data)
+    assert (first["rank"], first["cause"]) == (1, "stalled"), data  # not "rank 0 ended early"
+    assert f"hang.py:{_line('HANG')} (time.sleep(300)" in first["error"]
+    assert "after 6 step(s), outside any collective" in first["error"]
+    assert ranks[0]["error"].startswith("had finished its script after 6 step(s) and waited at its exit for the "
+                                        "others; stopped by the launcher (--timeout 5)"), data
+    assert took < 40, took  # not held for the finished rank's 60 s exit barrier (left at its default)
+
+
+def test_a_rank_that_ends_early_is_named_within_seconds_not_the_peer_it_left_waiting(tmp_path: Path) -> None:
     job = tmp_path / "uneven.py"
     job.write_text(STEPPING)
     # Rank 0 runs 6 steps, rank 1 only 2: rank 0 then waits in an all-reduce rank 1 never joins.
-    proc = launch("--json", "--backend", "cpu", "--nprocs", "2", "--timeout", "60", str(job), "6", "2", "-1",
-                  timeout=240, ACCELPORT_EXIT_BARRIER_S="2")
+    # No --timeout, and the exit barrier at its default (60 s): the launch still ends at once.
+    proc, took = timed_launch("--json", "--backend", "cpu", "--nprocs", "2", str(job), "6", "2", "-1", timeout=240)
     assert proc.returncode == 1, proc.stderr[-3000:]
     data = json.loads(proc.stdout)
-    first = data["first"]
-    assert (first["rank"], first["exitcode"], first["cause"]) == (1, 0, "ended-early"), data
-    assert data["error"].startswith("rank 1 ended early: its script returned after 2 step(s) (exit status 0) "
-                                    "while rank 0 still ran and waited for it in a collective it never joined; "
-                                    "then rank 0: "), data["error"]
+    first, ranks = data["first"], _failures(data)
+    assert (first["rank"], first["cause"]) == (1, "ended-early"), data
+    assert data["error"].startswith("rank 1 ended early: its script returned after 2 step(s) while rank 0 still "
+                                    "ran and waited for it in a collective it never joined (rank 0 in "
+                                    f"ap.optimizer_step at {job}:{_line('STEP')})"), data["error"]
     assert "give each the same number of batches" in data["error"]
+    assert ranks[0]["error"].startswith("its script waits in ap.optimizer_step") and \
+        "for rank 1, whose script had returned" in ranks[0]["error"], data
+    assert took < 40, took  # it used to take the whole 60 s exit barrier
+
+
+EXITS = """
+import os, sys, time
+import accelport as ap
+
+how = sys.argv[1]
+if ap.rank() == 1:  # (the process group is up: rank 0 is past it)
+    if how == "message":
+        sys.exit("rank 1 found no data")
+    if how == "status":
+        raise SystemExit(3)
+    if how == "os-exit":
+        os._exit(4)
+    if how == "success":
+        raise SystemExit(None)
+if how == "success":
+    sys.exit(0)
+time.sleep(120)  # rank 0 runs on: held for the exit barrier, the launch would take 60 s and more
+"""
+
+
+@pytest.mark.parametrize(
+    ("how", "status", "error"),
+    [
+        ("message", 1, "failed first: SystemExit: rank 1 found no data (exit status 1)"),
+        ("status", 3, "failed first: SystemExit: exit status 3"),
+        ("os-exit", 4, "failed first: exited with status 4 without raising a Python exception"),
+    ],
+)
+def test_a_rank_that_exits_with_an_error_ends_the_launch_at_once_and_is_named(
+        tmp_path: Path, how: str, status: int, error: str) -> None:
+    job = tmp_path / "exits.py"
+    job.write_text(EXITS)
+    proc, took = timed_launch("--backend", "cpu", "--nprocs", "2", str(job), how, timeout=240)
+    summary = [line for line in proc.stderr.splitlines() if line.startswith("accelport: error:")]
+    assert proc.returncode == status, proc.stderr[-3000:]
+    assert len(summary) == 1 and summary[0].startswith("accelport: error: rank 1 ") and error in summary[0], summary
+    assert took < 40, took  # it used to wait for rank 0 for the 60 s exit barrier
+
+
+def test_exit_status_zero_is_success_and_meets_the_peers(tmp_path: Path) -> None:
+    job = tmp_path / "exits.py"
+    job.write_text(EXITS)
+    proc = launch("--backend", "cpu", "--nprocs", "2", str(job), "success", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "accelport: error" not in proc.stderr and "terminate called" not in proc.stderr
 
 
 TEARDOWN = """
@@ -782,6 +926,187 @@ def test_broadcast_alone_is_a_no_op_and_bad_input_says_what_to_pass() -> None:
         ap.broadcast(t, src=1)
     with pytest.raises(ValueError, match="not True"):
         ap.broadcast(t, src=True)  # type: ignore[arg-type]
+
+
+# -- the launcher's verdicts, from the files the workers write ------------------------------------
+
+
+def _beat(step: int, at: float, pid: int = 0) -> dict[str, Any]:
+    return {"pid": pid, "step": step, "time": at}
+
+
+def _answer(waiting: str | None, where: str = "job.py:9", steps: int = 3) -> dict[str, Any]:
+    return {"seq": 1, "where": where, "code": "work()", "waiting": waiting, "world": bool(waiting), "steps": steps}
+
+
+def test_the_rank_outside_any_collective_is_the_one_that_hangs_whichever_stalled_first() -> None:
+    from accelport.launch.run import _verdict
+
+    beats = {0: _beat(3, 90.0), 1: _beat(3, 91.0)}
+    answers = {0: _answer(None), 1: _answer("ap.optimizer_step", "job.py:12")}
+    # Rank 0 hangs at job.py:9; rank 1, waiting for it, may be the one past --timeout first.
+    for stalled in ({0: "no step"}, {1: "no step"}, {0: "no step", 1: "no step"}):
+        records = _verdict(100.0, stalled, beats, {}, answers, "--timeout 5")
+        if 0 in stalled:
+            assert records[0]["cause"] == "stalled" and records[1]["cause"] == "stopped", records
+            assert "job.py:9 (work()) after 3 step(s), outside any collective" in records[0]["error"]
+            assert records[1]["error"].startswith("its script waits in ap.optimizer_step at job.py:12 (work()) after "
+                                                  "3 step(s), a collective, for rank 0, which stopped making progress")
+        else:  # only the waiting rank is past the limit yet: all wait, so no rank is blamed for hanging outside one
+            assert records[1]["cause"] == "stalled" and "as every rank of this host does" in records[1]["error"]
+    unknown = _verdict(100.0, {0: "no step"}, beats, {}, {0: None, 1: answers[1]}, "--timeout 5")
+    assert unknown[0]["cause"] == "stalled" and "no answer to the launcher's probe" in unknown[0]["error"]
+
+
+def test_a_finished_rank_is_named_only_when_the_stalled_ranks_wait_in_a_collective() -> None:
+    from accelport.launch.run import _verdict
+
+    beats = {0: _beat(2, 90.0)}
+    done = {1: {"rank": 1, "pid": 7, "time": 89.0, "steps": 2}}
+    waits = _verdict(100.0, {0: "no step"}, beats, done, {0: _answer("ap.optimizer_step")}, "--timeout 5")
+    assert waits[1]["cause"] == "ended-early" and waits[1]["time"] == 89.0, waits
+    assert waits[1]["error"].startswith("its script returned after 2 step(s) while rank 0 still ran and waited "
+                                        "for it in a collective it never joined (rank 0 in ap.optimizer_step at "
+                                        "job.py:9)")
+    hangs = _verdict(100.0, {0: "no step"}, beats, done, {0: _answer(None)}, "--timeout 5")
+    assert hangs[0]["cause"] == "stalled" and hangs[1]["cause"] == "stopped", hangs
+    assert hangs[1]["error"].startswith("had finished its script after 2 step(s) and waited at its exit")
+
+
+def test_the_monitor_ends_a_job_whose_finished_rank_leaves_another_waiting_only_when_it_stays(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from accelport.launch import run
+    from accelport.launch.heartbeat import write_json
+
+    stopped: list[list[int]] = []
+    monkeypatch.setattr(run, "_stop", stopped.append)  # a spy: there are no processes to stop
+    d = str(tmp_path)
+    write_json(os.path.join(d, "heartbeat-rank0"), _beat(2, 10.0, pid=100))
+    write_json(os.path.join(d, "done-rank1.json"), {"rank": 1, "pid": 101, "time": 11.0, "steps": 2})
+    monitor = run._Monitor(d, timeout=None, startup=None, expected=2, workers=lambda: [])
+
+    def answer(seq: int, at: float, **change: Any) -> None:
+        write_json(os.path.join(d, "where-rank0.json"), {**_answer("ap.optimizer_step", steps=2), "seq": seq,
+                                                          "time": at, "pid": 100, **change})
+
+    assert not monitor.check(12.0) and read_probe(d) == 1  # asked once
+    answer(1, 12.5)
+    assert not monitor.check(13.0) and read_probe(d) == 1  # one answer is not enough, and the next waits a gap
+    assert not monitor.check(12.0 + run.PROBE_GAP_S) and read_probe(d) == 2
+    answer(2, 14.5, steps=3, where="job.py:20")  # it moved on between the probes: not stuck
+    assert not monitor.check(15.0)
+    assert not monitor.check(14.0 + run.PROBE_GAP_S) and read_probe(d) == 3
+    assert not stopped and not os.path.exists(os.path.join(d, "failure-rank1.json"))
+    answer(3, 16.5, steps=3, where="job.py:20")  # twice in the same place, at a step rank 1 never took
+    assert monitor.check(17.0) and stopped == [[100, 101]] and monitor.fired  # rank 1, the cause, stopped last
+    assert read(os.path.join(d, "failure-rank1.json"))["cause"] == "ended-early"  # type: ignore[index]
+    assert read(os.path.join(d, "failure-rank0.json"))["cause"] == "stopped"  # type: ignore[index]
+
+
+def read_probe(directory: str) -> int | None:
+    from accelport.launch.heartbeat import read
+
+    return (read(os.path.join(directory, "probe")) or {}).get("seq")
+
+
+def read(path: str) -> dict[str, Any] | None:
+    from accelport.launch.heartbeat import read as read_json
+
+    return read_json(path)
+
+
+def test_a_finished_rank_is_not_blamed_for_a_peer_still_in_a_step_it_took_part_in(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from accelport.launch import run
+    from accelport.launch.heartbeat import write_json
+
+    monkeypatch.setattr(run, "_stop", lambda pids: pytest.fail("stopped"))
+    d = str(tmp_path)
+    write_json(os.path.join(d, "heartbeat-rank0"), _beat(2, 10.0))
+    write_json(os.path.join(d, "done-rank1.json"), {"rank": 1, "time": 11.0, "steps": 3})
+    monitor = run._Monitor(d, timeout=None, startup=None, expected=2, workers=lambda: [])
+    for seq, at in ((1, 12.0), (2, 15.0)):  # still at step 2 of the 3 rank 1 took: in its last all-reduce
+        write_json(os.path.join(d, "where-rank0.json"), {**_answer("ap.optimizer_step", steps=2), "seq": seq,
+                                                          "time": at})
+        assert not monitor.check(at + 0.5)
+    write_json(os.path.join(d, "done-rank1.json"), {"rank": 1, "time": 11.0, "steps": 2, "peers_met": True})
+    assert not monitor.check(20.0)  # the ranks met at their exit: nothing to judge
+
+
+def test_a_lost_connection_after_a_rank_finished_blames_the_rank_that_finished(tmp_path: Path) -> None:
+    from accelport.launch.heartbeat import write_json
+    from accelport.launch.run import _explain, _failure_from
+
+    write_json(str(tmp_path / "done-rank1.json"), {"rank": 1, "pid": 5, "time": 10.0, "steps": 2, "peers_met": False})
+    victim = _failure_from(0, 1, {"rank": 0, "error": "RuntimeError: [pair.cc:553] Connection closed by peer",
+                                  "traceback": "tb", "time": 12.0})
+    first, failures = _explain([victim], str(tmp_path), None)
+    assert (first.rank, first.cause, first.exitcode) == (1, "ended-early", 0) and failures == [first, victim]
+    assert first.error.startswith("its script returned after 2 step(s) while rank 0 still ran and waited for it in "
+                                  "a collective it never joined (then rank 0: RuntimeError: [pair.cc:553] "
+                                  "Connection closed by peer)")
+    raised = _failure_from(0, 1, {"rank": 0, "error": "ValueError: bad batch", "traceback": "tb", "time": 12.0})
+    assert _explain([raised], str(tmp_path), None)[0] is raised  # its own error: the cause
+
+
+def test_where_a_script_waits_is_read_from_its_thread() -> None:
+    import threading
+    import types
+
+    from accelport.launch.worker import locate, world_collectives
+
+    release = threading.Event()
+
+    def optimizer_step() -> None:  # stands for ap.optimizer_step: its code is passed as a world collective
+        release.wait(60)
+
+    def elsewhere() -> None:
+        release.wait(60)
+
+    try:
+        threads = [threading.Thread(target=f, daemon=True) for f in (optimizer_step, elsewhere)]
+        for t in threads:
+            t.start()
+        _until(lambda: all(t.ident in sys._current_frames() for t in threads))
+        frames = sys._current_frames()
+        collectives = {optimizer_step.__code__: "ap.optimizer_step"}
+        waiting = locate(frames[threads[0].ident], collectives)  # type: ignore[index]
+        outside = locate(frames[threads[1].ident], collectives)  # type: ignore[index]
+    finally:
+        release.set()
+    assert (waiting["waiting"], waiting["world"]) == ("ap.optimizer_step", True), waiting
+    assert (outside["waiting"], outside["world"]) == (None, False), outside
+    # The user's line: this test's, not threading's.
+    assert waiting["where"].startswith(f"{__file__}:") and waiting["code"] == "release.wait(60)", waiting
+    assert set(world_collectives(ap).values()) == {"ap.optimizer_step", "ap.barrier", "ap.all_reduce",
+                                                   "ap.broadcast"}
+    assert all(isinstance(code, types.CodeType) for code in world_collectives(ap))
+
+
+def test_a_record_written_without_replace_keeps_the_first_verdict(tmp_path: Path) -> None:
+    from accelport.launch.heartbeat import read, write_json
+
+    path = str(tmp_path / "failure-rank0.json")
+    assert write_json(path, {"cause": "stalled"}, replace=False)
+    assert not write_json(path, {"cause": "raised"}, replace=False)
+    assert read(path) == {"cause": "stalled"} and sorted(os.listdir(tmp_path)) == ["failure-rank0.json"]
+    assert write_json(path, {"cause": "raised"}) and read(path) == {"cause": "raised"}
+
+
+def test_a_failing_worker_leaves_its_process_group_alone_at_exit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import atexit
+
+    from accelport import eager
+    from accelport.launch import worker
+
+    unregistered: list[Any] = []
+    monkeypatch.setattr(atexit, "unregister", unregistered.append)  # a spy on the one call that matters
+    monkeypatch.delenv("ACCELPORT_LAUNCH_DIR", raising=False)
+    worker._record_failure(1, SystemExit("no data"))
+    assert unregistered == [eager._teardown_at_exit]
+    assert worker._describe(SystemExit("no data")) == "SystemExit: no data (exit status 1)"
+    assert worker._describe(SystemExit(3)) == "SystemExit: exit status 3"
+    assert worker._describe(SystemExit(True)) == "SystemExit: exit status 1"
 
 
 def test_the_heartbeat_is_written_at_most_once_an_interval(tmp_path: Path) -> None:

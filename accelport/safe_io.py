@@ -1,19 +1,29 @@
-"""Files a user names (ACCELPORT_COMPAT_MATRIX, ACCELPORT_METRICS_FILE): regular files only, never a hang.
+"""Files a user names (ACCELPORT_COMPAT_MATRIX, ACCELPORT_METRICS_FILE, an output path): regular files only,
+never a hang, never half written.
 
 A FIFO blocks ``open()`` until a writer (or reader) comes, ``/dev/zero`` never ends and a
 directory is no file: each is refused at once with an error that says what to point the
 setting at. Opening never blocks (``O_NONBLOCK``), and reads stop at a size cap.
+
+An output is written beside its target and renamed over it once complete
+(:func:`write_atomic`; :func:`temp_beside` and :func:`replace_with` for one written
+over a while): a full disk or a kill leaves the earlier file as it was, never a
+truncated one. :func:`same_file` says whether two paths are one file, through
+symlinks and hard links, so an output is never written over an input.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import os
 import stat
 from typing import BinaryIO
 
 from accelport.errors import AccelportError
 
-__all__ = ["read_regular_file", "open_append"]
+__all__ = ["read_regular_file", "open_append", "same_file", "output_target", "temp_beside", "replace_with",
+           "write_atomic"]
 
 
 def _kind(mode: int) -> str:
@@ -72,3 +82,100 @@ def open_append(path: str, *, what: str) -> BinaryIO:
         raise _refuse(what, path, _kind(mode))
     os.set_blocking(fd, True)
     return os.fdopen(fd, "ab")
+
+
+def same_file(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` are one file: the same inode (so also through a symlink or a hard link),
+    or, where either does not exist yet, the same path once symlinks are resolved."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def output_target(path: str, *, what: str) -> str:
+    """The file to write for ``path`` (a symlink's target: the link stays); refused unless it is a regular
+    file or does not exist yet. Renaming over a FIFO or a device would replace it, opening one would hang."""
+    real = os.path.realpath(path)
+    try:
+        mode = os.stat(real).st_mode
+    except FileNotFoundError:
+        return real
+    except OSError as exc:
+        raise AccelportError(f"{what} {path!r} cannot be written ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(mode):
+        raise _refuse(what, path, _kind(mode))
+    return real
+
+
+def temp_beside(path: str) -> str:
+    """A new, empty, hidden file in ``path``'s directory (so the rename onto ``path`` is one step), named after
+    it and this process; its mode follows the umask, as ``open(path, "w")`` would give. OSError if it cannot."""
+    directory, name = os.path.split(path)
+    raw = name.encode("utf-8", "surrogateescape")
+    # With the pid and the random part the name stays well under the 255 bytes file systems allow.
+    stem = name if len(raw) <= 100 else hashlib.sha1(raw).hexdigest()[:16]
+    for _ in range(100):
+        tmp = os.path.join(directory, f".{stem}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        return tmp
+    raise FileExistsError(errno.EEXIST, "no free temporary name", os.path.join(directory, f".{stem}.*.tmp"))
+
+
+def replace_with(tmp: str, path: str) -> None:
+    """Put the finished file ``tmp`` in ``path``'s place in one rename, its data on disk first; ``path``
+    keeps the mode it had. OSError if it cannot (``tmp`` is then left for the caller to remove)."""
+    try:
+        os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    try:  # the rename itself, durable
+        dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
+
+
+def write_atomic(path: str, data: bytes, *, what: str) -> str:
+    """Write ``data`` to ``path`` all at once (see :func:`output_target`); return the file written.
+
+    Uses no ``open()`` a running script may have replaced. On failure the file that was at
+    ``path`` is unchanged and nothing is left beside it; the error says why, in ``what``'s name.
+    """
+    target = output_target(path, what=what)
+    tmp = None
+    try:
+        tmp = temp_beside(target)
+        fd = os.open(tmp, os.O_WRONLY)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        replace_with(tmp, target)
+    except OSError as exc:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        full = exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+        why = "the disk is full; the file that was there is unchanged" if full else (exc.strerror or str(exc))
+        raise AccelportError(f"{what} {path!r} cannot be written ({why})") from None
+    return target

@@ -1,9 +1,10 @@
-"""Files a user names never hang a command or a run, and never fill memory."""
+"""Files a user names never hang a command or a run, never fill memory, and are never half written."""
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from accelport.errors import AccelportError
-from accelport.safe_io import open_append, read_regular_file
+from accelport.safe_io import open_append, read_regular_file, replace_with, same_file, temp_beside, write_atomic
 
 
 @pytest.fixture
@@ -78,3 +79,49 @@ def test_the_reader_refuses_what_is_not_a_regular_file(tmp_path: Path, fifo: str
     assert read_regular_file(str(big), what="X", limit=4 << 20) == b"x" * (3 << 20)
     with pytest.raises(AccelportError, match="X .* is a FIFO"):
         open_append(fifo, what="X")
+
+
+def test_same_file_sees_through_links_and_compares_paths_not_yet_there(tmp_path: Path) -> None:
+    a = tmp_path / "a.py"
+    a.write_text("x")
+    (tmp_path / "sym.py").symlink_to(a)
+    os.link(a, tmp_path / "hard.py")
+    (tmp_path / "b.py").write_text("x")
+    assert same_file(str(a), str(tmp_path / "sym.py")) and same_file(str(a), str(tmp_path / "hard.py"))
+    assert not same_file(str(a), str(tmp_path / "b.py"))  # equal content is not the same file
+    assert same_file(str(tmp_path / "new.json"), str(tmp_path / "." / "new.json"))
+    assert not same_file(str(tmp_path / "new.json"), str(a))
+
+
+def test_write_atomic_replaces_whole_keeps_the_mode_and_writes_through_a_symlink(tmp_path: Path) -> None:
+    target = tmp_path / "f.json"
+    target.write_text("earlier")
+    target.chmod(0o640)
+    (tmp_path / "link.json").symlink_to(target)
+    assert write_atomic(str(tmp_path / "link.json"), b"new", what="--output") == str(target)
+    assert target.read_bytes() == b"new" and stat.S_IMODE(target.stat().st_mode) == 0o640
+    assert (tmp_path / "link.json").is_symlink()
+    umask = os.umask(0o022)
+    try:
+        write_atomic(str(tmp_path / "fresh.json"), b"", what="--output")  # an empty one too
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "fresh.json").stat().st_mode) == 0o644  # as open(path, "w") gives it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.json", "fresh.json", "link.json"]
+
+
+def test_write_atomic_refuses_a_fifo_without_waiting_and_leaves_it(fifo: str) -> None:
+    with pytest.raises(AccelportError, match=r"--report .* is a FIFO: point it at a regular file"):
+        write_atomic(fifo, b"page", what="--report")
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_a_temporary_file_beside_a_long_name_fits_the_file_system(tmp_path: Path) -> None:
+    target = tmp_path / ("é" * 120 + ".jsonl")  # 245 bytes: with a suffix of its own it would not fit
+    tmp = temp_beside(str(target))
+    assert os.path.dirname(tmp) == str(tmp_path) and os.path.basename(tmp).startswith(".")
+    with open(tmp, "a") as f:
+        f.write("line\n")
+    replace_with(tmp, str(target))
+    assert target.read_text() == "line\n" and not os.path.exists(tmp)
+

@@ -192,8 +192,21 @@ def emit_json(obj: Any) -> None:
     _OUTPUT.emit_json(obj)
 
 
+#: The most characters of one line of an error message that are shown.
+ERROR_LINE_LIMIT = 2000
+
+
 def fail(kind: str, message: str, as_json: bool, code: int) -> int:
-    """Say an error once, as JSON (``{"error", "kind"}`` on stdout) or as text on stderr; return ``code``."""
+    """Say an error once, as JSON (``{"error", "kind"}`` on stdout) or as text on stderr; return ``code``.
+
+    The message is redacted and each line cut at :data:`ERROR_LINE_LIMIT` here, not only by the
+    output session: a usage error is said before that session starts, and argparse quotes what
+    was typed whole (a 100 KB value, a token given as an argument).
+    """
+    from accelport.redact import Redactor
+
+    redactor = Redactor(os.environ, limit=ERROR_LINE_LIMIT)
+    message = "\n".join(redactor.text(line) for line in message.split("\n"))
     if as_json:
         emit_json({"error": message, "kind": kind})
     else:

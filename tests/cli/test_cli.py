@@ -145,3 +145,19 @@ def test_json_with_no_command_is_a_json_usage_error(capsys: pytest.CaptureFixtur
     assert data["kind"] == "usage"
     assert data["error"] == ("give a command: accelport --json COMMAND (one of backends, doctor, launch, "
                              "matrix, ci-matrix, report, diagnose)")
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_usage_error_quotes_what_was_typed_redacted_and_cut(capsys: pytest.CaptureFixture[str],
+                                                              as_json: bool) -> None:
+    # argparse quotes unrecognized arguments whole, and says so before the redacting output
+    # session starts: a token typed as an argument, or 100 KB of digits, must not come back.
+    token = "hf_" + "a1b2c3d4e5" * 3
+    huge = "3." + "1" * 100_000
+    code = main([*(["--json"] if as_json else []), "ci-matrix", token, huge])
+    out, err = capsys.readouterr()
+    said = json.loads(out)["error"] if as_json else err
+    assert code == 2
+    assert "unrecognized arguments" in said
+    assert token not in out + err and "<redacted>" in said
+    assert len(out + err) < 3000 and "[cut: " in said

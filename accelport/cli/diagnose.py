@@ -7,29 +7,44 @@
 The script runs in this process as ``__main__`` (:func:`accelport.diagnose.watch.run_watched`),
 watched by :class:`accelport.diagnose.watch.Watcher`; its output, its exit status and its
 traceback are its own. The findings come at the end, on stderr.
+
+The outputs never harm the user's files: each is checked before the script runs (not the
+script or the module's file, not another output, not a FIFO or a directory) and written
+whole or not at all (:func:`accelport.safe_io.write_atomic`), also when the run ends by
+SIGTERM. Everything accelport itself says goes through one redaction pass
+(:class:`accelport.redact.Redactor`) on its way out: stderr here is the script's too, so the
+CLI's redacting stream cannot stand in front of it.
 """
 
 from __future__ import annotations
 
 import argparse
+import builtins
+import contextlib
+import io
 import json
 import os
 import signal
 import sys
 import tempfile
 import textwrap
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from accelport.errors import UsageError
-from accelport.redact import redact
+from accelport.errors import AccelportError, UsageError
+from accelport.safe_io import output_target, replace_with, same_file, temp_beside, write_atomic
+
+if TYPE_CHECKING:
+    from accelport.diagnose.watch import Outcome, Watcher
+    from accelport.redact import Redactor
 
 __all__ = ["register", "run", "render_summary"]
 
-#: Kinds whose findings mean the run computes something wrong or nothing at all, not only slowly.
 _ICON = {"ok": "ok  ", "note": "note", "warning": "WARN", "problem": "FAIL"}
 _INDENT = " " * 9
 _WIDTH = 110
+_MISSING = object()
 
 
 def register(sub: Any) -> None:
@@ -44,73 +59,173 @@ def register(sub: Any) -> None:
                     "line, on stderr at the end. Everything after SCRIPT (or -m MODULE) is the script's.",
     )
     p.add_argument("--output", metavar="FILE.json",
-                   help="write the findings, metrics, steps, backend and exit status as JSON (also on failure)")
+                   help="write the findings, metrics, steps, backend and exit status as JSON (also on failure "
+                        "and on SIGTERM)")
     p.add_argument("--report", metavar="FILE.html", help="write the page `accelport report` makes for the run")
     p.add_argument("--metrics-file", metavar="FILE.jsonl",
-                   help="write one JSON line per step there (replaced), as ACCELPORT_METRICS_FILE does")
+                   help="write one JSON line per step there, as ACCELPORT_METRICS_FILE does; it replaces the "
+                        "file when the run ends")
     p.add_argument("--backend", metavar="NAME",
                    help="read this backend's counters (default: the one for the device being trained on)")
     p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE",
                    help="run a module as `python -m MODULE ARGS` would")
-    p.add_argument("script", nargs="?", help="the training script")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    # One list, read by _plan(): a "--" before the script separates it from these options, one
+    # after it is the script's own argument (argparse would drop either).
+    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS ...]",
+                   help="the training script and its arguments")
     # The script's warnings are filtered as under plain `python`, not as for accelport's own commands.
     p.set_defaults(func=run, keep_warning_filters=True)
 
 
-def _shown(value: str) -> str:
-    """A path or name the user typed, as printed: each part redacted on its own, so the path stays readable."""
-    return "/".join(redact("argument", part) for part in value.split("/"))
+# -- what to run and where to write, checked before the script runs ---------------------------
+
+
+@dataclass
+class _Plan:
+    target: str  # the script, or "-m MODULE": what the summary names
+    script: str | None
+    module: str | None
+    args: list[str]
+    backend: str | None
+    # Absolute paths, fixed before the script runs (it may change directory).
+    output: str | None
+    report: str | None
+    metrics_file: str | None
+
+
+def _plan(args: argparse.Namespace) -> _Plan:
+    """What to run and where to write, every check done; UsageError (the value as typed) if not."""
+    if args.json:
+        raise UsageError("diagnose: stdout belongs to the script; write the findings as JSON with --output FILE.json")
+    inputs: list[tuple[str, str]] = []
+    if args.module is not None:
+        # -m takes the rest of the line, but argparse ends it at a "--": that one is the module's argument.
+        module_argv = [*args.module, *args.argv]
+        if not module_argv:
+            raise UsageError("diagnose: -m needs a module name: accelport diagnose -m MODULE [ARGS ...]")
+        module, script, script_args = module_argv[0], None, module_argv[1:]
+        origin = _module_file(module)
+        if origin is not None:
+            inputs.append((f"the file of module {module}", origin))
+        target = f"-m {module}"
+    else:
+        command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+        if not command:
+            raise UsageError("diagnose: give the script to run: accelport diagnose SCRIPT [ARGS ...] "
+                             "(or -m MODULE [ARGS ...])")
+        module, script, script_args = None, command[0], command[1:]
+        inputs.append(("the script", _script_file(script)))
+        target = script
+    outputs = []
+    for option, value in (("--output", args.output), ("--report", args.report),
+                          ("--metrics-file", args.metrics_file)):
+        path = _output_path(option, value)
+        if path is not None:
+            outputs.append((option, str(value), path))
+    _check_apart(outputs, inputs)
+    backend = None
+    if args.backend is not None:
+        _check_backend(args.backend)
+        backend = args.backend.strip().lower()
+    paths = {option: path for option, _, path in outputs}
+    return _Plan(target, script, module, list(script_args), backend, paths.get("--output"), paths.get("--report"),
+                 paths.get("--metrics-file"))
+
+
+def _script_file(script: str) -> str:
+    """The file Python reads to run ``script`` (a directory's ``__main__.py``; a zipapp itself)."""
+    from accelport.diagnose.watch import entry_spec
+
+    if not os.path.exists(script):
+        raise UsageError(f"diagnose: {script}: no such file; give the path of the training script "
+                         "(or -m MODULE for a module)")
+    try:
+        spec = entry_spec(script)
+    except LookupError:
+        if os.path.isdir(script):
+            raise UsageError(f"diagnose: {script} is a directory, not a Python script; give the script in it "
+                             "(e.g. DIR/train.py) or, for a package, -m PACKAGE.MODULE") from None
+        raise UsageError(f"diagnose: {script} is a zip archive without a __main__ module, so Python cannot run "
+                         "it; give the script to run (python -m zipapp makes an archive with one)") from None
+    if spec is not None:
+        origin = spec.origin or ""
+        return origin if os.path.isfile(origin) else os.path.abspath(script)
+    if not os.access(script, os.R_OK):
+        raise UsageError(f"diagnose: {script} cannot be read (permission denied)")
+    return os.path.abspath(script)
+
+
+def _module_file(name: str) -> str | None:
+    """The file ``python -m name`` runs (None for one that is no file), found as Python finds it: from
+    the working directory first (but under -P); UsageError, in Python's words, where it cannot run."""
+    import importlib.util
+
+    def find(module: str) -> Any:
+        try:
+            return importlib.util.find_spec(module)
+        except ModuleNotFoundError:  # a package on the way that is not there
+            return None
+        except Exception as exc:  # "" or ".x", or a package on the way whose import fails
+            raise UsageError(f"diagnose: -m {name}: error while finding the module ({type(exc).__name__}: "
+                             f"{exc}); give the module's full name, and check that its package imports") from None
+
+    first = not getattr(sys.flags, "safe_path", False)
+    if first:
+        sys.path.insert(0, os.getcwd())
+    try:
+        spec = find(name)
+        if spec is not None and spec.submodule_search_locations is not None:
+            spec = find(f"{name}.__main__")
+            if spec is None:
+                raise UsageError(f"diagnose: -m {name}: {name!r} is a package and cannot be executed directly "
+                                 f"(it has no __main__ module); give the module in it that trains "
+                                 f"(-m {name}.MODULE)")
+    finally:
+        if first:
+            sys.path.pop(0)
+    if spec is None:
+        raise UsageError(f"diagnose: -m {name}: no module of that name can be imported from here "
+                         f"({os.getcwd()}); check the spelling and that its package is installed or in "
+                         "this directory")
+    origin = spec.origin or ""
+    return origin if os.path.isfile(origin) else None
 
 
 def _output_path(option: str, value: str | None) -> str | None:
-    """The absolute path for an output option, checked before the script runs (it may change directory)."""
+    """The absolute path for an output option: a regular file (or none yet) in a directory that can be written."""
     if value is None:
         return None
     if not value.strip():
         raise UsageError(f"diagnose: {option} needs a file name")
     path = os.path.abspath(value)
-    folder = os.path.dirname(path)
     if os.path.isdir(path):
-        raise UsageError(f"diagnose: {option} {_shown(value)} is a directory; give the path of a file to write")
-    if not os.path.isdir(folder):
-        raise UsageError(f"diagnose: {option} {_shown(value)}: the directory {_shown(folder)} does not exist; "
+        raise UsageError(f"diagnose: {option} {value} is a directory; give the path of a file to write")
+    if not os.path.isdir(os.path.dirname(path)):
+        # (the directory as typed: abspath would fold the "//" of a URL someone typed, and its secret with it)
+        raise UsageError(f"diagnose: {option} {value}: the directory {os.path.dirname(value)} does not exist; "
                          "create it first or write somewhere else")
+    try:  # a FIFO would hang the write after the script ran; a device would be replaced
+        real = output_target(value, what=f"diagnose: {option}")
+    except AccelportError as exc:
+        raise UsageError(str(exc)) from None
+    if not os.access(os.path.dirname(real), os.W_OK | os.X_OK):
+        raise UsageError(f"diagnose: {option} {value}: the directory {os.path.dirname(real)} cannot be written "
+                         "(permission denied); write somewhere else")
     return path
 
 
-def _check_script(script: str) -> None:
-    if not os.path.exists(script):
-        raise UsageError(f"diagnose: {_shown(script)}: no such file; give the path of the training script "
-                         "(or -m MODULE for a module)")
-    if os.path.isdir(script) and not os.path.isfile(os.path.join(script, "__main__.py")):
-        raise UsageError(f"diagnose: {_shown(script)} is a directory, not a Python script; give the script in it "
-                         "(e.g. DIR/train.py) or, for a package, -m PACKAGE.MODULE")
-    if not os.path.isdir(script) and not os.access(script, os.R_OK):
-        raise UsageError(f"diagnose: {_shown(script)} cannot be read (permission denied)")
-
-
-def _check_module(name: str) -> None:
-    import importlib.util
-
-    # Found as `python -m` finds it: from the working directory first.
-    sys.path.insert(0, os.getcwd())
-    try:
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.submodule_search_locations is not None:
-            spec = importlib.util.find_spec(f"{name}.__main__")
-            if spec is None:
-                raise UsageError(f"diagnose: -m {_shown(name)} is a package without a __main__ module; give the "
-                                 "module in it that trains (-m PACKAGE.MODULE)")
-    except (ImportError, ValueError):
-        spec = None
-    finally:
-        sys.path.pop(0)
-    if spec is None:
-        raise UsageError(f"diagnose: -m {_shown(name)}: no module of that name can be imported from here "
-                         f"({_shown(os.getcwd())}); check the spelling and that its package is installed or in "
-                         "this directory")
+def _check_apart(outputs: Sequence[tuple[str, str, str]], inputs: Sequence[tuple[str, str]]) -> None:
+    """No output is an input (the script, the module's file) or another output, also through a link."""
+    for i, (option, value, path) in enumerate(outputs):
+        for what, source in inputs:
+            if same_file(path, source):
+                raise UsageError(f"diagnose: {option} {value} is {what} ({source}), which writing it would "
+                                 f"destroy; give {option} another path")
+        for other, other_value, other_path in outputs[:i]:
+            if same_file(path, other_path):
+                raise UsageError(f"diagnose: {other} {other_value} and {option} {value} are the same file, and "
+                                 "one would overwrite the other; give each its own path")
 
 
 def _check_backend(name: str) -> None:
@@ -122,123 +237,71 @@ def _check_backend(name: str) -> None:
         raise UsageError(f"diagnose: --backend: {UnknownBackendError(name, known, '--backend')}")
 
 
+def _records_file(plan: _Plan) -> str | None:
+    """Where the watcher writes the step records: beside --metrics-file (renamed onto it at the end), a
+    temporary file for --report alone, or nowhere."""
+    if plan.metrics_file is not None:
+        try:
+            return temp_beside(output_target(plan.metrics_file, what="diagnose: --metrics-file"))
+        except OSError as exc:
+            raise UsageError(f"diagnose: --metrics-file {plan.metrics_file}: cannot write in its directory "
+                             f"({exc.strerror or exc})") from None
+    if plan.report is not None:
+        fd, path = tempfile.mkstemp(prefix="accelport-diagnose-", suffix=".jsonl")
+        os.close(fd)
+        return path
+    return None
+
+
+# -- what was found, said at the end ----------------------------------------------------------
+
+
 def _wrapped(text: str, first: str) -> list[str]:
     return textwrap.wrap(text, _WIDTH, initial_indent=first, subsequent_indent=_INDENT,
                          break_long_words=False, break_on_hyphens=False) or [first.rstrip()]
 
 
-def render_summary(target: str, watcher: Any, exit_status: int, written: Sequence[str]) -> str:
-    """The findings in doctor's plain style: severity and what was seen, the fix, the script's line."""
+def render_summary(target: str, watcher: Watcher, outcome: Outcome, written: Sequence[str],
+                   redactor: Redactor) -> str:
+    """The findings in doctor's plain style: severity and what was seen, the fix, the script's line.
+
+    Each piece goes through ``redactor`` whole, before it is wrapped: no credential, and no
+    control character (a newline in a path) that would forge a line.
+    """
     from accelport.diagnose.watch import where
 
+    shown = redactor.text
     findings = watcher.findings
     on = f" on {watcher.backend_name}" if watcher.backend_name else ""
     found = f": {len(findings)} finding(s)" if findings else ""
-    lines = [f"accelport diagnose: {_shown(target)} took {watcher.steps} optimizer step(s){on} and exited with "
-             f"status {exit_status}{found}"]
+    if outcome.ended_by is not None:
+        ended = f"was ended by {signal.Signals(outcome.ended_by).name} (status {outcome.exit_status})"
+    else:
+        ended = f"exited with status {outcome.exit_status}"
+    lines = [shown(f"accelport diagnose: {target} took {watcher.steps} optimizer step(s){on} and {ended}{found}")]
     for f in findings:
-        seen, _, fix = f.message.partition(": ")
+        seen, _, fix = shown(f.message).partition(": ")
         lines += _wrapped(f"{f.kind} at step {f.step}: {seen}", f"  [{_ICON[f.severity]}] ")
         if fix:
             lines += _wrapped(fix, f"{_INDENT}fix: ")
         site = where(f, watcher.sites)
         if site:
-            lines.append(f"{_INDENT}at {site[0]}:{site[1]}")
-    if not findings:
-        if watcher.steps:
-            lines.append(f"  [{_ICON['ok']}] no finding: nothing in this run looks slow or wrong")
-        else:
-            lines += _wrapped("no optimizer step ran in this process, so nothing was diagnosed: diagnose watches "
-                              "optimizer.step() of torch.optim optimizers (also inside xm.optimizer_step); "
-                              "training in processes the script starts (torch_xla.launch, xmp.spawn) is not "
-                              "watched", f"  [{_ICON['note']}] ")
+            lines.append(shown(f"{_INDENT}at {site[0]}:{site[1]}"))
+    if not findings and watcher.steps and watcher.backend_name:
+        lines.append(f"  [{_ICON['ok']}] no finding: nothing in this run looks slow or wrong")
+    elif not findings and not watcher.steps:
+        lines += _wrapped("no optimizer step ran in this process, so nothing was diagnosed: diagnose watches "
+                          "optimizer.step() of torch.optim optimizers (also inside xm.optimizer_step); "
+                          "training in processes the script starts (torch_xla.launch, xmp.spawn) is not "
+                          "watched", f"  [{_ICON['note']}] ")
     for note in watcher.notes:
-        lines += _wrapped(note, f"  [{_ICON['note']}] ")
+        lines += _wrapped(shown(note), f"  [{_ICON['note']}] ")
     if written:
-        lines.append(f"  [{_ICON['note']}] wrote {', '.join(_shown(p) for p in written)}")
+        lines.append(shown(f"  [{_ICON['note']}] wrote {', '.join(written)}"))
     return "\n".join(lines)
 
 
-def _write(path: str, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-
-
-def run(args: argparse.Namespace) -> int:
-    from accelport.diagnose.watch import Watcher, run_watched
-
-    if args.json:
-        raise UsageError("diagnose: stdout belongs to the script; write the findings as JSON with --output FILE.json")
-    module_argv = args.module
-    if module_argv is not None:  # (-m takes the rest of the line: no script can follow it)
-        if not module_argv:
-            raise UsageError("diagnose: -m needs a module name: accelport diagnose -m MODULE [ARGS ...]")
-        module, script, script_args = module_argv[0], None, module_argv[1:]
-        _check_module(module)
-    elif args.script is None:
-        raise UsageError("diagnose: give the script to run: accelport diagnose SCRIPT [ARGS ...] "
-                         "(or -m MODULE [ARGS ...])")
-    else:
-        module, script = None, args.script
-        script_args = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
-        _check_script(script)
-    output = _output_path("--output", args.output)
-    report = _output_path("--report", args.report)
-    metrics_file = _output_path("--metrics-file", args.metrics_file)
-    if args.backend is not None:
-        _check_backend(args.backend)
-
-    # The report is drawn from the step records: kept in a temporary file unless asked for.
-    scratch = None
-    if report is not None and metrics_file is None:
-        scratch = tempfile.mkdtemp(prefix="accelport-diagnose-")
-        metrics_file = os.path.join(scratch, "steps.jsonl")
-    if metrics_file is not None and os.path.exists(metrics_file):
-        os.remove(metrics_file)  # this run's steps, not appended to an earlier run's
-    watcher = Watcher(backend=args.backend.strip().lower() if args.backend else None, metrics_file=metrics_file)
-    target = script if script is not None else f"-m {module}"
-    outcome = run_watched(watcher, script=script, module=module, args=script_args)
-
-    written: list[str] = []
-    problems: list[str] = []
-    try:
-        if output is not None:
-            try:
-                _write(output, json.dumps(_result(watcher, outcome.exit_status), indent=2, default=str) + "\n")
-                written.append(output)
-            except OSError as exc:
-                problems.append(f"cannot write --output {_shown(output)}: {exc.strerror or exc}")
-        if report is not None:
-            if metrics_file is None or not os.path.exists(metrics_file):
-                watcher.notes.append("no report page: no step was recorded, and the page draws the steps")
-            else:
-                problem = _write_report(report, metrics_file, watcher, target)
-                if problem:
-                    problems.append(problem)
-                else:
-                    written.append(report)
-        if metrics_file is not None and scratch is None and os.path.exists(metrics_file):
-            written.append(metrics_file)
-    finally:
-        if scratch is not None:
-            import shutil
-
-            shutil.rmtree(scratch, ignore_errors=True)
-    try:
-        sys.stdout.flush()  # the script's output first, then what was found
-    except (OSError, ValueError):
-        pass
-    print(render_summary(target, watcher, outcome.exit_status, written), file=sys.stderr)
-    for problem in problems:
-        print(f"accelport: error: {problem}", file=sys.stderr)
-    if outcome.interrupted:
-        _die_of_sigint()
-    if problems and outcome.exit_status == 0:
-        return 1
-    return outcome.exit_status
-
-
-def _result(watcher: Any, exit_status: int) -> dict[str, Any]:
+def _result(watcher: Watcher, outcome: Outcome) -> dict[str, Any]:
     from accelport.diagnose.watch import where
 
     findings = []
@@ -249,28 +312,264 @@ def _result(watcher: Any, exit_status: int) -> dict[str, Any]:
             item["evidence"]["where"] = f"{site[0]}:{site[1]}"
         findings.append(item)
     return {"findings": findings, "metrics": watcher.metrics(), "steps": watcher.steps,
-            "backend": watcher.backend_name, "exit_status": exit_status}
+            "backend": watcher.backend_name, "exit_status": outcome.exit_status}
 
 
-def _write_report(report: str, records_path: str, watcher: Any, target: str) -> str | None:
+def _json(obj: Any, redactor: Redactor) -> bytes:
+    plain = json.loads(json.dumps(obj, default=str))  # what JSON holds, so that every string is redacted
+    return (json.dumps(redactor.tree(plain), indent=2, allow_nan=False) + "\n").encode("utf-8")
+
+
+def _write_report(plan: _Plan, records: str, watcher: Watcher, redactor: Redactor) -> str | None:
     """Write the report page (the one ``accelport report`` draws, with the live findings); why not, or None."""
     from accelport.diagnose.report import ReportError, load_records, render_html
 
+    assert plan.report is not None
     try:
-        records = load_records(records_path)
-        _write(report, render_html(records, watcher.findings, title=f"accelport diagnose: {target}"))
+        # The page's own pass redacts every text on it (the title's path too), then escapes it.
+        page = render_html(load_records(records), watcher.findings, title=f"accelport diagnose: {plan.target}",
+                           redactor=redactor)
     except ReportError as exc:
         return f"no report page: {exc}"
-    except OSError as exc:
-        return f"cannot write --report {_shown(report)}: {exc.strerror or exc}"
+    try:
+        write_atomic(plan.report, page.encode("utf-8"), what="--report")
+    except AccelportError as exc:
+        return str(exc)
     return None
 
 
-def _die_of_sigint() -> None:
-    """End as Python does after an unhandled Ctrl-C: killed by SIGINT, so a calling shell stops too."""
+def _conclude(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | None, redactor: Redactor,
+              stderr: Any) -> bool:
+    """Write the outputs and say what was found; whether writing one failed."""
+    written: list[str] = []
+    problems: list[str] = []
+    if plan.output is not None:
+        try:
+            write_atomic(plan.output, _json(_result(watcher, outcome), redactor), what="--output")
+            written.append(plan.output)
+        except AccelportError as exc:
+            problems.append(str(exc))
+    has_steps = records is not None and os.path.isfile(records) and os.path.getsize(records) > 0
+    if plan.report is not None:
+        if not has_steps or records is None:
+            watcher.notes.append("no report page: no step was recorded, and the page draws the steps")
+        else:
+            problem = _write_report(plan, records, watcher, redactor)
+            if problem:
+                problems.append(problem)
+            else:
+                written.append(plan.report)
+    if plan.metrics_file is not None and records is not None:
+        try:  # this run's steps, in one rename: never appended to an earlier run's, never half there
+            replace_with(records, output_target(plan.metrics_file, what="--metrics-file"))
+            written.append(plan.metrics_file)
+        except (OSError, AccelportError) as exc:
+            problems.append(f"cannot write --metrics-file {plan.metrics_file}: "
+                            f"{getattr(exc, 'strerror', None) or exc}")
+    _flush(sys.stdout)  # the script's output first, then what was found
+    _say(stderr, render_summary(plan.target, watcher, outcome, written, redactor))
+    for problem in problems:
+        _say(stderr, f"accelport: error: {redactor.text(problem)}")
+    return bool(problems)
+
+
+# -- running it ---------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> int:
+    from accelport.diagnose.watch import Watcher, run_watched
+    from accelport.redact import Redactor
+
+    redactor = Redactor(os.environ)
     try:
-        sys.stderr.flush()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-    except (OSError, ValueError):  # not the main thread, or no such signal here: the status says 130
+        plan = _plan(args)
+        records = _records_file(plan)
+    except UsageError as exc:
+        # Printed on the script's stderr, which no redacting stream guards: the one pass is here.
+        raise UsageError(redactor.text(str(exc))) from None
+    if plan.report is not None:
+        # Imported before the script's directory goes on sys.path (an html.py there is the script's).
+        import accelport.diagnose.report  # noqa: F401
+    stderr = sys.stderr  # accelport's messages go where stderr was, whatever the script makes of sys.stderr
+    saved_builtins = dict(vars(builtins))
+    watcher = Watcher(backend=plan.backend, metrics_file=records, redactor=redactor)
+
+    def conclude(outcome: Outcome) -> bool:
+        try:
+            with _own_builtins(saved_builtins):
+                return _conclude(plan, watcher, outcome, records, redactor, stderr)
+        finally:
+            _remove(records)  # (published already where it was the metrics file)
+
+    ending = _Terminate(watcher, conclude)
+    pid = os.getpid()
+    problems = False
+    _give_stdout_back()
+    ending.install()
+    try:
+        outcome = run_watched(watcher, script=plan.script, module=plan.module, args=plan.args)
+        ending.script_ended()
+        if not outcome.forked:  # (in a process the script forked, the script ended there: nothing to say)
+            problems = conclude(outcome)
+    finally:
+        if os.getpid() == pid:
+            ending.uninstall()
+            _remove(records)
+    _leave_streams_flushable()
+    if ending.pending:
+        _die_of(signal.SIGTERM)
+    if outcome.ended_by is not None:
+        _die_of(outcome.ended_by)
+    if not outcome.forked and problems and outcome.exit_status == 0:
+        return 1
+    return outcome.exit_status
+
+
+class _Terminate:
+    """SIGTERM (a scheduler's kill) while the script runs: the findings so far are written, then the process
+    ends by SIGTERM, as it would have without accelport.
+
+    Installed only where SIGTERM would have ended the script (its disposition is the default): an
+    ignored one stays ignored, and a handler the script installs replaces this one, so the script's
+    runs. Once the script has ended, a SIGTERM waits until the outputs are written.
+    """
+
+    def __init__(self, watcher: Watcher, conclude: Callable[[Outcome], object]) -> None:
+        self._watcher = watcher
+        self._conclude = conclude
+        self._pid = os.getpid()
+        self._running = True
+        self._installed = False
+        self.pending = False
+
+    def install(self) -> None:
+        try:
+            if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, self)
+                self._installed = True
+        except (AttributeError, ValueError, OSError):  # not the main thread, or no SIGTERM on this system
+            pass
+
+    def uninstall(self) -> None:
+        if self._installed and signal.getsignal(signal.SIGTERM) is self:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        self._installed = False
+
+    def script_ended(self) -> None:
+        self._running = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        from accelport.diagnose.watch import Outcome
+
+        if os.getpid() == self._pid and not self._running:
+            self.pending = True
+            return
+        try:
+            if os.getpid() == self._pid:  # (a process the script forked ends at once, as it would have)
+                self._running = False
+                self._watcher.finish()
+                self._conclude(Outcome(128 + signum, signum))
+        except BaseException:  # whatever failed, the process still ends as SIGTERM ends it
+            pass
+        finally:
+            _die_of(signum)
+            os._exit(128 + signum)  # (where the signal could not be raised: its status)
+
+
+def _die_of(signum: int) -> None:
+    """End as Python ends when a signal's default action ends it (SIGINT: after an unhandled Ctrl-C):
+    killed by that signal, so a calling shell or scheduler sees it."""
+    for stream in (sys.stdout, sys.stderr):
+        _flush(stream)
+    try:
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)  # to this thread: delivered before it returns
+    except (AttributeError, OSError, ValueError):  # not the main thread, or no such signal: the status says it
         pass
+
+
+def _give_stdout_back() -> None:
+    """stdout with the error handler Python chose for it (the CLI switched it to backslashreplace): under
+    python, printing what the stream cannot encode fails the script, and so it does here."""
+    stream: Any = sys.__stdout__
+    if stream is None or sys.stdout is not stream:
+        return  # a caller's stream (a test's), not the process's
+    try:
+        errors = getattr(sys.__stdin__, "errors", None)  # Python gives stdin and stdout the same one
+        if not isinstance(errors, str):
+            errors = _python_stdio_errors()
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None and stream.errors != errors:
+            reconfigure(errors=errors)
+    except (AttributeError, LookupError, OSError, ValueError):
+        pass
+
+
+def _python_stdio_errors() -> str:
+    """The error handler Python gives stdin and stdout (stdin is closed, so it cannot be read from it)."""
+    import locale
+
+    configured = os.environ.get("PYTHONIOENCODING", "").partition(":")[2]
+    if configured:
+        return configured
+    ctype = locale.setlocale(locale.LC_CTYPE)
+    if sys.flags.utf8_mode or ctype in ("C", "POSIX") or ctype.lower().replace("-", "") in ("c.utf8", "utf8"):
+        return "surrogateescape"
+    return "strict"
+
+
+@contextlib.contextmanager
+def _own_builtins(saved: dict[str, Any]) -> Iterator[None]:
+    """accelport's code with the builtins it started with (the script may have replaced ``open`` or
+    ``print``); the script's come back after, for its atexit handlers."""
+    names = vars(builtins)
+    changed = {name: names.get(name, _MISSING) for name, value in saved.items()
+               if names.get(name, _MISSING) is not value}
+    names.update({name: saved[name] for name in changed})
+    try:
+        yield
+    finally:
+        for name, value in changed.items():
+            if value is _MISSING:
+                names.pop(name, None)
+            else:
+                names[name] = value
+
+
+def _say(stream: Any, text: str) -> None:
+    """A line of accelport's on the stderr it started with; where the script closed that, on descriptor 2."""
+    try:
+        stream.write(text + "\n")
+        stream.flush()
+        return
+    except Exception:
+        pass
+    try:
+        os.write(2, (text + "\n").encode("utf-8", "backslashreplace"))
+    except OSError:
+        pass
+
+
+def _flush(stream: Any) -> None:
+    try:
+        stream.flush()
+    except Exception:  # closed, replaced by something without flush(), or a pipe gone
+        pass
+
+
+def _leave_streams_flushable() -> None:
+    """A stream the script closed, removed or broke is set aside, so the CLI's last flush has nothing to
+    fail on (Python passes over a closed one at exit the same way)."""
+    for name in ("stdout", "stderr"):
+        try:
+            getattr(sys, name).flush()
+        except Exception:
+            setattr(sys, name, io.StringIO())
+
+
+def _remove(path: str | None) -> None:
+    if path is not None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass

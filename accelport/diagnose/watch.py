@@ -30,14 +30,22 @@ from __future__ import annotations
 
 import functools
 import importlib.abc
+import importlib.machinery
+import importlib.util
+import io
+import linecache
+import marshal
 import os
+import pkgutil
 import re
 import runpy
+import signal
 import sys
 import threading
 import time
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -52,8 +60,9 @@ from accelport.runtime.tracker import StepTracker
 if TYPE_CHECKING:
     from accelport.contract import Backend
     from accelport.plugins.host import PluginHost
+    from accelport.redact import Redactor
 
-__all__ = ["Watcher", "Outcome", "run_watched", "user_site", "where"]
+__all__ = ["Watcher", "Outcome", "run_watched", "entry_spec", "user_site", "where"]
 
 #: Top-level packages whose frames are never "the user's line".
 _LIBRARIES = frozenset({
@@ -135,20 +144,28 @@ class _PostImport(importlib.abc.MetaPathFinder):
 
     def __init__(self, callbacks: Mapping[str, Callable[[types.ModuleType], None]]) -> None:
         self.pending = dict(callbacks)
+        self._asking: set[tuple[int, str]] = set()  # (thread, module) this finder is asking the others about
 
     def find_spec(self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None) -> Any:
         callback = self.pending.get(fullname)
-        if callback is None:
+        key = (threading.get_ident(), fullname)
+        # A finder of the script's that delegates to the others (this one too) asks again from
+        # inside the loop below: that question is not this finder's to answer.
+        if callback is None or key in self._asking:
             return None
-        for finder in sys.meta_path:
-            if finder is self:
-                continue
-            find = getattr(finder, "find_spec", None)
-            spec = find(fullname, path, target) if find is not None else None
-            if spec is not None:
-                break
-        else:
-            return None
+        self._asking.add(key)
+        try:
+            for finder in list(sys.meta_path):
+                if finder is self:
+                    continue
+                find = getattr(finder, "find_spec", None)
+                spec = find(fullname, path, target) if find is not None else None
+                if spec is not None:
+                    break
+            else:
+                return None
+        finally:
+            self._asking.discard(key)
         loader = spec.loader
         if loader is None or isinstance(loader, type) or not hasattr(loader, "exec_module"):
             return spec  # a loader shared by many modules (builtin, frozen): left alone
@@ -169,10 +186,14 @@ class _PostImport(importlib.abc.MetaPathFinder):
 
 @dataclass
 class Outcome:
-    """How the script ended: its exit status, and whether Ctrl-C ended it."""
+    """How the script ended: the status the shell sees, and the signal the process ends by, if one does."""
 
     exit_status: int
-    interrupted: bool = False
+    #: The signal that ends the process, as it would have ended under ``python`` (SIGINT after an
+    #: unhandled Ctrl-C, SIGTERM); ``exit_status`` is then 128 + it, as a shell reports it.
+    ended_by: int | None = None
+    #: True in a process the script forked, once the script has ended there: the parent reports the run.
+    forked: bool = False
 
 
 class Watcher:
@@ -181,14 +202,18 @@ class Watcher:
     ``environ`` is what the host reads (default: the process's, read as it changes);
     ``backend`` names the backend whose counters are read (default: the one that drives
     the device of the first parameter being stepped); ``metrics_file`` gets one JSON line
-    per step, as ``ACCELPORT_METRICS_FILE`` would.
+    per step, as ``ACCELPORT_METRICS_FILE`` would; ``redactor``, where given, is the pass
+    the diagnoses shown while the script runs go through.
+
+    A process the script forks is not watched: its copy of the watcher stops at the fork.
     """
 
     def __init__(self, environ: Mapping[str, str] | None = None, *, backend: str | None = None,
-                 metrics_file: str | None = None) -> None:
+                 metrics_file: str | None = None, redactor: Redactor | None = None) -> None:
         self._environ = os.environ if environ is None else environ
         self._backend_name = backend
         self._metrics_file = metrics_file
+        self._redactor = redactor
         self.tracker = StepTracker()
         self.runtime: Runtime | None = None
         self.backend: Backend | None = None
@@ -228,6 +253,8 @@ class Watcher:
             "torch_xla.distributed.parallel_loader": self._on_parallel_loader,
         }
         self._active = self._feeding = True
+        if hasattr(os, "register_at_fork"):  # (weakly: the registration outlives the watcher)
+            os.register_at_fork(after_in_child=functools.partial(_stop_in_child, weakref.ref(self)))
         self._prebuilt = self._prebuild()
         self._showwarning = warnings.showwarning
         warnings.showwarning = self._show_warning
@@ -542,6 +569,8 @@ class Watcher:
             site = (where(finding, self.sites) if finding is not None else None) or here
             if site is not None:
                 filename, lineno, line = site[0], site[1], None
+            if self._redactor is not None:  # accelport's own message: no credential, no control character
+                message, filename, line = _redacted(self._redactor, message, category, filename, lineno, line)
         self._showwarning(message, category, filename, lineno, file, line)
 
     # -- results -----------------------------------------------------------------------------
@@ -572,6 +601,27 @@ class Watcher:
         if self.runtime is None or self.backend is None:
             return {}
         return self.runtime.metrics().to_dict()
+
+
+def _redacted(redactor: Redactor, message: Any, category: type[Warning], filename: str, lineno: int,
+              line: str | None) -> tuple[Any, str, str]:
+    """A diagnosis's warning as shown: its text, the file name and the source line under it, redacted."""
+    if line is None:  # what showwarning would print under it, read while the file name is the real one
+        line = linecache.getline(filename, lineno)
+    shown = redactor.text(str(message))
+    if shown != str(message):
+        try:
+            message = category(shown)
+        except Exception:  # a category that takes other arguments: the text alone
+            message = shown
+    return message, redactor.text(filename), redactor.text(line.strip())
+
+
+def _stop_in_child(ref: weakref.ReferenceType[Watcher]) -> None:
+    """In a process the script forked: that copy of the watcher watches nothing (the parent reports)."""
+    watcher = ref()
+    if watcher is not None:
+        watcher._active = watcher._feeding = False
 
 
 def _device_type(optimizer: Any) -> str | None:
@@ -619,28 +669,46 @@ def _script_traceback(tb: types.TracebackType | None) -> types.TracebackType | N
 
 
 def _exit_status(code: Any) -> int:
-    """What Python makes of ``SystemExit(code)``: None is 0, an int itself, anything else is printed and is 1."""
+    """The status Python exits with after ``SystemExit(code)``, as the shell sees it: None is 0; an int (True
+    too) is itself as the system keeps it (its low 8 bits; one too large for a C long is -1); anything else
+    is printed on stderr and is 1."""
     if code is None:
         return 0
     if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
+        status = int(code) if -(1 << 63) <= code < (1 << 63) else -1
+        return status & 0xFF if os.name == "posix" else status
+    try:
+        print(code, file=sys.stderr)
+    except Exception:  # the script closed its stderr: Python says nothing either
+        pass
     return 1
 
 
-def _run_file(path: str) -> None:
-    """Run the file at ``path`` as ``python path`` does: a fresh ``__main__`` whose ``__file__`` (and code) has
-    the absolute path, while ``sys.argv[0]`` stays as typed (``runpy.run_path`` would change it)."""
-    import builtins
-    from importlib.machinery import SourceFileLoader
+def entry_spec(path: str) -> importlib.machinery.ModuleSpec | None:
+    """How ``python path`` runs ``path``: None for a file run as a script (source or ``.pyc``); for a
+    directory or a zip archive (a zipapp), the spec of its ``__main__`` module. LookupError where it has none.
 
-    full = os.path.abspath(path)
-    with open(full, "rb") as f:  # bytes: compile() honours a coding declaration, as python does
-        source = f.read()
-    code = compile(source, full, "exec", dont_inherit=True)
+    Python tells them apart as this does: by asking ``sys.path_hooks`` for an importer of the path.
+    """
+    importer = pkgutil.get_importer(os.path.abspath(path))
+    if importer is None:
+        return None
+    find = getattr(importer, "find_spec", None)
+    spec = find("__main__") if find is not None else None
+    if spec is None or spec.loader is None:
+        raise LookupError(f"can't find '__main__' module in {path!r}")
+    return spec
+
+
+def _fresh_main(**attributes: Any) -> types.ModuleType:
+    import builtins
+
     main = types.ModuleType("__main__")
-    main.__dict__.update(__file__=full, __cached__=None, __loader__=SourceFileLoader("__main__", full),
-                         __spec__=None, __package__=None, __builtins__=builtins, __annotations__={})
+    main.__dict__.update(__builtins__=builtins, __annotations__={}, **attributes)
+    return main
+
+
+def _execute(code: types.CodeType, main: types.ModuleType) -> None:
     saved = sys.modules.get("__main__")
     sys.modules["__main__"] = main
     try:
@@ -650,49 +718,161 @@ def _run_file(path: str) -> None:
             sys.modules["__main__"] = saved
 
 
+def _run_file(path: str) -> None:
+    """Run the file at ``path`` as ``python path`` does: a fresh ``__main__`` whose ``__file__`` (and code) has
+    the absolute path, while ``sys.argv[0]`` stays as typed (``runpy.run_path`` would change it).
+
+    A ``.pyc`` is told from source as Python tells it (by its name or its magic number) and run
+    from its code object; source is compiled from bytes, so a coding declaration holds.
+    """
+    full = os.path.abspath(path)
+    with io.open_code(full) as f:
+        data = f.read()
+    magic = importlib.util.MAGIC_NUMBER
+    loader: Any
+    if full.endswith(".pyc") or data[:2] == magic[:2]:
+        if data[:4] != magic:
+            raise RuntimeError("Bad magic number in .pyc file")
+        code = marshal.loads(data[16:])  # after the 16-byte header: magic, flags, and mtime and size or hash
+        if not isinstance(code, types.CodeType):
+            raise RuntimeError("Bad code object in .pyc file")
+        loader = importlib.machinery.SourcelessFileLoader("__main__", full)
+    else:
+        code = compile(data, full, "exec", dont_inherit=True)
+        loader = importlib.machinery.SourceFileLoader("__main__", full)
+    _execute(code, _fresh_main(__file__=full, __cached__=None, __loader__=loader, __spec__=None,
+                               __package__=None))
+
+
+def _run_main_module(spec: importlib.machinery.ModuleSpec) -> None:
+    """Run the ``__main__`` module of a directory or zipapp as ``python DIR`` does (as runpy runs it: the
+    module's spec, file and loader), in a fresh ``__main__``, ``sys.argv[0]`` as typed."""
+    assert spec.loader is not None
+    code = spec.loader.get_code(spec.name)  # type: ignore[attr-defined]
+    if code is None:
+        raise ImportError(f"No code object available for {spec.name}")
+    _execute(code, _fresh_main(__file__=spec.origin if spec.has_location else None, __cached__=spec.cached,
+                               __loader__=spec.loader, __spec__=spec, __package__=spec.parent))
+
+
+def _first_path(script: str | None, spec: importlib.machinery.ModuleSpec | None) -> str | None:
+    """What Python puts first on ``sys.path`` for this run: the script's directory, the directory or
+    archive run, or (``-m``) the working directory; nothing for a script or module under ``-P``."""
+    if spec is not None:
+        return os.path.abspath(str(script))  # added under -P too, as Python adds it
+    if getattr(sys.flags, "safe_path", False):
+        return None
+    return os.path.dirname(os.path.abspath(script)) if script is not None else os.getcwd()
+
+
+def _put_first(entry: str | None) -> Callable[[], None]:
+    """Make ``entry`` the script's ``sys.path[0]``; return what puts the path back afterwards.
+
+    Where Python put an entry of its own first for accelport (no ``-P``), the script's replaces
+    it, as it would have been the only one; under ``-P`` it goes before the rest.
+    """
+    if entry is None:
+        return lambda: None
+    if sys.path and not getattr(sys.flags, "safe_path", False):
+        saved = sys.path[0]
+        sys.path[0] = entry
+
+        def restore() -> None:
+            if sys.path and sys.path[0] == entry:
+                sys.path[0] = saved
+    else:
+        sys.path.insert(0, entry)
+
+        def restore() -> None:
+            if sys.path and sys.path[0] == entry:
+                del sys.path[0]
+    return restore
+
+
+def _pool_threads() -> set[threading.Thread]:
+    """The threads of concurrent.futures pools (torch's compile workers among them). Python tells them to
+    stop at exit before it waits for threads, through these registries of theirs; waited for here, they
+    would never end."""
+    threads: set[threading.Thread] = set()
+    for module, registry in (("concurrent.futures.thread", "_threads_queues"),
+                             ("concurrent.futures.process", "_threads_wakeups")):
+        threads.update(list(getattr(sys.modules.get(module), registry, None) or ()))
+    return threads
+
+
+def _wait_for_threads(before: set[threading.Thread]) -> None:
+    """Wait for the threads the script started and did not make daemons, as Python does before it exits:
+    what they do (steps too) is part of the run. Pools' threads are left to Python's own shutdown."""
+    current = threading.current_thread()
+    while True:
+        pools = _pool_threads()
+        waiting = [t for t in threading.enumerate()
+                   if t not in before and t is not current and not t.daemon and t.is_alive() and t not in pools]
+        if not waiting:
+            return
+        for thread in waiting:
+            thread.join()
+
+
+def _print_exception(exc: BaseException) -> None:
+    """The script's error as Python prints it: its traceback, without the frames that ran it or watched it."""
+    tb = _script_traceback(exc.__traceback__)
+    try:  # (the display reads the exception's own traceback, so it is trimmed there)
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+    except Exception:  # the script closed or replaced its stderr: Python loses the traceback too
+        pass
+
+
 def run_watched(watcher: Watcher, *, script: str | None = None, module: str | None = None,
                 args: Sequence[str] = ()) -> Outcome:
     """Run ``script`` (a path) or ``module`` (as ``python -m`` does) as ``__main__`` with ``args``, watched.
 
     As ``python`` would: ``sys.argv`` is the script and its arguments, ``sys.path[0]`` the
-    script's directory (the working directory for a module); the working directory and the
-    standard streams are the process's own. An exception is printed through
-    ``sys.excepthook`` without accelport's frames and gives status 1 (Ctrl-C: 130, and
-    ``interrupted``); ``SystemExit`` gives its code. ``sys.argv`` and ``sys.path[0]`` are
-    put back afterwards, and every hook is taken out.
+    script's directory (the directory or zipapp itself; the working directory for a module;
+    none under ``-P``); the working directory and the standard streams are the process's own.
+    A ``.pyc``, a directory or a zipapp with a ``__main__`` runs as under ``python``. An
+    exception is printed through ``sys.excepthook`` without accelport's frames and gives
+    status 1 (Ctrl-C: 130, ended by SIGINT); ``SystemExit`` gives the status Python would.
+    The threads the script started are waited for, as Python does before it exits. ``sys.argv``
+    and ``sys.path[0]`` are put back afterwards, and every hook is taken out.
+
+    The watcher is installed before the script's directory goes on ``sys.path``, so what
+    accelport imports is never a file of the script's that shadows the standard library.
+    LookupError: a directory or archive without ``__main__`` (see :func:`entry_spec`).
     """
     if (script is None) == (module is None):
         raise ValueError("run_watched runs a script or a module: give one of them")
+    spec = entry_spec(script) if script is not None else None
+    watcher.install()
+    pid = os.getpid()
+    before = set(threading.enumerate())
     saved_argv = sys.argv[:]
-    home = os.path.dirname(os.path.abspath(script)) if script is not None else os.getcwd()
-    saved_first = sys.path[0] if sys.path else None
-    if sys.path:
-        sys.path[0] = home
-    else:
-        sys.path.append(home)
+    restore_path = _put_first(_first_path(script, spec))
     sys.argv = [script if script is not None else str(module), *args]
     outcome = Outcome(0)
-    watcher.install()
     try:
-        if script is not None and not os.path.isdir(script):
-            _run_file(script)
-        elif script is not None:  # a directory with a __main__.py, as python runs one
-            runpy.run_path(script, run_name="__main__")
-        else:
-            runpy.run_module(str(module), run_name="__main__", alter_sys=True)
-    except SystemExit as exc:
-        outcome = Outcome(_exit_status(exc.code))
-    except BaseException as exc:  # the script's own error: its traceback, as Python prints it
-        # (the display reads the exception's own traceback, so it is trimmed there)
-        tb = _script_traceback(exc.__traceback__)
-        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
-        outcome = Outcome(130, interrupted=True) if isinstance(exc, KeyboardInterrupt) else Outcome(1)
+        try:
+            if module is not None:
+                runpy.run_module(str(module), run_name="__main__", alter_sys=True)
+            elif spec is None:
+                _run_file(str(script))
+            else:
+                _run_main_module(spec)
+        except SystemExit as exc:
+            outcome = Outcome(_exit_status(exc.code))
+        except BaseException as exc:  # the script's own error, as Python prints it
+            _print_exception(exc)
+            outcome = Outcome(130, signal.SIGINT) if isinstance(exc, KeyboardInterrupt) else Outcome(1)
+        try:
+            _wait_for_threads(before)
+        except KeyboardInterrupt:  # Ctrl-C while Python would have been waiting for them
+            outcome = Outcome(130, signal.SIGINT)
     finally:
         try:
             watcher.finish()
         finally:
             watcher.uninstall()
             sys.argv = saved_argv
-            if saved_first is not None and sys.path and sys.path[0] == home:
-                sys.path[0] = saved_first
+            restore_path()
+    outcome.forked = os.getpid() != pid
     return outcome

@@ -23,16 +23,7 @@ import pytest
 
 from accelport.cli import main
 from accelport.contract import StepRecord
-
-SCRIPTS = pathlib.Path(__file__).resolve().parent / "scripts"
-REPO = SCRIPTS.parent.parent.parent
-
-
-def run(*args: str, cwd: pathlib.Path | str = REPO, stdin: str | None = None,
-        diagnose: bool = True) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "accelport", "diagnose", *args] if diagnose else [sys.executable, *args]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELPORT_")}
-    return subprocess.run(command, cwd=cwd, input=stdin, capture_output=True, text=True, timeout=300, env=env)
+from tests.diagnose_cli.runs import SCRIPTS, run
 
 
 def line_of(script: pathlib.Path, text: str) -> int:
@@ -140,16 +131,33 @@ def test_a_script_that_raises_prints_its_own_traceback(tmp_path: pathlib.Path) -
     (["exit", "0"], 0, "accelport diagnose: "),
     (["exit", "4"], 4, "accelport diagnose: "),
     (["exit-text", "stopped: bad config"], 1, "stopped: bad config\naccelport diagnose: "),
+    # What the shell sees: the low 8 bits of the code; True is 1.
+    (["exit", "256"], 0, "accelport diagnose: "),
+    (["exit", "-1"], 255, "accelport diagnose: "),
+    (["exit-true"], 1, "accelport diagnose: "),
 ])
-def test_system_exit_gives_the_status_python_gives(capfd: pytest.CaptureFixture[str], args: list[str],
-                                                  status: int, stderr_start: str) -> None:
-    assert main(["diagnose", str(SCRIPTS / "ends.py"), *args]) == status
+def test_system_exit_gives_the_status_python_gives(capfd: pytest.CaptureFixture[str], tmp_path: pathlib.Path,
+                                                  args: list[str], status: int, stderr_start: str) -> None:
+    out = tmp_path / "f.json"
+    assert main(["diagnose", "--output", str(out), str(SCRIPTS / "ends.py"), *args]) == status
     captured = capfd.readouterr()
     assert captured.out == f"started {args!r}\n" and captured.err.startswith(stderr_start), captured.err
     assert f"exited with status {status}" in captured.err
+    assert json.loads(out.read_text())["exit_status"] == status
+
+
+def test_a_double_dash_after_the_script_is_the_scripts_own(capfd: pytest.CaptureFixture[str]) -> None:
+    ends = str(SCRIPTS / "ends.py")
+    assert main(["diagnose", ends, "--", "-m", "x"]) == 0
+    assert capfd.readouterr().out == "started ['--', '-m', 'x']\n"
+    # One before the script separates it from diagnose's options; the script's own stay.
+    assert main(["diagnose", "--", ends, "exit", "0", "--"]) == 0
+    assert capfd.readouterr().out == "started ['exit', '0', '--']\n"
 
 
 def test_ctrl_c_ends_it_as_it_would_have(tmp_path: pathlib.Path) -> None:
+    # (run() starts both with SIGINT at its default action: one inherited as ignored would make
+    # both python and diagnose ignore it, and the script sleep on)
     script = str(SCRIPTS / "ends.py")
     plain = run(script, "interrupt", diagnose=False)
     watched = run("--output", str(tmp_path / "f.json"), script, "interrupt")
@@ -166,8 +174,7 @@ def test_a_module_runs_as_with_python_m(tmp_path: pathlib.Path) -> None:
     (package / "__init__.py").write_text("")
     (package / "train.py").write_text(
         "import os, sys\nprint(__name__, sys.argv, sys.path[0] == os.getcwd(), __spec__.name)\nsys.exit(5)\n")
-    plain = subprocess.run([sys.executable, "-m", "mypkg.train", "--epochs", "1"], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=120)
+    plain = run("-m", "mypkg.train", "--epochs", "1", cwd=tmp_path, diagnose=False)
     watched = run("-m", "mypkg.train", "--epochs", "1", cwd=tmp_path)
     assert plain.returncode == watched.returncode == 5, watched.stderr
     assert watched.stdout == plain.stdout == f"__main__ ['{package / 'train.py'}', '--epochs', '1'] True mypkg.train\n"
@@ -175,17 +182,23 @@ def test_a_module_runs_as_with_python_m(tmp_path: pathlib.Path) -> None:
                                      "status 5")
 
 
-@pytest.mark.parametrize("case", ["missing script", "a directory", "missing module", "output directory missing",
-                                  "report directory missing", "no script", "unknown backend"])
+@pytest.mark.parametrize("case", ["missing script", "a directory", "missing module", "package without __main__",
+                                  "output directory missing", "report directory missing", "no script",
+                                  "unknown backend"])
 def test_bad_input_is_a_specific_error_with_exit_2(tmp_path: pathlib.Path, case: str) -> None:
     marker = tmp_path / "ran"
     script = tmp_path / "train.py"
     script.write_text(f"open({str(marker)!r}, 'w').close()\n")
     (tmp_path / "data").mkdir()
+    (tmp_path / "trainpkg").mkdir()
+    (tmp_path / "trainpkg" / "__init__.py").write_text("")
     args, words = {
         "missing script": (["nope.py"], "diagnose: nope.py: no such file; give the path of the training script"),
         "a directory": (["data"], "diagnose: data is a directory, not a Python script"),
         "missing module": (["-m", "no_such_pkg.train"], "diagnose: -m no_such_pkg.train: no module of that name"),
+        # As python -m says it, not "no such module".
+        "package without __main__": (["-m", "trainpkg"], "diagnose: -m trainpkg: 'trainpkg' is a package and "
+                                                         "cannot be executed directly (it has no __main__ module)"),
         "output directory missing": (["--output", "missing/f.json", "train.py"],
                                      "diagnose: --output missing/f.json: the directory"),
         "report directory missing": (["--report", "missing/r.html", "train.py"],

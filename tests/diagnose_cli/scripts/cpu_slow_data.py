@@ -1,9 +1,12 @@
 """A plain-PyTorch loop whose dataset is slow to read, with num_workers=0. Never imports accelport.
 
-`--exit N` ends it with sys.exit(N) after training, `--raise` with an exception.
+`--exit N` ends it with sys.exit(N) after training, `--raise` with an exception, `--terminate`
+with SIGTERM (a scheduler's kill) to itself.
 """
 
 import argparse
+import os
+import signal
 import sys
 import time
 
@@ -13,6 +16,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=16)
 parser.add_argument("--exit", type=int, default=None)
 parser.add_argument("--raise", dest="fail", action="store_true")
+parser.add_argument("--terminate", action="store_true")
 args = parser.parse_args()
 
 
@@ -45,3 +49,7 @@ if args.fail:
     check_the_loss(float(loss))
 if args.exit is not None:
     sys.exit(args.exit)
+if args.terminate:
+    print("trained; now killed", flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)  # never reached: SIGTERM ends it here

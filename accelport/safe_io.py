@@ -54,7 +54,10 @@ def read_regular_file(path: str, *, what: str, limit: int) -> bytes:
             raise _refuse(what, path, _kind(mode))
         chunks, size = [], 0
         while size <= limit:
-            chunk = os.read(fd, min(1 << 20, limit + 1 - size))
+            try:  # a read can fail after the open did (/proc/self/mem: an I/O error)
+                chunk = os.read(fd, min(1 << 20, limit + 1 - size))
+            except OSError as exc:
+                raise AccelportError(f"{what} {path!r} cannot be read ({exc.strerror or exc})") from None
             if not chunk:
                 break
             chunks.append(chunk)

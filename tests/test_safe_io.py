@@ -125,3 +125,9 @@ def test_a_temporary_file_beside_a_long_name_fits_the_file_system(tmp_path: Path
     replace_with(tmp, str(target))
     assert target.read_text() == "line\n" and not os.path.exists(tmp)
 
+
+
+def test_a_read_that_fails_after_the_open_is_a_specific_error() -> None:
+    # /proc/self/mem opens as a regular file, and its first read fails with an I/O error.
+    with pytest.raises(AccelportError, match=r"the setting '/proc/self/mem' cannot be read \("):
+        read_regular_file("/proc/self/mem", what="the setting", limit=1 << 20)

@@ -100,8 +100,10 @@ class _Output:
     @contextlib.contextmanager
     def session(self, as_json: bool, wrap: bool = True) -> Iterator[None]:
         saved_out, saved_err = sys.stdout, sys.stderr
-        for stream in (saved_out, saved_err):
-            try:  # an undecodable value is printed escaped, whatever PYTHONIOENCODING says
+        # A command's own output is printed escaped, whatever PYTHONIOENCODING says; a script
+        # run by `accelport diagnose` (wrap=False) keeps Python's error handler, as under python.
+        for stream in (saved_out, saved_err) if wrap else ():
+            try:
                 stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
             except (AttributeError, ValueError, OSError):
                 pass
@@ -123,7 +125,10 @@ class _Output:
             yield
         finally:
             for stream in (sys.stdout, sys.stderr):
-                stream.flush()
+                try:  # a script run by diagnose may have closed or replaced its streams
+                    stream.flush()
+                except (ValueError, OSError, AttributeError):
+                    pass
             sys.stdout, sys.stderr = saved_out, saved_err
             if json_fd is not None:
                 self.json_stream.flush()

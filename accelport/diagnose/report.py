@@ -26,6 +26,7 @@ from typing import Any
 from accelport.diagnose.metrics_log import record_from_dict
 from accelport.errors import AccelportError
 from accelport.redact import Redactor
+from accelport.safe_io import same_file, write_atomic
 
 __all__ = ["ReportError", "Run", "Written", "load_runs", "read_runs", "load_records", "skipped_note", "diagnose",
            "batch_shapes", "breakdown", "render_html", "write_report"]
@@ -415,13 +416,6 @@ class Written:
     skipped_lines: list[int] = field(default_factory=list)  # partial records of killed runs, read past
 
 
-def _same_file(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return os.path.abspath(a) == os.path.abspath(b)
-
-
 def write_report(source: str, output: str | None = None, redactor: Redactor | None = None) -> Written:
     """Read ``source`` (JSON lines), write the page about its last run; return what was written.
 
@@ -430,7 +424,7 @@ def write_report(source: str, output: str | None = None, redactor: Redactor | No
     ``redactor``: the pass every text on the page goes through (see :func:`render_html`).
     """
     target = output or os.path.splitext(source)[0] + ".html"
-    if _same_file(source, target):
+    if same_file(source, target):
         how = "-o names" if output else "the default output (the input's name with .html) is"
         raise ReportError(f"cannot write {target}: {how} the metrics file itself, and the page would replace "
                           "the run's record; give -o another path, e.g. -o report.html")
@@ -447,9 +441,8 @@ def write_report(source: str, output: str | None = None, redactor: Redactor | No
     what = _not_a_file(target)
     if what is not None:
         raise ReportError(f"cannot write {target}: it is {what}; give -o the path of an HTML file to write")
-    try:
-        with open(target, "w", encoding="utf-8") as f:
-            f.write(page)
-    except OSError as exc:
-        raise ReportError(f"cannot write {target}: {exc}") from None
+    try:  # whole or not at all: a full disk leaves the page that was there
+        write_atomic(target, page.encode("utf-8"), what="the report page")
+    except AccelportError as exc:
+        raise ReportError(str(exc)) from None
     return Written(target, findings, len(runs), run.first_line, run.last_line, skipped)

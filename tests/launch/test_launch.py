@@ -810,7 +810,10 @@ import os, sys, time
 import accelport as ap
 
 how = sys.argv[1]
-if ap.rank() == 1:  # (the process group is up: rank 0 is past it)
+# Both ranks meet first: a rank may return from setting up the process group while its peer
+# is still connecting, and an exit then fails the peer's set-up ("Connection closed by peer").
+ap.barrier()
+if ap.rank() == 1:
     if how == "message":
         sys.exit("rank 1 found no data")
     if how == "status":

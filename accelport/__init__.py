@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from accelport.compat.verdict import Verdict
     from accelport.contract import Backend, BackendInfo, Metrics, Probe, StepRecord
     from accelport.device_loader import DeviceLoader
+    from accelport.diagnose.rule import Diagnosis, Rule, RunView
     from accelport.plugins.hookspecs import hookimpl
     from accelport.runtime.state import Runtime
 
@@ -56,9 +57,12 @@ __all__ = [
     "CompatMatrixError",
     "CompatibilityWarning",
     "DiagnosticWarning",
+    "Diagnosis",
     "Metrics",
     "PluginWarning",
     "Probe",
+    "Rule",
+    "RunView",
     "ShardingError",
     "StepRecord",
     "UnknownBackendError",
@@ -99,6 +103,9 @@ _LAZY = {
     "Metrics": "accelport.contract",
     "Probe": "accelport.contract",
     "StepRecord": "accelport.contract",
+    "Diagnosis": "accelport.diagnose.rule",
+    "Rule": "accelport.diagnose.rule",
+    "RunView": "accelport.diagnose.rule",
     "hookimpl": "accelport.plugins.hookspecs",
 }
 
@@ -261,19 +268,16 @@ def after_step(fn: Callable[..., Any], *tensors: Any) -> None:
     _rt().backend().after_step(fn, tensors)
 
 
-def diagnostics() -> list[Any]:
-    """What the built-in diagnostics found so far in this run (``Diagnosis`` items).
+def diagnostics() -> list[Diagnosis]:
+    """What the diagnosis rules found so far in this run (:class:`Diagnosis` items).
 
-    Each has ``kind`` (recompilation, compile-limit, graph-break, host-sync,
-    input-bound, graph-growth, cpu-fallback, non-finite, precision,
-    deprecated-config), ``message`` (cause and fix), ``step``, ``evidence`` and
+    Each has ``kind`` (the built-in ones: recompilation, compile-limit, graph-break, host-sync,
+    input-bound, graph-growth, cpu-fallback, non-finite, precision, deprecated-config; a
+    plugin's rules add theirs), ``message`` (cause and fix), ``step``, ``evidence`` and
     ``severity`` ("problem" for compile-limit, non-finite, precision and a loop that never syncs). Empty when
     diagnostics are disabled (``ACCELPORT_DIAGNOSTICS=0``).
     """
-    rt = _rt()
-    rt.tracker.flush()  # steps not yet handed to the observers (see StepRecord)
-    plugin = rt.host().pm.get_plugin("diagnostics")
-    return list(getattr(plugin, "findings", []))
+    return _rt().findings()
 
 
 def compile(model: Any, **kwargs: Any) -> Any:  # noqa: A001 - the torch.compile of this API

@@ -19,8 +19,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     import torch
 
-    from accelport.doctor.finding import DoctorContext, Finding
-
 __all__ = ["Probe", "Metrics", "StepRecord", "Backend", "BackendInfo", "COUNTER_FIELDS"]
 
 
@@ -352,11 +350,6 @@ class Backend(abc.ABC):
 
         return load(self, path, map_location if map_location is not None else self.device(),
                     weights_only=weights_only, into=into)
-
-    # -- doctor -------------------------------------------------------------------------
-    def doctor_findings(self, context: DoctorContext) -> list[Finding]:
-        """This backend's own ``accelport doctor`` checks; metadata, /sys and environment only."""
-        return []
 
     def __repr__(self) -> str:
         return f"<accelport backend {self.name!r} ({self.platform})>"

@@ -16,18 +16,43 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol
 
 from accelport.contract import Backend
 from accelport.errors import DiagnosticWarning
 
-if TYPE_CHECKING:
-    from accelport.contract import Backend
-    from accelport.runtime.state import Runtime
-    from accelport.runtime.tracker import StepTracker
+__all__ = ["DeviceLoader", "LoaderRun", "LoaderTracker", "prefetch_iter", "shard_batches", "signature"]
 
-__all__ = ["DeviceLoader", "prefetch_iter", "shard_batches", "signature"]
+
+class LoaderTracker(Protocol):
+    """What ``ap.loader`` tells the run's step tracker (:class:`accelport.runtime.tracker.StepTracker`)."""
+
+    loader_info: dict[str, Any]
+    step_seconds: float
+    data_wait: float
+
+    def inspector(self) -> Any: ...
+
+    def batch_arrived(self, wait: float, sig: Any, batch: Any = None) -> None: ...
+
+    def synced(self) -> None: ...
+
+    def flush(self) -> None: ...
+
+
+class LoaderRun(Protocol):
+    """What ``ap.loader`` needs of the run it feeds (:class:`accelport.runtime.state.Runtime`)."""
+
+    @property
+    def tracker(self) -> LoaderTracker: ...
+
+    @property
+    def baseline(self) -> Mapping[str, Any]: ...
+
+    def backend(self) -> Backend: ...
+
+    def first_time(self, key: str) -> bool: ...
 
 _DONE = object()
 
@@ -165,7 +190,7 @@ def _progress_bar(iterable: Any) -> Any:
     return _tqdm()(total=total, unit="step", disable=None, dynamic_ncols=True)
 
 
-def _advance(bar: Any, tracker: StepTracker, backend: Backend, base: Any) -> None:
+def _advance(bar: Any, tracker: LoaderTracker, backend: Backend, base: Any) -> None:
     bar.update(1)
     if bar.n % 10 == 1 and not bar.disable:  # postfix formatting costs more than the update itself
         total = tracker.step_seconds or 1e-9
@@ -230,7 +255,7 @@ class DeviceLoader:
     ``len()`` is the wrapped loader's length (this replica's share with ``shard=True``).
     """
 
-    def __init__(self, iterable: Iterable[Any], runtime: Runtime, prefetch: int | None = None,
+    def __init__(self, iterable: Iterable[Any], runtime: LoaderRun, prefetch: int | None = None,
                  shard: bool | None = None, progress: bool = False) -> None:
         if not hasattr(iterable, "__iter__"):
             raise TypeError(
@@ -265,8 +290,7 @@ class DeviceLoader:
         if self.shard:
             return shard_batches(self.iterable, backend.rank(), world)
         if self.shard is None and _unsharded_dataloader(self.iterable) and \
-                "unsharded-dataloader" not in self._runtime.warned:
-            self._runtime.warned.add("unsharded-dataloader")
+                self._runtime.first_time("unsharded-dataloader"):
             warnings.warn(
                 f"ap.loader: this DataLoader has no DistributedSampler, so each of the {world} replicas "
                 "reads the whole dataset and an epoch does no more than one replica would alone. "
@@ -284,7 +308,7 @@ class DeviceLoader:
         tracker = runtime.tracker
         tracker.loader_info = describe_loader(self.iterable)
         signatures: collections.deque[Any] = collections.deque()
-        inspect = tracker.inspector(backend, runtime.host())
+        inspect = tracker.inspector()
         it = iter(backend.wrap_loader(_signed(self._source(backend), signatures, inspect), prefetch=self.prefetch))
         next_signature = signatures.popleft
         # Eager backends neither run a graph between batches nor defer a step's record.

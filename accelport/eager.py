@@ -159,10 +159,10 @@ class EagerBackend(Backend):
         self._torch: Any = None
         self._device: Any = None
         self._device_counters_broken = False
-        # Host reads: counted on accelerators (see accelport.diagnose.tracer), never on the host.
+        # Host reads: counted on accelerators (see accelport.observe.tracer), never on the host.
         self._reads: Callable[[str], int] | None = None
         self._guard_compiles: Callable[[], None] = lambda: None
-        self._observer: Any = None  # torch.compile's records (accelport.diagnose.dynamo)
+        self._observer: Any = None  # torch.compile's records (accelport.observe.dynamo)
         self._compile_seconds_seen = 0.0
         self._world_env = 1
         self._dist_module: Any = None
@@ -174,7 +174,7 @@ class EagerBackend(Backend):
         self._torch = torch
         self._load_device_module(torch)
         self._check_device_count(torch)
-        from accelport.diagnose import dynamo, tracer
+        from accelport.observe import dynamo, tracer
 
         self._observer = dynamo.observer()
         if self.sync_api != "none":  # an accelerator: a host read stalls it (on cpu, the host is the device)

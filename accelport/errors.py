@@ -69,18 +69,19 @@ def _own_dirs() -> tuple[str, ...]:
     return tuple(dirs)
 
 
-def user_stacklevel(skip: int = 1) -> int:
+def user_stacklevel(skip: int = 1, also: frozenset[str] = frozenset()) -> int:
     """The ``stacklevel`` that points a warning at the first frame outside accelport.
 
     For a ``warnings.warn`` called ``skip`` frames above this function (1: in the
     function that asks). Python shows a DeprecationWarning by default only when it is
     attributed to ``__main__``: pointing at the user's line makes the warnings
-    visible in scripts without any filter set.
+    visible in scripts without any filter set. ``also``: files skipped as accelport's
+    own (a plugin's rules, whose findings are about the user's code, not theirs).
     """
     own = _own_dirs()
     frame = sys._getframe(skip)
     level = 1
-    while frame is not None and frame.f_code.co_filename.startswith(own):
+    while frame is not None and (frame.f_code.co_filename.startswith(own) or frame.f_code.co_filename in also):
         frame = frame.f_back  # type: ignore[assignment]
         level += 1
     return level

@@ -37,7 +37,7 @@ OWN_CLOSURE = "_accelport_closure"
 if TYPE_CHECKING:
     from accelport.doctor.finding import DoctorContext, Finding  # noqa: F401 - Finding: annotations
 
-__all__ = ["LazyBackend", "Requirement", "pjrt_device"]
+__all__ = ["LazyBackend", "Requirement", "doctor_findings", "pjrt_device", "requirement_problem"]
 
 #: torch_xla's last release (PyPI, 2025-11-17); a newer torch has no torch_xla.
 LAST_TORCH_XLA = "2.9"
@@ -114,6 +114,30 @@ def _holds_tensor(values: Any, tensor: type) -> bool:
     return False
 
 
+def requirement_problem(req: Requirement, torch_version: str) -> tuple[str | None, str | None]:
+    """(installed version, problem sentence or None) for one requirement."""
+    found = _packages.version(req.distribution)
+    if found is None:
+        return None, f"{req.distribution} is not installed: {req.missing or _install_hint(req, torch_version)}"
+    if req.specifier:
+        from packaging.specifiers import SpecifierSet
+        from packaging.version import InvalidVersion, Version
+
+        try:
+            ok = Version(found) in SpecifierSet(req.specifier)
+        except InvalidVersion:
+            ok = False
+        if not ok:
+            return found, (req.outside or f"{req.distribution} {{version}} is outside {req.specifier}").format(
+                version=found)
+    if req.same_minor_as_torch and not _packages.same_minor(found, torch_version):
+        mm = ".".join(map(str, (_packages.release(found) or (0, 0))[:2]))
+        return found, (f"torch {torch_version} but {req.distribution} {found}: "
+                       f"{req.distribution} {mm} needs torch {mm} exactly "
+                       f"(pip install torch=={mm}.* next to it)")
+    return found, None
+
+
 class LazyBackend(Backend):
     """An XLA device through torch_xla: operations are recorded and run at a sync."""
 
@@ -157,29 +181,6 @@ class LazyBackend(Backend):
         self._compiled_seen = (0, 0.0)
 
     # -- detection ---------------------------------------------------------------------
-    def _requirement_problem(self, req: Requirement, torch_version: str) -> tuple[str | None, str | None]:
-        """(installed version, problem sentence or None) for one requirement."""
-        found = _packages.version(req.distribution)
-        if found is None:
-            return None, f"{req.distribution} is not installed: {req.missing or _install_hint(req, torch_version)}"
-        if req.specifier:
-            from packaging.specifiers import SpecifierSet
-            from packaging.version import InvalidVersion, Version
-
-            try:
-                ok = Version(found) in SpecifierSet(req.specifier)
-            except InvalidVersion:
-                ok = False
-            if not ok:
-                return found, (req.outside or f"{req.distribution} {{version}} is outside {req.specifier}").format(
-                    version=found)
-        if req.same_minor_as_torch and not _packages.same_minor(found, torch_version):
-            mm = ".".join(map(str, (_packages.release(found) or (0, 0))[:2]))
-            return found, (f"torch {torch_version} but {req.distribution} {found}: "
-                           f"{req.distribution} {mm} needs torch {mm} exactly "
-                           f"(pip install torch=={mm}.* next to it)")
-        return found, None
-
     def _probe(self) -> Probe:
         torch_version = _packages.version("torch")
         if torch_version is None:
@@ -187,7 +188,7 @@ class LazyBackend(Backend):
         details: dict[str, str] = {"torch": torch_version}
         problems: list[str] = []
         for req in self.requires:
-            found, problem = self._requirement_problem(req, torch_version)
+            found, problem = requirement_problem(req, torch_version)
             if found is not None:
                 details[req.distribution] = found
             if problem:
@@ -580,32 +581,34 @@ class LazyBackend(Backend):
         self.sync()
         return super().save(obj, path, background=background)
 
-    def doctor_findings(self, context: DoctorContext) -> list[Finding]:
-        """``accelport doctor`` checks shared by the lazy backends; reads metadata, /sys and env only.
 
-        - a paired package that is installed but does not match torch (torch_xla X.Y needs torch X.Y);
-        - ``PJRT_DEVICE`` naming this backend's hardware on a machine that does not have it.
-        """
-        from accelport.doctor.finding import Finding
+def doctor_findings(backend: type[LazyBackend], context: DoctorContext) -> list[Finding]:
+    """``accelport doctor`` checks shared by the lazy backends (their plugins' ``accelport_doctor_checks``);
+    reads metadata, /sys and env only.
 
-        env = context.environ
-        found: list[Finding] = []
-        torch_version = context.packages.get("torch")
-        if torch_version:
-            for req in self.requires:
-                installed, problem = self._requirement_problem(req, torch_version)
-                if installed is not None and problem:
-                    found.append(Finding("problem", f"{self.name}: {problem}",
-                                         f"install a matching pair: {_install_hint(req, torch_version)}"
-                                         if req.same_minor_as_torch else problem, self.name))
-        device = explicit_pjrt_device(env)
-        explicit = (env.get("PJRT_DEVICE") or "").strip()
-        elsewhere = context.platform.name != self.platform
-        if device is not None and device in self.pjrt_devices and device != "CPU" and elsewhere:
-            found.append(Finding(
-                "problem",
-                f"PJRT_DEVICE={explicit} but there are no {self.hardware} here ({context.platform.describe()}): "
-                "torch_xla fails when it starts",
-                "unset PJRT_DEVICE (torch_xla then picks what is present), or set PJRT_DEVICE=CPU to run XLA on "
-                "the host CPU", self.name))
-        return found
+    - a paired package that is installed but does not match torch (torch_xla X.Y needs torch X.Y);
+    - ``PJRT_DEVICE`` naming this backend's hardware on a machine that does not have it.
+    """
+    from accelport.doctor.finding import Finding
+
+    env = context.environ
+    found: list[Finding] = []
+    torch_version = context.packages.get("torch")
+    if torch_version:
+        for req in backend.requires:
+            installed, problem = requirement_problem(req, torch_version)
+            if installed is not None and problem:
+                found.append(Finding("problem", f"{backend.name}: {problem}",
+                                     f"install a matching pair: {_install_hint(req, torch_version)}"
+                                     if req.same_minor_as_torch else problem, backend.name))
+    device = explicit_pjrt_device(env)
+    explicit = (env.get("PJRT_DEVICE") or "").strip()
+    elsewhere = context.platform.name != backend.platform
+    if device is not None and device in backend.pjrt_devices and device != "CPU" and elsewhere:
+        found.append(Finding(
+            "problem",
+            f"PJRT_DEVICE={explicit} but there are no {backend.hardware} here ({context.platform.describe()}): "
+            "torch_xla fails when it starts",
+            "unset PJRT_DEVICE (torch_xla then picks what is present), or set PJRT_DEVICE=CPU to run XLA on "
+            "the host CPU", backend.name))
+    return found

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from accelport import _packages
 from accelport.errors import AccelportError
-from accelport.lazy import LazyBackend, Requirement
+from accelport.lazy import LazyBackend, Requirement, doctor_findings
 from accelport.plugins.hookspecs import hookimpl
 
 if TYPE_CHECKING:
@@ -141,4 +141,4 @@ def cache_findings(context: DoctorContext) -> list[Finding]:
 
 @hookimpl
 def accelport_doctor_checks(context: DoctorContext) -> list[Finding] | None:
-    return NeuronXlaBackend().doctor_findings(context) + cache_findings(context) or None
+    return doctor_findings(NeuronXlaBackend, context) + cache_findings(context) or None

@@ -216,9 +216,6 @@ class TpuBackend(EagerBackend):
     def _probe(self) -> Probe:
         return probe_tpu()
 
-    def doctor_findings(self, context: DoctorContext) -> list[Finding]:
-        return tpu_findings(environ=context.environ)
-
     def device_counters(self) -> dict[str, Any]:
         # Private API (torch.tpu._get_cache_stats: num_compilations, num_cache_hits,
         # num_cache_reqs); absent or changed, the fields stay None.
@@ -247,4 +244,4 @@ def accelport_register_backends(register: Callable[[type[Backend]], None]) -> No
 
 @hookimpl
 def accelport_doctor_checks(context: DoctorContext) -> list[Finding] | None:
-    return TpuBackend().doctor_findings(context) or None
+    return tpu_findings(environ=context.environ) or None

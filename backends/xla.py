@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from accelport.lazy import LazyBackend
+from accelport.lazy import LazyBackend, doctor_findings
 from accelport.plugins.hookspecs import hookimpl
 
 if TYPE_CHECKING:
@@ -33,4 +33,4 @@ def accelport_register_backends(register: Callable[[type[Backend]], None]) -> No
 
 @hookimpl
 def accelport_doctor_checks(context: DoctorContext) -> list[Finding] | None:
-    return XlaBackend().doctor_findings(context) or None
+    return doctor_findings(XlaBackend, context) or None

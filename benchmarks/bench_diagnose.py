@@ -118,7 +118,7 @@ def per_step_in_process(backend: str, steps: int, rounds: int) -> None:
     """
     import torch
 
-    from accelport.diagnose.watch import Watcher
+    from accelport.runtime.watch import Watcher
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

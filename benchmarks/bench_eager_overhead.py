@@ -71,11 +71,11 @@ def main() -> None:
         runs[f"accelport {kind}"] = lambda m=ap_model: train_pass(ap.loader(data), *m, ap.optimizer_step)
     rounds = interleave(runs, args.rounds)
 
-    host = RUNTIME.host()
-    watching = [name for name, _ in host._step_end or []]
+    engine = RUNTIME.diagnostics()
+    watching = ", ".join(sorted(engine.kinds)) if engine is not None else ""
     print(f"torch {torch.__version__}, backend cpu, {torch.get_num_threads()} intra-op thread(s), batch {args.batch}; "
           f"{args.rounds} rounds x {args.steps} steps "
-          f"each, interleaved; observers of the accelport loops: {watching or 'none'}; "
+          f"each, interleaved; rules judging the accelport loops: {watching or 'none'}; "
           f"diagnoses during the run: {[d.kind for d in ap.diagnostics()] or 'none'}")
     headline = {}
     for kind in kinds:
@@ -106,7 +106,7 @@ def main() -> None:
 
     pieces = (
         ("ap.loader, per batch (nothing to move on cpu)", per_call(loader_only, 20) / len(data)),
-        ("step bookkeeping + diagnostics (tracker.step_end)", per_call(lambda: tracker.step_end(backend, host))),
+        ("step bookkeeping + diagnostics (tracker.step_end)", per_call(tracker.step_end)),
         ("backend.step_counters()", per_call(backend.step_counters)),
     )
     for name, cost in pieces:

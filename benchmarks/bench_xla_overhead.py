@@ -7,9 +7,9 @@ interleaved round by round in one process so machine noise hits all alike:
 
 - raw:        MpDeviceLoader(batches, device) + xm.optimizer_step(opt), torch_xla's defaults
 - accelport:  ap.loader(batches) + ap.optimizer_step(opt), as shipped: the built-in
-              diagnostics observe every step (accelport_step_end)
-- no-observer: the same loop with the diagnostics plugin unregistered, so no step
-              record is built and no per-step counters are read
+              rules judge every step's record
+- no-observer: the same loop with the rules off, so no step record is built and no
+              per-step counters are read (the step checks the rules asked for stay)
 
 A step's time is the wall time between consecutive batches arriving in the loop.
 Reported: the median step time of each, its ratio to raw, the median over rounds of
@@ -58,18 +58,16 @@ def main() -> None:
     data = [(torch.randn(16, 32, generator=g), torch.randn(16, 1, generator=g)) for _ in range(args.steps)]
     models = {name: make_model(device) for name in ("raw", "accelport", "no-observer")}
     host = RUNTIME.host()
-    diagnostics = host.pm.get_plugin("diagnostics")
+    engine = RUNTIME.diagnostics()
 
     class observers_off:
+        """The rules off (the tracker then builds no records); the step checks stay, as the rules asked for them."""
+
         def __enter__(self) -> None:
-            if diagnostics is not None:
-                host.pm.unregister(diagnostics)
-            host._step_end = None  # the hot-path list of observers is rebuilt on next use
+            RUNTIME.tracker.bind(ap.backend(), host, None, RUNTIME.tracker.numerics)
 
         def __exit__(self, *exc: Any) -> None:
-            if diagnostics is not None:
-                host.pm.register(diagnostics, name="diagnostics")
-            host._step_end = None
+            RUNTIME.tracker.bind(ap.backend(), host, engine, RUNTIME.tracker.numerics)
 
     def raw() -> tuple[list[float], float]:
         return train_pass(MpDeviceLoader(data, device), *models["raw"], xm.optimizer_step)
@@ -78,7 +76,7 @@ def main() -> None:
 
     def accel() -> tuple[list[float], float]:
         got = train_pass(ap.loader(data), *models["accelport"], ap.optimizer_step)
-        watching[:] = [name for name, _ in host._step_end or []]
+        watching[:] = sorted(engine.kinds) if engine is not None else []
         return got
 
     def quiet() -> tuple[list[float], float]:
@@ -93,7 +91,7 @@ def main() -> None:
     by_mean = {k: rounds.ratio(rounds.mean, k, "raw") for k in runs}
     print(f"torch {torch.__version__}, torch_xla {torch_xla.__version__}, PJRT_DEVICE={os.environ['PJRT_DEVICE']}; "
           f"{args.rounds} rounds x {args.steps} steps each, interleaved; "
-          f"observers of the accelport loop: {watching or 'none'}")
+          f"rules judging the accelport loop: {', '.join(watching) or 'none'}")
     for k in runs:
         print(f"{k:12s} median step {med[k] * 1e6:8.1f} us   ratio to raw {med[k] / med['raw']:.3f}   "
               f"median of per-round ratios {by_median[k]:.3f} (of means {by_mean[k]:.3f})")
@@ -102,9 +100,9 @@ def main() -> None:
     # inside the loop, XLA:CPU computing on the same cores slows them several times).
     backend = ap.backend()
     tracker = RUNTIME.tracker
-    with_observers = per_call(lambda: tracker.step_end(backend, host))
+    with_observers = per_call(tracker.step_end)
     with observers_off():
-        bare = per_call(lambda: tracker.step_end(backend, host))
+        bare = per_call(tracker.step_end)
     for name, cost in (("signature(batch), in the loader's thread", per_call(lambda: signature(data[0]))),
                        ("step bookkeeping", bare),
                        ("same + diagnostics, averaged over quiet steps", with_observers),

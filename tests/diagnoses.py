@@ -1,4 +1,4 @@
-"""What the tests of diagnosis share: the kinds found so far, and a loop that must stay silent."""
+"""What the tests of diagnosis share: the kinds found so far, a loop that must stay silent, the rules on records."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ import warnings
 from collections.abc import Callable
 
 import accelport as ap
+from accelport.diagnose.engine import Diagnostics
+from accelport.diagnose.rule import RunView
+from accelport.diagnose.rules import BUILTIN_RULES
 
 
 def kinds() -> list[str]:
@@ -19,3 +22,8 @@ def silent(run: Callable[[], None]) -> None:
         warnings.simplefilter("error", ap.DiagnosticWarning)
         run()
     assert ap.diagnostics() == []
+
+
+def engine(environ: dict[str, str] | None = None) -> Diagnostics:
+    """The built-in rules as a replay runs them: on step records alone, no live sensor."""
+    return Diagnostics([("diagnostics", rule) for rule in BUILTIN_RULES], RunView(environ=environ or {}))

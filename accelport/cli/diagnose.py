@@ -4,8 +4,8 @@
     accelport diagnose --report run.html --output findings.json -- train.py --epochs 1
     accelport diagnose -m mypkg.train --epochs 1                   # a module, as with python -m
 
-The script runs in this process as ``__main__`` (:func:`accelport.diagnose.watch.run_watched`),
-watched by :class:`accelport.diagnose.watch.Watcher`; its output, its exit status and its
+The script runs in this process as ``__main__`` (:func:`accelport.runtime.watch.run_watched`),
+watched by :class:`accelport.runtime.watch.Watcher`; its output, its exit status and its
 traceback are its own. The findings come at the end, on stderr.
 
 The outputs never harm the user's files: each is checked before the script runs (not the
@@ -36,8 +36,8 @@ from accelport.errors import AccelportError, UsageError
 from accelport.safe_io import output_target, replace_with, same_file, temp_beside, write_atomic
 
 if TYPE_CHECKING:
-    from accelport.diagnose.watch import Outcome, Watcher
     from accelport.redact import Redactor
+    from accelport.runtime.watch import Outcome, Watcher
 
 __all__ = ["register", "run", "render_summary"]
 
@@ -135,7 +135,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
 
 def _script_file(script: str) -> str:
     """The file Python reads to run ``script`` (a directory's ``__main__.py``; a zipapp itself)."""
-    from accelport.diagnose.watch import entry_spec
+    from accelport.runtime.watch import entry_spec
 
     if not os.path.exists(script):
         raise UsageError(f"diagnose: {script}: no such file; give the path of the training script "
@@ -268,7 +268,7 @@ def render_summary(target: str, watcher: Watcher, outcome: Outcome, written: Seq
     Each piece goes through ``redactor`` whole, before it is wrapped: no credential, and no
     control character (a newline in a path) that would forge a line.
     """
-    from accelport.diagnose.watch import where
+    from accelport.runtime.watch import where
 
     shown = redactor.text
     findings = watcher.findings
@@ -294,7 +294,7 @@ def render_summary(target: str, watcher: Watcher, outcome: Outcome, written: Seq
                           "optimizer.step() of torch.optim optimizers (also inside xm.optimizer_step); "
                           "training in processes the script starts (torch_xla.launch, xmp.spawn) is not "
                           "watched", f"  [{_ICON['note']}] ")
-    for note in watcher.notes:
+    for note in [*watcher.notes, *watcher.rule_failures]:
         lines += _wrapped(shown(note), f"  [{_ICON['note']}] ")
     if written:
         lines.append(shown(f"  [{_ICON['note']}] wrote {', '.join(written)}"))
@@ -302,7 +302,7 @@ def render_summary(target: str, watcher: Watcher, outcome: Outcome, written: Seq
 
 
 def _result(watcher: Watcher, outcome: Outcome) -> dict[str, Any]:
-    from accelport.diagnose.watch import where
+    from accelport.runtime.watch import where
 
     findings = []
     for f in watcher.findings:
@@ -377,8 +377,8 @@ def _conclude(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | No
 
 
 def run(args: argparse.Namespace) -> int:
-    from accelport.diagnose.watch import Watcher, run_watched
     from accelport.redact import Redactor
+    from accelport.runtime.watch import Watcher, run_watched
 
     redactor = Redactor(os.environ)
     try:
@@ -459,7 +459,7 @@ class _Terminate:
         self._running = False
 
     def __call__(self, signum: int, frame: Any) -> None:
-        from accelport.diagnose.watch import Outcome
+        from accelport.runtime.watch import Outcome
 
         if os.getpid() == self._pid and not self._running:
             self.pending = True

@@ -13,7 +13,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from accelport.compat.schema import (
     OVERRIDE_ENV,
@@ -35,15 +35,24 @@ from accelport.compat.schema import (
 from accelport.errors import AccelportError, CompatMatrixError, PluginWarning
 from accelport.safe_io import read_regular_file
 
-if TYPE_CHECKING:
-    from accelport.plugins.host import PluginHost
-
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-__all__ = ["Matrix", "load_file", "load_folder", "shipped", "build"]
+__all__ = ["Matrix", "RowSource", "load_file", "load_folder", "shipped", "build"]
+
+
+class RowSource(Protocol):
+    """Where plugin rows come from (the plugin host): what this module needs of it, and nothing more."""
+
+    def call_each(self, hook: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        """Every plugin's answer to ``hook``, as (plugin, result), each plugin isolated."""
+        ...
+
+    def note_failure(self, name: str, stage: str, error: str) -> None:
+        """Plugin ``name`` gave something unusable at ``stage``."""
+        ...
 
 
 #: A matrix file is a few kilobytes; a cap keeps /dev/zero or a huge file from filling memory.
@@ -123,7 +132,7 @@ def load_folder(folder: Any, origin: str | None = None) -> Parsed:
     return total
 
 
-def _plugin_rows(host: PluginHost) -> list[Row]:
+def _plugin_rows(host: RowSource) -> list[Row]:
     """Rows from ``accelport_compat_rows``; an invalid plugin's rows are dropped with a PluginWarning."""
     cache = _PLUGIN_CACHE.get(host)
     if cache is not None:
@@ -152,7 +161,7 @@ def _plugin_rows(host: PluginHost) -> list[Row]:
     return mine
 
 
-_PLUGIN_CACHE: weakref.WeakKeyDictionary[PluginHost, list[Row]] = weakref.WeakKeyDictionary()
+_PLUGIN_CACHE: weakref.WeakKeyDictionary[RowSource, list[Row]] = weakref.WeakKeyDictionary()
 
 
 class Matrix:
@@ -254,7 +263,7 @@ class Matrix:
         return hits[0] if hits else None
 
 
-def build(host: PluginHost | None = None, environ: Mapping[str, str] | None = None) -> Matrix:
+def build(host: RowSource | None = None, environ: Mapping[str, str] | None = None) -> Matrix:
     """The matrix in effect: shipped data, ``host``'s plugin rows, then ``ACCELPORT_COMPAT_MATRIX`` files."""
     env = os.environ if environ is None else environ
     base = shipped()

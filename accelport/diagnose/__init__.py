@@ -1,3 +1,4 @@
-"""Diagnosis of slow or wrong training: :mod:`.rules` (what each kind of finding looks for),
-:mod:`.tracer` (where host reads happen, opt-in), :mod:`.metrics_log` (one JSON line per step)
-and :mod:`.report` (the page ``accelport report`` makes from that file)."""
+"""Diagnosis of slow or wrong training: :mod:`.rule` (what a rule is and sees), :mod:`.engine` (the rules
+run over a run's records, each kind found once), :mod:`.rules` (the built-in kinds, one module each),
+:mod:`.metrics_log` (one JSON line per step) and :mod:`.report` (the page ``accelport report`` makes from
+that file)."""

@@ -1,8 +1,8 @@
 """The torch.compile family: recompilation with its cause, the recompile-limit cliff, graph breaks.
 
-The rules themselves run in :class:`accelport.diagnose.rules.Diagnostics` on each
-step record (when to judge); this module says what dynamo's records mean in the
-user's terms (see :mod:`accelport.diagnose.dynamo`) and what to do about it.
+The rules themselves (:mod:`accelport.diagnose.rules`) decide when to judge, on each
+step record; this module says what dynamo's records mean in the user's terms (see
+:mod:`accelport.observe.dynamo`) and what to do about it.
 """
 
 from __future__ import annotations
@@ -10,22 +10,21 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from accelport.diagnose.buckets import Suggestion, describe
-from accelport.diagnose.dynamo import FunctionCompiles, GraphBreak, LimitHit
+from accelport.diagnose.buckets import Suggestion, describe, suggest
+from accelport.observe.dynamo import FunctionCompiles, GraphBreak, LimitHit
 
 __all__ = ["accepts_dynamic", "shape_cause", "recompilation_cause", "compile_limit_message", "graph_break_message",
-           "break_fix", "breaks_explain_recompiles"]
+           "break_fix", "breaks_explain_recompiles", "dynamo_suggestion"]
 
 #: torch.compile backends (by accelport backend name) whose compiler rejects dynamic shapes.
 STATIC_ONLY = frozenset({"tpu", "neuron"})
 
 
-def accepts_dynamic(backend_name: str, runtime_backend: Any = None) -> bool | None:
-    """Whether the backend's compiler takes dynamic shapes (None: not known)."""
-    if runtime_backend is not None and getattr(runtime_backend, "name", None) == backend_name:
-        value = getattr(runtime_backend, "compile_dynamic", None)
-        if isinstance(value, bool):
-            return value
+def accepts_dynamic(backend_name: str, declared: bool | None = None) -> bool | None:
+    """Whether the backend's compiler takes dynamic shapes (None: not known); ``declared`` is what the
+    backend in use says of itself (``compile_dynamic``), which wins."""
+    if declared is not None:
+        return declared
     if backend_name in STATIC_ONLY:
         return False
     if backend_name in ("cpu", "cuda"):
@@ -145,6 +144,14 @@ def breaks_explain_recompiles(functions: Sequence[FunctionCompiles]) -> bool:
     values = sum(f.after_break_values for f in functions)
     sized = sum(len(f.size_changes) + len(f.dtype_changes) for f in functions)
     return values > 0 and values >= sized
+
+
+def dynamo_suggestion(functions: Sequence[FunctionCompiles]) -> Suggestion | None:
+    """Buckets from the sizes dynamo saw (each once), where the batches' shapes are unknown."""
+    for f in functions:
+        if f.size_changes:
+            return suggest({size: 1 for size in f.size_changes[0].sizes})
+    return None
 
 
 def signature_lengths(counts: Mapping[Any, int]) -> tuple[tuple[int, int] | None, dict[int, int]]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from accelport.contract import StepRecord
@@ -84,35 +84,20 @@ def record_from_dict(line: dict[str, Any]) -> StepRecord:
 class MetricsFile:
     """Appends one JSON line per step to ``path``."""
 
-    def __init__(self, path: str, runtime: Any = None) -> None:
+    def __init__(self, path: str) -> None:
         self.path = path
         self._ready = False
         if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block the first step
             open_append(path, what="ACCELPORT_METRICS_FILE").close()  # raises, saying what it is
-        self._runtime = runtime
-        self._written = 0  # diagnoses already on a line
-
-    def _new_diagnoses(self) -> list[dict[str, Any]]:
-        # The diagnostics plugin observes each step before this one (it is registered first).
-        runtime = self._runtime
-        if runtime is None:
-            return []
-        plugin = runtime.host().pm.get_plugin("diagnostics")
-        findings = getattr(plugin, "findings", None) or []
-        if len(findings) <= self._written:
-            return []
-        new, self._written = findings[self._written:], len(findings)
-        return [d.to_dict() for d in new]
 
     @hookimpl
-    def accelport_step_end(self, record: StepRecord) -> None:
+    def accelport_step_end(self, record: StepRecord, diagnoses: Sequence[Any]) -> None:
         if not self._ready:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             self._ready = True
         line = record_to_dict(record)
-        diagnoses = self._new_diagnoses()
-        if diagnoses:
-            line["diagnoses"] = diagnoses
+        if diagnoses:  # made by the rules on this record (or outside the steps, since the last one)
+            line["diagnoses"] = [d.to_dict() for d in diagnoses]
         # Opened per line (tens of microseconds): nothing stays open when the run ends or crashes.
         # Never blocking: a FIFO put there after the run started is refused, not waited on.
         with open_append(self.path, what="ACCELPORT_METRICS_FILE") as f:
@@ -123,7 +108,7 @@ class _Off:
     """Registered when ACCELPORT_METRICS_FILE is unset: implements no hook, costs nothing."""
 
 
-def create_plugin(environ: Mapping[str, str], runtime: object = None) -> Any:
+def create_plugin(environ: Mapping[str, str]) -> Any:
     """A MetricsFile when ``ACCELPORT_METRICS_FILE`` names a file, else a plugin that implements nothing."""
     path = (environ.get("ACCELPORT_METRICS_FILE") or "").strip()
-    return MetricsFile(path, runtime) if path else _Off()
+    return MetricsFile(path) if path else _Off()

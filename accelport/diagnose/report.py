@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from accelport.diagnose.metrics_log import record_from_dict
+from accelport.diagnose.rule import SEVERITIES, Diagnosis, Rule
 from accelport.errors import AccelportError
 from accelport.redact import Redactor
 from accelport.safe_io import same_file, write_atomic
@@ -195,29 +196,37 @@ def load_records(path: str) -> list[dict[str, Any]]:
     return load_runs(path)[-1].records
 
 
-def diagnose(records: Sequence[dict[str, Any]]) -> list[Any]:
+def diagnose(records: Sequence[dict[str, Any]], rules: Sequence[tuple[str, type[Rule]]] | None = None
+             ) -> list[Diagnosis]:
     """The run's diagnoses: those the live run wrote on its lines, then the rules replayed on the records.
 
     The live ones come first and win for their kind: they saw what only a live run
     can (dynamo's reasons, parameter names). Replaying finds the rest, and everything
-    in files written before diagnoses were recorded.
+    in files written before diagnoses were recorded. ``rules`` are (plugin, rule class)
+    pairs; by default every rule registered here, as a live run has them.
     """
-    from accelport.diagnose.rules import Diagnosis, Diagnostics, severity
+    from accelport.diagnose.engine import Diagnostics, rules_from
 
-    found: list[Any] = []
+    if rules is None:
+        from accelport.plugins.host import create_manager
+
+        rules = rules_from(create_manager())
+    engine = Diagnostics(rules)
+    found: list[Diagnosis] = []
     for r in records:
         for d in r.get("diagnoses") or ():
             if isinstance(d, dict) and isinstance(d.get("kind"), str) and all(x.kind != d["kind"] for x in found):
                 # Severity from today's rules: a file from an older build may say otherwise.
                 evidence = dict(d.get("evidence") or {})
+                said = d.get("severity")  # what a kind no rule here knows keeps (a plugin not installed here)
+                severity = engine.severity_of(d["kind"], evidence, default=said if said in SEVERITIES else "warning")
                 found.append(Diagnosis(d["kind"], str(d.get("message", "")), int(d.get("step", r["step"])),
-                                       evidence, severity(d["kind"], evidence)))
-    rules = Diagnostics(environ={})
+                                       evidence, severity))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for r in records:
-            rules.accelport_step_end(record_from_dict(r))
-    found += [d for d in rules.findings if all(x.kind != d.kind for x in found)]
+            engine.step_end(record_from_dict(r))
+    found += [d for d in engine.findings if all(x.kind != d.kind for x in found)]
     return found
 
 

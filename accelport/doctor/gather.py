@@ -13,6 +13,7 @@ import os
 import platform as _pyplatform
 import sys
 import time
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -315,6 +316,13 @@ def gather(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
             except (TypeError, ValueError, KeyError) as exc:
                 findings.append(Finding("warning", f"plugin {plugin} returned a malformed finding: {exc}",
                                         "report it to the plugin's authors", "core"))
+    # The rules, set up as a run sets them up: a rule class that cannot run is one of the failures below.
+    from accelport.diagnose.engine import rules_from
+    from accelport.errors import PluginWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PluginWarning)  # said below, as a finding
+        rules_from(host)
     for failed in host.failed:
         findings.append(Finding("warning", f"plugin {failed.name} was disabled ({failed.stage}): {failed.error}",
                                 f"fix or uninstall it, or set ACCELPORT_DISABLED_PLUGINS={failed.name}", "core"))

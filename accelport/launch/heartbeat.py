@@ -105,7 +105,7 @@ class _Off:
     """Registered outside a launched worker: implements no hook, costs nothing."""
 
 
-def create_plugin(environ: Mapping[str, str], runtime: object = None) -> Any:
+def create_plugin(environ: Mapping[str, str]) -> Any:
     """A Heartbeat where the worker wrapper set ``ACCELPORT_HEARTBEAT`` (its file), else nothing."""
     path = (environ.get("ACCELPORT_HEARTBEAT") or "").strip()
     return Heartbeat(path) if path else _Off()

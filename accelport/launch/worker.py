@@ -166,7 +166,7 @@ def locate(frame: types.FrameType | None, collectives: Mapping[types.CodeType, s
     inside (``ap.optimizer_step``, ``torch.distributed.all_reduce``), else None, and
     ``world`` whether that collective is one of ``collectives`` (over every rank).
     """
-    from accelport.diagnose.watch import user_site  # the same "user's line" as diagnose shows
+    from accelport.observe.frames import user_site  # the same "user's line" as diagnose shows
 
     waiting, world = None, False
     f = frame

@@ -18,7 +18,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("neuron", "accelport._backends.neuron"),
     ("neuron-xla", "accelport._backends.neuron_xla"),
     ("default-selection", "accelport.runtime.selection"),
-    ("diagnostics", "accelport.diagnose.rules:create_plugin"),
+    ("diagnostics", "accelport.diagnose.rules"),
     ("metrics-file", "accelport.diagnose.metrics_log:create_plugin"),
     ("launch-heartbeat", "accelport.launch.heartbeat:create_plugin"),
 )

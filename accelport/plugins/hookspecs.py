@@ -94,15 +94,33 @@ def accelport_doctor_checks(context: DoctorContext) -> Sequence[Finding | Mappin
 
 
 @hookspec
-def accelport_step_end(record: StepRecord) -> None:
+def accelport_register_rules(register: Callable[[type[Any]], None]) -> None:
+    """Register the diagnosis rules this plugin ships.
+
+    Call ``register(RuleClass)`` once per rule: a subclass of :class:`accelport.Rule` with its
+    own ``kind`` (lower-case words joined by '-'). Every plugin's implementation is called
+    (collect-all); the return value is ignored. A kind that is already registered is skipped
+    with a PluginWarning: to replace a built-in kind, disable the built-in rules with
+    ``ACCELPORT_DISABLED_PLUGINS=diagnostics``. The rules run on every run's step records and
+    report like the built-in kinds (a warning, ``ap.diagnostics()``, ``accelport diagnose``'s
+    summary and ``--output``, the metrics file and the report page); see docs/plugins.md.
+    """
+
+
+@hookspec
+def accelport_step_end(record: StepRecord, diagnoses: Sequence[Any]) -> None:
     """Observe one finished training step.
 
-    Called once for every ``ap.optimizer_step()``, in order, with a
+    Called once for every ``ap.optimizer_step()`` (and every optimizer step a script
+    under ``accelport diagnose`` takes), in order, with a
     :class:`accelport.contract.StepRecord`: the step number, its wall time,
     the time spent waiting for data, the batch signature and the change in the
-    backend's counters. In quiet stretches the counters are read once per 16
+    backend's counters; and ``diagnoses``, the findings the rules made on this record
+    (:class:`accelport.Diagnosis` items; usually none), after the rules judged it.
+    In quiet stretches the counters are read once per 16
     steps and those steps' records arrive together, up to 15 steps late, the
     change on the last of them (``record.counted_steps`` says how many steps a
-    record's counters cover; see StepRecord). Collect-all; keep it cheap. The
-    built-in diagnostics are an implementation of this hook.
+    record's counters cover; see StepRecord). An implementation may take ``record``
+    alone. Collect-all; keep it cheap. The metrics file (``ACCELPORT_METRICS_FILE``)
+    is an implementation of this hook.
     """

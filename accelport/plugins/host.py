@@ -30,7 +30,6 @@ from accelport.settings import is_off, is_true
 
 if TYPE_CHECKING:
     from accelport.compat.verdict import Verdict
-    from accelport.runtime.state import Runtime
 
 __all__ = ["BUILTIN_PLUGINS", "ENTRY_POINT_GROUP", "PluginHost", "FailedPlugin", "create_manager"]
 
@@ -61,11 +60,11 @@ def disabled_names(env: Mapping[str, str]) -> set[str]:
     return names
 
 
-def _load_builtin(spec: str, environ: Mapping[str, str], runtime: Runtime | None) -> Any:
-    """A built-in plugin: the module itself, or what its factory makes for this host's environment and runtime."""
+def _load_builtin(spec: str, environ: Mapping[str, str]) -> Any:
+    """A built-in plugin: the module itself, or what its factory makes for this host's environment."""
     module, _, factory = spec.partition(":")
     obj = importlib.import_module(module)
-    return getattr(obj, factory)(environ, runtime) if factory else obj
+    return getattr(obj, factory)(environ) if factory else obj
 
 
 class PluginTimeout(Exception):
@@ -94,7 +93,9 @@ class PluginHost:
         self.disabled: list[str] = []
         self.backends: dict[str, Backend] = {}
         self.backend_plugin: dict[str, str] = {}
-        self._step_end: list[tuple[str, Callable[..., Any]]] | None = None
+        self._rules: list[tuple[str, Any]] | None = None
+        # accelport_step_end's implementations: (plugin, function, whether it takes the diagnoses).
+        self._step_end: list[tuple[str, Callable[..., Any], bool]] | None = None
 
     # -- isolation -------------------------------------------------------------------------
     def isolated(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -180,6 +181,8 @@ class PluginHost:
             if owner == name:
                 del self.backend_plugin[backend]
                 self.backends.pop(backend, None)
+        if self._rules is not None:
+            self._rules = [(owner, rule) for owner, rule in self._rules if owner != name]
         self._step_end = None
         message = f"{type(exc).__name__}: {exc}"
         self.failed.append(FailedPlugin(name, stage, message))
@@ -242,13 +245,21 @@ class PluginHost:
                 "a (candidate, reason) pair, or None"))
         return None
 
-    def step_end(self, record: Any) -> None:
-        """The hot-path hook: a cached list of implementations, each isolated."""
+    def _step_observers(self) -> list[tuple[str, Callable[..., Any], bool]]:
         if self._step_end is None:
-            self._step_end = [(i.plugin_name, i.function) for i in self._impls("accelport_step_end")]
-        for name, function in self._step_end:
+            self._step_end = [(i.plugin_name, i.function, "diagnoses" in i.argnames)
+                              for i in self._impls("accelport_step_end")]
+        return self._step_end
+
+    def step_end(self, record: Any, diagnoses: Sequence[Any] = ()) -> None:
+        """The hot-path hook: a cached list of implementations, each isolated."""
+        for name, function, takes_diagnoses in self._step_end or self._step_observers():
             try:
-                function(record)  # the hot path: no thread, no time limit
+                # The hot path: no thread, no time limit; an implementation may take the record alone.
+                if takes_diagnoses:
+                    function(record, diagnoses)
+                else:
+                    function(record)
             except KeyboardInterrupt:
                 raise
             except BaseException as exc:  # SystemExit from an observer must not end the training run
@@ -256,9 +267,30 @@ class PluginHost:
 
     @property
     def has_step_observers(self) -> bool:
-        if self._step_end is None:
-            self._step_end = [(i.plugin_name, i.function) for i in self._impls("accelport_step_end")]
-        return bool(self._step_end)
+        return bool(self._step_observers())
+
+    # -- rules -----------------------------------------------------------------------------
+    def registered_rules(self) -> list[tuple[str, Any]]:
+        """(plugin, rule class) for every ``register()`` call of ``accelport_register_rules``, in plugin order.
+
+        Collected once per host; the classes are checked by whoever runs them
+        (:func:`accelport.diagnose.engine.usable_rules`), which says why one is refused.
+        """
+        if self._rules is None:
+            found: list[tuple[str, Any]] = []
+            for impl in self._impls("accelport_register_rules"):
+                given: list[Any] = []
+                ok, _ = self._guard(impl.plugin_name, "hook accelport_register_rules", impl.function,
+                                    *([given.append] if impl.argnames else []))
+                if ok:  # a plugin that raised half-way gives no rule at all
+                    found += [(impl.plugin_name, rule) for rule in given]
+            self._rules = found
+        return list(self._rules)
+
+    def refuse(self, plugin: str, problem: str) -> None:
+        """Plugin ``plugin`` gave something unusable (``problem``): one PluginWarning, and doctor lists it."""
+        warnings.warn(f"accelport plugin {plugin!r}: {problem}", PluginWarning, stacklevel=3)
+        self.failed.append(FailedPlugin(plugin, "rule", problem))
 
     # -- backends ------------------------------------------------------------------------
     def collect_backends(self) -> None:
@@ -331,14 +363,13 @@ def _entry_points() -> list[tuple[Any, Any]]:
     return found
 
 
-def create_manager(environ: Mapping[str, str] | None = None, *, runtime: Runtime | None = None,
-                   timeout: float | None = None) -> PluginHost:
+def create_manager(environ: Mapping[str, str] | None = None, *, timeout: float | None = None) -> PluginHost:
     """Build a fresh plugin host: built-ins, then third-party entry points, then backends.
 
     ``ACCELPORT_DISABLED_PLUGINS=a,b`` skips plugins by name (built-in or third
     party); ``ACCELPORT_DISABLE_PLUGIN_AUTOLOAD=1`` loads no entry points.
-    ``runtime`` is the runtime the host serves, handed to the built-in observers
-    (doctor's host serves none); ``timeout`` bounds every plugin call (see :class:`PluginHost`).
+    ``environ`` is handed to the built-in plugins' factories; ``timeout`` bounds every
+    plugin call (see :class:`PluginHost`).
     """
     env = os.environ if environ is None else environ
     host = PluginHost(timeout)
@@ -347,7 +378,7 @@ def create_manager(environ: Mapping[str, str] | None = None, *, runtime: Runtime
         if name in disabled:
             host.disabled.append(name)
             continue
-        host.load(name, functools.partial(_load_builtin, module, env, runtime), module=module, builtin=True)
+        host.load(name, functools.partial(_load_builtin, module, env), module=module, builtin=True)
     if not is_true(env.get("ACCELPORT_DISABLE_PLUGIN_AUTOLOAD")):
         try:
             entry_points = _entry_points()

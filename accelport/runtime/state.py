@@ -1,8 +1,10 @@
-"""The state behind the public API: the plugin host, the matrix, the selected backend, step tracking.
+"""The state behind the public API: the plugin host, the matrix, the selected backend, step tracking, the rules.
 
 A :class:`Runtime` owns them and hands them to whoever needs them (selection,
-the diagnostics plugin, the loader); ``RUNTIME`` is the process's one, which the
-``ap.*`` functions use. Nothing below this module reads it.
+the step tracker, the loader); ``RUNTIME`` is the process's one, which the
+``ap.*`` functions use. Nothing below this module reads it: the rules see a
+:class:`~accelport.diagnose.rule.RunView` it builds for each run, and the step
+records the tracker hands them.
 """
 
 from __future__ import annotations
@@ -16,21 +18,29 @@ from typing import TYPE_CHECKING, Any
 
 from accelport.contract import COUNTER_FIELDS, LEVEL_FIELDS, Backend, Metrics
 from accelport.runtime.tracker import StepTracker
+from accelport.settings import is_off
 
 if TYPE_CHECKING:
     from accelport.compat.load import Matrix
+    from accelport.diagnose.engine import Diagnostics
+    from accelport.diagnose.rule import Diagnosis
+    from accelport.observe.dynamo import CompileEvents
     from accelport.plugins.host import PluginHost
 
 __all__ = ["Runtime", "RUNTIME"]
 
 
 class Runtime:
-    """Holds the plugin host, the matrix and the selected backend, built once and passed on.
+    """Holds the plugin host, the matrix, the selected backend and the rules' engine, built once and passed on.
 
     ``environ`` is the environment it reads (default: the process's, read when used).
+    ``tracker`` is a step tracker that has already seen this run's first batches (``accelport
+    diagnose`` selects the backend at the script's first step); ``compile_events`` the point
+    torch.compile's records count from (default: when the rules are first set up).
     """
 
-    def __init__(self, environ: Mapping[str, str] | None = None, plugin_timeout: float | None = None) -> None:
+    def __init__(self, environ: Mapping[str, str] | None = None, plugin_timeout: float | None = None, *,
+                 tracker: StepTracker | None = None, compile_events: CompileEvents | None = None) -> None:
         self._lock = threading.RLock()
         self._environ = environ
         self._plugin_timeout = plugin_timeout
@@ -40,9 +50,13 @@ class Runtime:
         self.reason = ""
         self.explicit: str | None = None
         self.tracker = StepTracker()
+        self._first_tracker = tracker
+        self._compile_events = compile_events
+        self._engine: Diagnostics | None = None
+        self._engine_built = False
         self._baseline: dict[str, Any] = {}
         #: Keys of the warnings already given in this process (each is given once).
-        self.warned: set[str] = set()
+        self._warned: set[str] = set()
 
     @property
     def environ(self) -> Mapping[str, str]:
@@ -54,7 +68,7 @@ class Runtime:
                 if self._host is None:
                     from accelport.plugins.host import create_manager
 
-                    self._host = create_manager(self.environ, runtime=self, timeout=self._plugin_timeout)
+                    self._host = create_manager(self.environ, timeout=self._plugin_timeout)
         return self._host
 
     def limit_plugin_calls(self, seconds: float) -> None:
@@ -99,15 +113,74 @@ class Runtime:
                     backend.reason = reason
                     self._baseline = backend.counters()
                     backend.step_delta()  # per-step changes count from here, not from the process start
-                    self.tracker = StepTracker()
+                    tracker, self._first_tracker = self._first_tracker or StepTracker(), None
+                    self._start_run(backend, tracker)
+                    self.tracker = tracker
                     self._backend, self.reason = backend, reason
         return self._backend
+
+    def _start_run(self, backend: Backend, tracker: StepTracker) -> None:
+        """Set up the rules for a run on ``backend``, and the sensors they read, and bind the tracker to them."""
+        engine = self.diagnostics()
+        numerics = None
+        if engine is not None:
+            from accelport.diagnose.rule import RunView
+
+            if "numerics" in engine.needs:
+                from accelport.observe.numerics import NumericsWatch
+
+                numerics = NumericsWatch(backend)
+            dynamic = getattr(backend, "compile_dynamic", None)
+            engine.start(RunView(
+                backend=backend.name, lazy=backend.lazy, environ=self.environ,
+                device_type=getattr(backend, "device_type", None), world_size=backend.world_size(),
+                compile_dynamic=dynamic if isinstance(dynamic, bool) else None, numerics=numerics,
+                compile_events=self._compile_events, counters=self.since_selected))
+        tracker.bind(backend, self.host(), engine, numerics)
+
+    def diagnostics(self) -> Diagnostics | None:
+        """The engine that runs the registered rules (None: ``ACCELPORT_DIAGNOSTICS=0``, or no rule registered)."""
+        if not self._engine_built:
+            with self._lock:
+                if not self._engine_built:
+                    self._engine = self._build_engine()
+                    self._engine_built = True
+        return self._engine
+
+    def _build_engine(self) -> Diagnostics | None:
+        value = self.environ.get("ACCELPORT_DIAGNOSTICS")
+        if value is not None and value.strip() and is_off(value):
+            return None
+        from accelport.diagnose.engine import Diagnostics, rules_from
+
+        rules = rules_from(self.host())
+        if not rules:
+            return None
+        if self._compile_events is None:
+            from accelport.observe.dynamo import CompileEvents
+
+            self._compile_events = CompileEvents()
+        return Diagnostics(rules)
+
+    def findings(self) -> list[Diagnosis]:
+        """What the rules found so far in this run (every finished step judged first)."""
+        self.tracker.flush()  # steps not yet handed over (see StepRecord)
+        engine = self._engine
+        return list(engine.findings) if engine is not None else []
+
+    def first_time(self, key: str) -> bool:
+        """True the first time ``key`` is asked in this runtime: a warning keyed so is given once."""
+        with self._lock:
+            if key in self._warned:
+                return False
+            self._warned.add(key)
+            return True
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Step ``optimizer`` on the backend and end the step: the hot path of ``ap.optimizer_step``."""
         backend = self._backend or self.backend()  # (a call less per step once selected)
         result = backend.optimizer_step(optimizer, **kwargs)
-        self.tracker.step_end(backend, self._host, optimizer)
+        self.tracker.step_end(optimizer)
         return result
 
     def _warn_unmet_pjrt(self, backend: Backend) -> None:
@@ -123,7 +196,7 @@ class Runtime:
         """``ap.sync()``: run or wait for the queued work; on a lazy backend, look at the graph that ran."""
         backend = self._backend or self.backend()
         backend.sync()
-        self.tracker.user_synced(backend, self._host)
+        self.tracker.user_synced()
 
     def use(self, name: str) -> Backend:
         self.tracker.flush()  # the steps so far belong to the backend in use until now

@@ -1,4 +1,4 @@
-"""Step tracking: steps, data wait and batch shapes, handed to the observers as one StepRecord per step."""
+"""Step tracking: steps, data wait and batch shapes, one StepRecord per step for the rules and the observers."""
 
 from __future__ import annotations
 
@@ -8,14 +8,16 @@ from typing import TYPE_CHECKING, Any
 from accelport.contract import Backend, StepRecord
 
 if TYPE_CHECKING:
-    from accelport.diagnose.numerics import NumericsWatch
+    from accelport.diagnose.engine import Diagnostics
+    from accelport.diagnose.rule import Diagnosis
+    from accelport.observe.numerics import NumericsWatch
     from accelport.plugins.host import PluginHost
 
 __all__ = ["StepTracker"]
 
 
 class StepTracker:
-    """Counts steps, data wait and batch signatures; hands a StepRecord per step to the observers.
+    """Counts steps, data wait and batch signatures; hands a StepRecord per step to the rules and the observers.
 
     Reading the backend's counters costs more than everything else per step (a
     lookup in the runtime's tables, cold in the middle of a training step), so
@@ -25,12 +27,15 @@ class StepTracker:
     stretches they are read once per :attr:`QUIET_EVERY` steps: the steps in
     between are kept as plain tuples and handed over together; the change found
     is counted on the last of them, with ``counted_steps`` saying how many steps
-    it covers. Records still reach observers one per step and in order.
+    it covers. Records still reach the rules and the observers one per step and in order.
 
-    With the built-in diagnostics on, it also hands each step's optimizer to a
-    :class:`~accelport.diagnose.numerics.NumericsWatch` (non-finite gradients,
-    updates that round away), and on lazy backends looks at the graph an
-    ``ap.sync()`` ran outside the steps (a loop that grew one huge graph).
+    It is bound to a run (:meth:`bind`) when the backend is selected: the backend whose
+    counters it reads, the plugin host whose ``accelport_step_end`` observers get each
+    record, the rules' engine (None: diagnosis off) and the step checks the rules asked
+    for (:class:`~accelport.observe.numerics.NumericsWatch`, handed each step's optimizer).
+    Each record goes to the engine first and then to the observers, with the findings
+    made on it; on lazy backends it also looks at the graph an ``ap.sync()`` ran outside
+    the steps (a loop that grew one huge graph).
     """
 
     QUIET_EVERY = 16
@@ -46,36 +51,35 @@ class StepTracker:
         self._pending_wait = 0.0
         self._last_signature: tuple[Any, ...] | None = None
         self._last_end: float | None = None
+        #: What the loader said about itself: num_workers, batch_size, type (see describe_loader).
         self.loader_info: dict[str, Any] = {}
         # Finished steps whose counters are not read yet: (step, seconds, wait, signature, time).
         self._pending: list[tuple[int, float, float, Any, float]] = []
         self._every = 1
         self._close_until = self.CLOSE_STEPS
-        self._open: tuple[int, Backend, PluginHost | None] | None = None  # a step waiting for the loop's sync
+        self._open: int | None = None  # a step waiting for the loop's sync
         self._backend: Backend | None = None
         self._host: PluginHost | None = None
+        self._engine: Diagnostics | None = None
+        self._recording = False  # some rule or observer reads the records
+        self._unsaid: list[Diagnosis] = []  # findings made outside a record: they go with the next one
         # Wall-clock time of a perf_counter reading, without a second clock call per step.
         self._wall_offset = time.time() - time.perf_counter()
-        #: The step checks of the built-in diagnostics (None until a step runs with them on).
+        #: The step checks the rules asked for (None: none did, or no run is bound yet).
         self.numerics: NumericsWatch | None = None
-        self._watching: PluginHost | None = None  # the host numerics was decided for
 
-    def inspector(self, backend: Backend, host: PluginHost | None) -> Any:
+    def bind(self, backend: Backend, host: PluginHost, engine: Diagnostics | None,
+             numerics: NumericsWatch | None) -> None:
+        """Record the steps of a run on ``backend`` (the runtime calls this when it selects one)."""
+        self._backend, self._host, self._engine, self.numerics = backend, host, engine, numerics
+        self._recording = engine is not None or host.has_step_observers
+
+    def inspector(self) -> Any:
         """What ``ap.loader`` runs on each host batch in its reading thread (None: nothing)."""
-        watch = self._watch(backend, host)
+        watch = self.numerics
         # Where the host is the device the batch itself goes with the step (batch_arrived):
         # it is looked at only if the step's gradients turn out non-finite.
         return watch.inspect if watch is not None and watch.deferred else None
-
-    def _watch(self, backend: Backend, host: PluginHost | None) -> NumericsWatch | None:
-        if host is not self._watching:
-            self._watching = host
-            self.numerics = None
-            if host is not None and host.pm.get_plugin("diagnostics") is not None:
-                from accelport.diagnose.numerics import NumericsWatch
-
-                self.numerics = NumericsWatch(backend)
-        return self.numerics
 
     def batch_arrived(self, wait: float, sig: Any, batch: Any = None) -> None:
         """The loop got a batch after ``wait`` seconds; ``batch`` itself where the host is the device."""
@@ -94,53 +98,51 @@ class StepTracker:
             self.signatures.add(sig)
             self._last_signature = sig
 
-    def step_end(self, backend: Backend, host: PluginHost | None, optimizer: Any = None) -> None:
+    def step_end(self, optimizer: Any = None) -> None:
+        """An optimizer step ended (``optimizer``: the one stepped, for the step checks)."""
         if self._open is not None:
             self.synced()  # a second step in the same batch (two optimizers): the first one ends here
         self.steps += 1
-        if optimizer is not None:
-            watch = self.numerics if host is self._watching else self._watch(backend, host)
-            if watch is not None:
-                watch.step_end(self.steps, optimizer)
-        if backend.step_deferred():
+        watch = self.numerics
+        if optimizer is not None and watch is not None:
+            watch.step_end(self.steps, optimizer)
+        backend = self._backend
+        if backend is not None and backend.step_deferred():
             # Its graph runs when the loop asks for the next batch: finish the record then
             # (synced()), so the step's time and counters hold its own compile and run.
-            self._open = (self.steps, backend, host)
+            self._open = self.steps
             return
-        self._finish(self.steps, backend, host)
+        self._finish(self.steps)
 
     def synced(self) -> None:
         """The loop's sync ran: finish the step that waited for it."""
         if self._open is not None:
-            step, backend, host = self._open
-            self._open = None
-            self._finish(step, backend, host)
+            step, self._open = self._open, None
+            self._finish(step)
 
-    def _finish(self, step: int, backend: Backend, host: PluginHost | None) -> None:
+    def _finish(self, step: int) -> None:
         now = time.perf_counter()
         seconds = now - self._last_end if self._last_end is not None else 0.0
         self.step_seconds += seconds
         self._last_end = now
         wait, self._pending_wait = self._pending_wait, 0.0
-        if host is None or not host.has_step_observers:
+        if not self._recording:
             return
         pending = self._pending
         pending.append((step, seconds, wait, self._last_signature, now + self._wall_offset))
-        self._backend, self._host = backend, host
         if len(pending) >= self._every:
             self._hand_over()
 
     def flush(self) -> None:
-        """Hand every finished step to the observers, and settle what is still open.
+        """Hand every finished step over, and settle what is still open.
 
         The end of an ``ap.loader`` loop, ``ap.diagnostics()``, a change of backend
         and the end of the process call it: kept gradients are read, a graph run
-        outside the steps is looked at, and the diagnostics see what was found
-        since the last step.
+        outside the steps is looked at, and the rules see what was found since the last step.
         """
         self._hand_over()
-        backend, host = self._backend, self._host
-        if backend is None or host is None:
+        backend = self._backend
+        if backend is None or not self._recording:
             return
         watch = self.numerics
         if watch is not None and watch.deferred:
@@ -149,34 +151,33 @@ class StepTracker:
                 if not (watch.pending and backend.lazy):
                     break
                 backend.sync()  # runs the reads (step closures); nothing of the loop's is pending here
-        self._outside_steps(backend, host, "a point outside the training steps")
-        plugin = host.pm.get_plugin("diagnostics")
-        if plugin is not None and hasattr(plugin, "settle"):
-            plugin.settle()
+        self._outside_steps("a point outside the training steps")
+        if self._engine is not None:
+            self._unsaid += self._engine.settle()
 
-    def user_synced(self, backend: Backend, host: PluginHost | None) -> None:
+    def user_synced(self) -> None:
         """``ap.sync()`` ran: on a lazy backend, look at the graph it executed."""
-        if not backend.lazy or host is None or not host.has_step_observers:
+        backend = self._backend
+        if backend is None or not backend.lazy or not self._recording:
             return
-        self._backend, self._host = backend, host
         self._hand_over()
-        self._outside_steps(backend, host, "ap.sync()")
+        self._outside_steps("ap.sync()")
 
-    def _outside_steps(self, backend: Backend, host: PluginHost, where: str) -> None:
+    def _outside_steps(self, where: str) -> None:
         # Counters are read for the steps first (_hand_over), so what moved since is the
         # work run outside them; a graph that grew is a new graph, so it compiled.
-        if not backend.lazy:
+        backend, engine = self._backend, self._engine
+        if backend is None or not backend.lazy or engine is None:
             return
         delta = backend.step_delta()
         if not delta.get("compilations"):
             return
         nodes = backend.compile_facts().get("graph_nodes")
-        plugin = host.pm.get_plugin("diagnostics")
-        if nodes and plugin is not None and hasattr(plugin, "graph_ran"):
-            plugin.graph_ran(int(nodes), where)
+        if nodes:
+            self._unsaid += engine.graph_ran(int(nodes), where)
 
     def _hand_over(self) -> None:
-        """Read the counters and hand every finished step to the observers."""
+        """Read the counters and hand every finished step to the rules and the observers."""
         self.synced()  # a loop left early: its last step is finished as it stands
         pending = self._pending
         backend, host = self._backend, self._host
@@ -197,6 +198,12 @@ class StepTracker:
         # Steps read together: the change is known only for all of them, so it goes on
         # the last, which says how many steps it covers; the others say theirs was not read.
         for step, seconds, wait, signature, at in pending[:-1]:
-            host.step_end(StepRecord(step, name, lazy, seconds, wait, signature, {}, at, loader, 0))
+            self._record(host, StepRecord(step, name, lazy, seconds, wait, signature, {}, at, loader, 0))
         step, seconds, wait, signature, at = pending[-1]
-        host.step_end(StepRecord(step, name, lazy, seconds, wait, signature, delta, at, loader, len(pending)))
+        self._record(host, StepRecord(step, name, lazy, seconds, wait, signature, delta, at, loader, len(pending)))
+
+    def _record(self, host: PluginHost, record: StepRecord) -> None:
+        found = self._engine.step_end(record) if self._engine is not None else ()
+        if self._unsaid:
+            found, self._unsaid = (*self._unsaid, *found), []
+        host.step_end(record, found)

@@ -1,7 +1,7 @@
 """What each dynamo surface the diagnosis reads gives, pinned per torch version.
 
 The diagnosis of compiled functions reads dynamo's own records (see
-accelport/diagnose/dynamo.py). A torch upgrade that changes one of them must fail
+accelport/observe/dynamo.py). A torch upgrade that changes one of them must fail
 here, not silence a diagnosis: each check runs a tiny compiled function (backend
 "eager": the records are dynamo's, whatever compiles the graphs) and asserts what
 the surface holds. The default environment runs them on torch 2.13
@@ -40,7 +40,7 @@ def fresh() -> Any:
 def check_version_is_pinned() -> None:
     assert version() in PINNED, (
         f"torch {torch.__version__}: the dynamo surfaces accelport reads were pinned for {sorted(PINNED)}; run "
-        "these checks, adjust accelport/diagnose/dynamo.py if one changed, and add the version")
+        "these checks, adjust accelport/observe/dynamo.py if one changed, and add the version")
 
 
 def check_guard_failures_and_compilation_metrics() -> None:
@@ -168,7 +168,7 @@ def check_hooks_the_tracer_needs() -> None:
 
 def check_the_observer_reads_them_all() -> None:
     """accelport's observer, end to end on the surfaces above."""
-    from accelport.diagnose.dynamo import CompileObserver
+    from accelport.observe.dynamo import CompileObserver
 
     fresh()
     obs = CompileObserver()

@@ -19,7 +19,7 @@ import torch._dynamo
 import accelport as ap
 from accelport.diagnose import compiled
 from accelport.diagnose.buckets import describe, suggest
-from accelport.diagnose.dynamo import FunctionCompiles, LimitHit, SizeChange, parse_reason
+from accelport.observe.dynamo import FunctionCompiles, LimitHit, SizeChange, parse_reason
 from tests.diagnose.test_diagnosis import feed, rec, sig
 from tests.diagnose.test_diagnosis import kinds as rule_kinds
 from tests.diagnoses import kinds, silent

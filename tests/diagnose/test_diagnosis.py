@@ -13,7 +13,10 @@ import pytest
 
 import accelport as ap
 from accelport.contract import StepRecord
-from accelport.diagnose.rules import Diagnostics, describe_shape_change
+from accelport.diagnose.engine import Diagnostics
+from accelport.diagnose.rules import describe_shape_change
+from accelport.diagnose.rules.cpu_fallback import CpuFallbackRule
+from tests.diagnoses import engine
 
 
 def rec(step: int, *, compiles: int = 0, d2h: int | None = None, sig: tuple | None = None,  # type: ignore[type-arg]
@@ -30,11 +33,11 @@ def rec(step: int, *, compiles: int = 0, d2h: int | None = None, sig: tuple | No
 
 
 def feed(records: list[StepRecord]) -> Diagnostics:
-    d = Diagnostics(environ={})
+    d = engine({})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for r in records:
-            d.accelport_step_end(r)
+            d.step_end(r)
     return d
 
 
@@ -158,7 +161,7 @@ def test_host_reads_counted_for_many_steps_at_once_are_not_overstated() -> None:
 
 def test_cpu_fallbacks_are_looked_for_early_and_then_every_1000_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     looked: list[int] = []
-    monkeypatch.setattr(Diagnostics, "_cpu_fallback", lambda self, record: looked.append(record.step))
+    monkeypatch.setattr(CpuFallbackRule, "_judge", lambda self, record: looked.append(record.step))
     feed([rec(s, sig=sig(8)) for s in range(1, 3001)])
     assert looked == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 3000]
 
@@ -182,10 +185,10 @@ def test_graph_growth_against_the_usual_step() -> None:
 
 
 def test_each_kind_is_reported_once_as_its_own_warning_category() -> None:
-    d = Diagnostics(environ={})
+    d = engine({})
     with pytest.warns(ap.DiagnosticWarning) as caught:
         for s in range(1, 40):
-            d.accelport_step_end(rec(s, compiles=1, sig=sig(s)))
+            d.step_end(rec(s, compiles=1, sig=sig(s)))
     relevant = [w for w in caught if issubclass(w.category, ap.DiagnosticWarning)]
     assert len(relevant) == 1
     assert relevant[0].category.__name__ == "RecompilationWarning"
@@ -193,16 +196,16 @@ def test_each_kind_is_reported_once_as_its_own_warning_category() -> None:
 
 
 def test_deprecated_config_is_reported_on_the_first_step() -> None:
-    d = Diagnostics(environ={"XLA_USE_BF16": "1"})
+    d = engine({"XLA_USE_BF16": "1"})
     with pytest.warns(ap.DiagnosticWarning, match="XLA_USE_BF16 is deprecated"):
-        d.accelport_step_end(rec(1))
+        d.step_end(rec(1))
     assert kinds(d) == ["deprecated-config"] and "autocast" in d.findings[0].message
-    quiet = Diagnostics(environ={"XLA_USE_BF16": "0"})
-    quiet.accelport_step_end(rec(1))
+    quiet = engine({"XLA_USE_BF16": "0"})
+    quiet.step_end(rec(1))
     assert quiet.findings == []
     # On cpu torch_xla's switch does nothing: not "in effect" (selection already said so).
-    on_cpu = Diagnostics(environ={"XLA_USE_BF16": "1"})
-    on_cpu.accelport_step_end(rec(1, backend="cpu", lazy=False))
+    on_cpu = engine({"XLA_USE_BF16": "1"})
+    on_cpu.step_end(rec(1, backend="cpu", lazy=False))
     assert on_cpu.findings == []
 
 
@@ -365,7 +368,7 @@ def test_host_read_traces_are_per_listener_and_a_new_one_clears_nothing() -> Non
 
     code = (
         "import torch\n"
-        "from accelport.diagnose.tracer import HostSyncSites\n"
+        "from accelport.observe.tracer import HostSyncSites\n"
         "first = HostSyncSites(); first.listen()\n"
         "x = torch.empty(2, device='meta')\n"
         "repr(x)\n"  # line 5

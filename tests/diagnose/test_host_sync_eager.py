@@ -18,8 +18,8 @@ import torch
 import torch._dynamo
 
 import accelport as ap
-from accelport.diagnose import tracer
 from accelport.eager import EagerBackend
+from accelport.observe import tracer
 from tests.backends.test_standins import select
 
 HERE = os.path.abspath(__file__)

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import accelport as ap
-from accelport.diagnose.numerics import CHECK_EVERY, PRECISION_EVERY, PRECISION_FIRST, check_batch, param_names
 from accelport.eager import EagerBackend
+from accelport.observe.numerics import CHECK_EVERY, PRECISION_EVERY, PRECISION_FIRST, check_batch, param_names
 from tests.diagnoses import kinds, silent
 
 
@@ -403,7 +403,7 @@ def test_accelport_diagnose_finds_the_nan_of_an_unmodified_critic_script(tmp_pat
 @pytest.mark.xla
 def test_on_xla_a_loss_linear_in_the_output_is_found_without_an_extra_graph_or_transfer() -> None:
     # Runs in the xla environment. The weight is read whole with the canary, after the loop's syncs.
-    from accelport.diagnose.numerics import CHECK_EVERY_LAZY
+    from accelport.observe.numerics import CHECK_EVERY_LAZY
 
     ap.use("xla")
     start = ap.metrics()
@@ -434,7 +434,7 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
 dist.init_process_group("gloo", rank=0, world_size=1)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from accelport.diagnose.numerics import NumericsWatch
+from accelport.observe.numerics import NumericsWatch
 
 class Accelerator:  # a stand-in for an eager accelerator's backend: the checks read later, in blocks
     lazy, sync_api, name = False, "cuda", "stand-in"

@@ -233,13 +233,13 @@ def lazy_step(n: int, syncs: int, counted: int = 1) -> StepRecord:
 
 
 def test_steps_without_a_sync_are_graph_growth_and_steps_with_one_are_not() -> None:
-    from accelport.diagnose.rules import Diagnostics
+    from tests.diagnoses import engine
 
-    never = Diagnostics(environ={})
+    never = engine({})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for n in range(1, 9):
-            never.accelport_step_end(lazy_step(n, 0))
+            never.step_end(lazy_step(n, 0))
     assert [(f.kind, f.step) for f in never.findings] == [("graph-growth", 5)]
     assert "the loop never syncs" in never.findings[0].message and "torch_xla.sync()" in never.findings[0].message
     assert never.findings[0].evidence["steps_without_sync"] == 5
@@ -252,11 +252,11 @@ def test_steps_without_a_sync_are_graph_growth_and_steps_with_one_are_not() -> N
         lazy_step(n, 16, 16) if n % 16 == 0 else lazy_step(n, 0, 0) for n in range(41, 97)]
     ported = [StepRecord(n, "xla", True, 0.01, 0.0, None, {"compilations": 0}, float(n), {}) for n in range(1, 41)]
     for records in (two_optimizers, quiet, ported):
-        rules = Diagnostics(environ={})
+        rules = engine({})
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for record in records:
-                rules.accelport_step_end(record)
+                rules.step_end(record)
         assert rules.findings == []
 
 
@@ -329,7 +329,7 @@ def test_a_healthy_compiled_loop_is_silent_and_computes_what_python_does(tmp_pat
 def test_a_finding_is_shown_at_the_scripts_line_never_at_a_librarys() -> None:
     import torch
 
-    from accelport.diagnose.watch import where
+    from accelport.runtime.watch import where
 
     sites = {"step": ("train.py", 30), "loop": ("train.py", 20)}
 

@@ -136,9 +136,9 @@ def test_the_summary_and_the_json_show_no_secret_and_no_control_character(tmp_pa
 def test_a_diagnosis_shown_while_the_script_runs_goes_through_the_same_pass() -> None:
     import warnings
 
-    from accelport.diagnose.watch import Watcher
     from accelport.errors import DiagnosticWarning
     from accelport.redact import Redactor
+    from accelport.runtime.watch import Watcher
 
     watcher = Watcher(redactor=Redactor({}))
     with warnings.catch_warnings(record=True) as shown:

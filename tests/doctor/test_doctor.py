@@ -37,7 +37,7 @@ def test_report_has_the_documented_keys_and_this_machine() -> None:
     assert report["selected"]["name"] == "cpu"
     assert report["packages"]["torch"]
     assert {b["name"] for b in report["backends"]} >= {"cpu", "cuda"}
-    assert any(p["name"] == "diagnostics" and "accelport_step_end" in p["hooks"] for p in report["plugins"])
+    assert any(p["name"] == "diagnostics" and "accelport_register_rules" in p["hooks"] for p in report["plugins"])
 
 
 def test_doctor_imports_no_torch_and_no_vendor_runtime() -> None:

@@ -111,8 +111,8 @@ def test_accelports_own_step_closures_are_not_counted_again_as_the_scripts() -> 
     import torch_xla.core.xla_model as xm
 
     import accelport as ap
-    from accelport.diagnose.watch import Watcher
     from accelport.runtime.state import RUNTIME
+    from accelport.runtime.watch import Watcher
 
     watcher = Watcher(environ={})
     watcher.install()

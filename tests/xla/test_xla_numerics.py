@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import accelport as ap
-from accelport.diagnose.numerics import CHECK_EVERY_LAZY, PRECISION_EVERY, PRECISION_FIRST
+from accelport.observe.numerics import CHECK_EVERY_LAZY, PRECISION_EVERY, PRECISION_FIRST
 from tests.diagnoses import kinds, silent
 
 pytestmark = pytest.mark.xla

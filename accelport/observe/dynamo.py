@@ -32,8 +32,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CompileObserver", "FunctionCompiles", "GraphBreak", "LimitHit", "SizeChange", "Mark", "observer",
-           "parse_reason"]
+__all__ = ["CompileEvents", "CompileObserver", "FunctionCompiles", "GraphBreak", "LimitHit", "SizeChange", "Mark",
+           "observer", "parse_reason"]
 
 #: The logger dynamo warns on when a function reaches its recompile limit.
 LIMIT_LOGGER = "torch._dynamo.convert_frame"
@@ -368,3 +368,33 @@ def observer() -> CompileObserver:
                 _OBSERVER = CompileObserver()
     _OBSERVER.arm()
     return _OBSERVER
+
+
+class CompileEvents:
+    """torch.compile's records from one point on (a run's start): what the rules read of dynamo.
+
+    The records are process-wide; a run reads them since its own :class:`Mark`, so two runs
+    in one process (a test suite, a second ``ap.use``) each see their own compilations.
+    """
+
+    def __init__(self, source: CompileObserver | None = None) -> None:
+        self._observer = source if source is not None else observer()
+        self._mark = self._observer.mark()
+
+    def limit_hit_count(self) -> int:
+        return self._observer.limit_hit_count(self._mark)
+
+    def graph_break_count(self) -> int:
+        return self._observer.graph_break_count(self._mark)
+
+    def limit_hits(self) -> list[LimitHit]:
+        return self._observer.limit_hits(self._mark)
+
+    def compile_seconds(self) -> float:
+        return self._observer.compile_seconds(self._mark)
+
+    def functions(self) -> list[FunctionCompiles]:
+        return self._observer.functions(self._mark)
+
+    def graph_breaks(self, top: int = 3) -> list[GraphBreak]:
+        return self._observer.graph_breaks(self._mark, top)

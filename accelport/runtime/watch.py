@@ -19,9 +19,9 @@ is computed differently: every wrapper calls the original and returns what it re
 
 The backend is the one that drives the device of the parameters being stepped (or
 ``--backend``). The steps go through the same :class:`~accelport.runtime.tracker.StepTracker`
-and the same backend counters (``step_delta``, ``compile_facts``) as ``ap.optimizer_step``, into
-a plugin host of their own, so every rule on ``accelport_step_end`` (the built-in diagnostics,
-the metrics file, a third party's) judges a diagnosed script exactly as a ported one. One
+and the same backend counters (``step_delta``, ``compile_facts``) as ``ap.optimizer_step``, in
+a runtime of their own, so every registered rule (the built-in kinds, a third party's) and every
+step observer (the metrics file) sees a diagnosed script exactly as a ported one. One
 fact only the watcher has: on a lazy backend, how many times the script synced during each
 step (``delta["syncs"]``), which the ``graph-growth`` rule reads.
 """
@@ -51,24 +51,21 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from accelport.device_loader import describe_loader, signature
-from accelport.diagnose import tracer
 from accelport.errors import AccelportError, DiagnosticWarning
 from accelport.lazy import OWN_CLOSURE
+from accelport.observe import tracer
+from accelport.observe.dynamo import CompileEvents
+from accelport.observe.frames import library_file, user_site
 from accelport.runtime.state import Runtime
 from accelport.runtime.tracker import StepTracker
 
 if TYPE_CHECKING:
     from accelport.contract import Backend
+    from accelport.diagnose.rule import Diagnosis
     from accelport.plugins.host import PluginHost
     from accelport.redact import Redactor
 
-__all__ = ["Watcher", "Outcome", "run_watched", "entry_spec", "user_site", "where"]
-
-#: Top-level packages whose frames are never "the user's line".
-_LIBRARIES = frozenset({
-    "accelport", "torch", "torch_xla", "torch_neuronx", "torch_tpu", "typing_extensions", "runpy", "threading",
-    "warnings", "contextlib", "functools", "importlib", "_weakrefset",
-})
+__all__ = ["Watcher", "Outcome", "run_watched", "entry_spec", "where"]
 
 #: Which place a finding of each kind is best shown at: the loop over the data (where
 #: batches come from) or the optimizer step (where a sync belongs).
@@ -78,33 +75,6 @@ _FUNCTION_SITE = re.compile(r"\((?P<file>.+):(?P<line>\d+)\)$")
 _PLACE = {"recompilation": "loop", "input-bound": "loop", "graph-growth": "step"}
 
 
-def user_site(frame: types.FrameType | None = None) -> tuple[str, int] | None:
-    """(file, line) of the innermost frame outside torch, torch_xla, accelport and the import machinery."""
-    frame = frame or sys._getframe(1)
-    while frame is not None:
-        module = frame.f_globals.get("__name__") or ""
-        if module.partition(".")[0] not in _LIBRARIES and not frame.f_code.co_filename.startswith("<frozen "):
-            return frame.f_code.co_filename, frame.f_lineno
-        frame = frame.f_back
-    return None
-
-
-def _library_file(path: str) -> bool:
-    """Whether ``path`` is a file of torch, torch_xla, accelport or another library user_site skips."""
-    path = os.path.abspath(path)
-    for name in _LIBRARIES:
-        module = sys.modules.get(name)
-        # A package's directory; a single-file module (threading) is its file alone: its
-        # directory is the standard library's, and may hold site-packages, the script's too.
-        for root in getattr(module, "__path__", None) or ():
-            if path.startswith(os.path.abspath(root) + os.sep):
-                return True
-        origin = getattr(module, "__file__", None)
-        if origin and path == os.path.abspath(origin):
-            return True
-    return False
-
-
 def where(finding: Any, sites: Mapping[str, tuple[str, int]]) -> tuple[str, int] | None:
     """The script's line a finding is best shown at: the host read itself, else the loop or the step."""
     evidence = getattr(finding, "evidence", None) or {}
@@ -112,10 +82,10 @@ def where(finding: Any, sites: Mapping[str, tuple[str, int]]) -> tuple[str, int]
     # compiled function that recompiled ("forward (file:3)").
     for site in evidence.get("sites") or ():
         m = _SITE.match(str(site))
-        if m and not _library_file(m.group("file")):
+        if m and not library_file(m.group("file")):
             return m.group("file"), int(m.group("line"))
     m = _FUNCTION_SITE.search(str(evidence.get("function") or ""))
-    if m and not _library_file(m.group("file")):  # (torch's Sequential.forward says nothing of the script)
+    if m and not library_file(m.group("file")):  # (torch's Sequential.forward says nothing of the script)
         return m.group("file"), int(m.group("line"))
     kind = getattr(finding, "kind", "")
     place = _PLACE.get(kind)
@@ -241,6 +211,7 @@ class Watcher:
         self._showwarning: Any = None
         self._copies: Callable[[], int] | None = None
         self._prebuilt: Runtime | None = None
+        self._compile_events: CompileEvents | None = None
 
     # -- installing and removing -------------------------------------------------------
     def install(self) -> None:
@@ -255,6 +226,8 @@ class Watcher:
         self._active = self._feeding = True
         if hasattr(os, "register_at_fork"):  # (weakly: the registration outlives the watcher)
             os.register_at_fork(after_in_child=functools.partial(_stop_in_child, weakref.ref(self)))
+        # torch.compile's records count from here: the script's first compile is before its first step.
+        self._compile_events = CompileEvents()
         self._prebuilt = self._prebuild()
         self._showwarning = warnings.showwarning
         warnings.showwarning = self._show_warning
@@ -382,14 +355,14 @@ class Watcher:
             if backend.lazy:
                 self._open = optimizer  # its graph runs at the script's next sync: the record waits for that
             else:
-                self.tracker.step_end(backend, self.host, optimizer)
+                self.tracker.step_end(optimizer)
         except Exception as exc:  # never into the script's optimizer.step()
             self._stop(exc)
 
     def _close(self) -> None:
         optimizer, self._open = self._open, None
         if self.backend is not None:
-            self.tracker.step_end(self.backend, self.host, optimizer)
+            self.tracker.step_end(optimizer)
 
     def _runtime(self, on_host: bool) -> Runtime:
         """A runtime of the watcher's own (not the process's ``ap.*`` one), reading the watcher's settings."""
@@ -398,7 +371,8 @@ class Watcher:
         overrides = {"ACCELPORT_DIAGNOSTICS": "1" if on_host else "trace"}
         if self._metrics_file:
             overrides["ACCELPORT_METRICS_FILE"] = self._metrics_file
-        return Runtime(_Overlay(overrides, self._environ))
+        # The batches before the first step belong to it, and so do the compilations since install().
+        return Runtime(_Overlay(overrides, self._environ), tracker=self.tracker, compile_events=self._compile_events)
 
     def _prebuild(self) -> Runtime | None:
         """The plugin host and matrix for a run on the host CPU, built before the script starts.
@@ -413,6 +387,7 @@ class Watcher:
         try:
             runtime.host()
             runtime.matrix()
+            runtime.diagnostics()
         except Exception:  # said, if it matters, when the first step tries again
             return None
         return runtime
@@ -445,7 +420,6 @@ class Watcher:
         self.notes.append(f"counters from the {name} backend ({why})")
         # Said at the end with the findings: in the middle of the first step they would be lost.
         self.notes += [str(w.message) for w in caught]
-        runtime.tracker = self.tracker  # the batches before this first step belong to it
         self.runtime, self.host, self.backend = runtime, host, runtime.backend()
         return self.backend
 
@@ -562,7 +536,8 @@ class Watcher:
         if isinstance(category, type) and issubclass(category, DiagnosticWarning):
             text = str(message)
             kind = text[1:text.find("]")] if text.startswith("[") and "]" in text else ""
-            here = user_site()
+            engine = self.runtime.diagnostics() if self.runtime is not None else None
+            here = user_site(also=engine.rule_files if engine is not None else frozenset())
             if kind and here:
                 self.sites.setdefault(kind, here)
             finding = next((f for f in reversed(self.findings) if f.kind == kind), None)
@@ -587,10 +562,16 @@ class Watcher:
             self._active = self._feeding = False
 
     @property
-    def findings(self) -> list[Any]:
-        """The diagnoses so far (``Diagnosis`` items, as ``ap.diagnostics()`` gives them)."""
-        plugin = self.host.pm.get_plugin("diagnostics") if self.host is not None else None
-        return list(getattr(plugin, "findings", []))
+    def findings(self) -> list[Diagnosis]:
+        """The diagnoses so far (as ``ap.diagnostics()`` gives them), without judging the steps not yet handed over."""
+        engine = self.runtime.diagnostics() if self.runtime is not None else None
+        return list(engine.findings) if engine is not None else []
+
+    @property
+    def rule_failures(self) -> list[str]:
+        """One line per rule that raised and was disabled: what it did not judge."""
+        engine = self.runtime.diagnostics() if self.runtime is not None else None
+        return list(engine.failures) if engine is not None else []
 
     @property
     def backend_name(self) -> str | None:

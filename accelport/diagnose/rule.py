@@ -1,0 +1,231 @@
+"""What a diagnosis rule is, and what it sees: the API a rule's author writes against.
+
+A rule is a class: its kind, its thresholds, its fix text and its severity together, in
+one small module. A plugin registers it through ``accelport_register_rules`` (the
+built-in kinds are registered exactly so, see :mod:`accelport.diagnose.rules`), and the
+engine (:class:`accelport.diagnose.engine.Diagnostics`) runs one instance of it per run:
+
+    import accelport as ap
+
+    class SlowStepRule(ap.Rule):
+        kind = "slow-step"
+        LIMIT = 2.0  # seconds
+
+        def step(self, record):
+            if record.step > 1 and record.seconds > self.LIMIT:
+                self.report(f"step {record.step} took {record.seconds:.1f} s: ... Fix: ...",
+                            record.step, seconds=round(record.seconds, 3))
+
+    @ap.hookimpl
+    def accelport_register_rules(register):
+        register(SlowStepRule)
+
+A rule meets the run only through what it is handed: the step records
+(:class:`accelport.contract.StepRecord`) and a read-only :class:`RunView` (the backend,
+its family, the world size, the environment, what the run's sensors found). It never
+imports the runtime, and never looks at another plugin.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from accelport.errors import DiagnosticWarning
+
+if TYPE_CHECKING:
+    from accelport.contract import StepRecord
+    from accelport.diagnose.buckets import Suggestion
+    from accelport.observe.dynamo import CompileEvents
+    from accelport.observe.numerics import NumericsWatch
+
+__all__ = ["Diagnosis", "Rule", "RunView", "BatchShapes", "SEVERITIES", "KIND_PATTERN", "describe_shape_change"]
+
+#: "warning": the run is slower than it needs to be. "problem": it is wrong or crippled
+#: (NaN weights, weights that stopped moving, a function silently run uncompiled).
+SEVERITIES = ("warning", "problem")
+#: How a kind is spelled: lower-case words joined by '-' (``graph-break``), as the docs,
+#: the JSON and ``ACCELPORT_DISABLED_PLUGINS`` spell them.
+KIND_PATTERN = re.compile(r"^[a-z][a-z0-9]*(?:-[a-z0-9]+)*$")
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """One finding: what was seen (``evidence``), and the cause and fix (``message``)."""
+
+    kind: str
+    message: str
+    step: int
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+    #: "problem" (the run is wrong or crippled) or "warning" (slower than it needs to be).
+    severity: str = "warning"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "message": self.message, "step": self.step, "evidence": dict(self.evidence),
+                "severity": self.severity}
+
+
+def describe_shape_change(before: Sequence[Any] | None, after: Sequence[Any] | None) -> str | None:
+    """'input 0 changed from (8, 128) to (8, 131)' for the first input whose shape differs."""
+    if before is None or after is None:
+        return None
+    for i, (a, b) in enumerate(zip(before, after, strict=False)):
+        if a == b:
+            continue
+        try:
+            (sa, da), (sb, db) = a, b
+        except (TypeError, ValueError):  # a signature from a third-party loader
+            return f"input {i} changed from {a!r} to {b!r}"
+        if sa != sb:
+            return f"input {i} changed from {tuple(sa)} to {tuple(sb)}"
+        return f"input {i} changed dtype from {da} to {db}"
+    if len(before) != len(after):
+        return f"the batch changed from {len(before)} to {len(after)} tensors"
+    return None
+
+
+class BatchShapes:
+    """The batch shapes of a run so far, kept once for every rule (updated before the rules see a record).
+
+    ``ap.loader`` hands equal signatures as one object while shapes repeat, so a step with
+    the shapes of the step before costs one identity test here.
+    """
+
+    def __init__(self) -> None:
+        #: Every distinct batch signature seen.
+        self.distinct: set[Any] = set()
+        #: The signature of the record being judged, and of the one before it.
+        self.current: Any = None
+        self.previous: Any = None
+        #: Whether the record being judged brought a signature not seen before.
+        self.new = False
+        self._counts: Counter[Any] = Counter()  # steps per signature, but for...
+        self._run = 0  # ...the steps of the current run of equal signatures
+
+    def update(self, signature: Any) -> None:
+        if signature is self.current:
+            self._run += 1  # counted into _counts when the shape changes
+            self.previous = signature
+            self.new = False
+            return
+        self._count()
+        self._run = 1
+        self.previous, self.current = self.current, signature
+        self.new = signature is not None and signature not in self.distinct
+        if self.new:
+            self.distinct.add(signature)
+
+    def _count(self) -> None:
+        if self._run and self.current is not None:
+            self._counts[self.current] += self._run
+        self._run = 0
+
+    def change(self) -> str | None:
+        """What changed from the previous record's batch to this one's ('input 0 changed from ... to ...')."""
+        return describe_shape_change(self.previous, self.current)
+
+    def counts(self) -> Mapping[Any, int]:
+        """Steps per distinct signature so far."""
+        self._count()
+        return self._counts
+
+    def suggestion(self) -> Suggestion | None:
+        """Buckets for the length that varies across the batches seen (None if none varies)."""
+        from accelport.diagnose.buckets import suggest
+        from accelport.diagnose.compiled import signature_lengths
+
+        _, lengths = signature_lengths(self.counts())
+        return suggest(lengths) if len(lengths) > 1 else None
+
+
+def _never(kind: str) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class RunView:
+    """What a rule may read of the run besides its step records. Read-only; one per run.
+
+    The runtime (``ap.*``) and ``accelport diagnose`` fill in what they know; a replay of a
+    metrics file (``accelport report``) knows only the records, so every live sensor is None.
+    """
+
+    #: The backend whose counters the records carry ("?" where unknown, e.g. a replay).
+    backend: str = "?"
+    #: True for the lazy (XLA graph) family, False for eager devices.
+    lazy: bool = False
+    #: The environment the run reads (ACCELPORT_* settings; never printed whole).
+    environ: Mapping[str, str] = field(default_factory=dict)
+    #: The torch.device type of the run ("cpu", "cuda", "xla", ...), None where unknown.
+    device_type: str | None = None
+    world_size: int = 1
+    #: Whether the backend's compiler accepts ``dynamic=True`` (None: not known).
+    compile_dynamic: bool | None = None
+    #: The step checks (non-finite gradients and their source, low-precision updates that round
+    #: away): read ``numerics.nonfinite`` and ``numerics.stalled``. Present where a registered rule
+    #: ``needs`` "numerics" and the run is live.
+    numerics: NumericsWatch | None = None
+    #: torch.compile's records since the run started (live runs on a process with dynamo).
+    compile_events: CompileEvents | None = None
+    #: Every counter of the backend since the run started (``ap.metrics()``'s fields), live runs only.
+    counters: Callable[[], Mapping[str, Any]] | None = None
+    #: The batch shapes so far (kept by the engine, updated before each record is judged).
+    shapes: BatchShapes = field(default_factory=BatchShapes)
+    #: Whether a finding of a kind was already made in this run.
+    found: Callable[[str], bool] = _never
+
+
+class Rule:
+    """One kind of finding. Subclass it, set :attr:`kind`, override the signals it reads.
+
+    One instance judges one run (a new instance when the step numbers start again). The
+    engine reports each kind once: the first :meth:`report` makes the finding (a warning of
+    :attr:`warning`'s category, an entry of ``ap.diagnostics()``, the metrics file, the JSON
+    and the report page); later calls are ignored, so a rule may keep counting after it.
+    A rule that raises is disabled for the rest of the run with a PluginWarning naming its plugin.
+    """
+
+    #: The kind's name: lower-case words joined by '-' (see KIND_PATTERN), unique among the rules.
+    kind: ClassVar[str]
+    #: "warning" or "problem" (see SEVERITIES); override :meth:`severity_of` where evidence decides.
+    severity: ClassVar[str] = "warning"
+    #: The warning category a finding is given as (a subclass of DiagnosticWarning).
+    warning: ClassVar[type[DiagnosticWarning]] = DiagnosticWarning
+    #: The live sensors the rule reads through the view: "numerics" (the step checks).
+    needs: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, run: RunView, report: Callable[[Rule, str, int, dict[str, Any]], None]) -> None:
+        self.run = run
+        self._report = report
+        self.start()
+
+    @classmethod
+    def severity_of(cls, evidence: Mapping[str, Any]) -> str:
+        """This kind's severity for a finding with ``evidence`` (default: :attr:`severity`)."""
+        return cls.severity
+
+    @property
+    def reported(self) -> bool:
+        """Whether this kind was already found in this run."""
+        return self.run.found(self.kind)
+
+    def report(self, message: str, step: int, **evidence: Any) -> None:
+        """Make the finding: ``message`` says what was seen, its cause and the fix; ``evidence`` the numbers."""
+        self._report(self, message, step, evidence)
+
+    # -- the signals; override the ones the rule reads ---------------------------------------
+    def start(self) -> None:
+        """The run starts (before its first record): set up the rule's state here."""
+
+    def step(self, record: StepRecord) -> None:
+        """Judge one step record. Called for every step, in order: keep it cheap."""
+
+    def graph_ran(self, nodes: int, where: str) -> None:
+        """A lazy backend ran a graph of ``nodes`` nodes outside a training step (at ``where``)."""
+
+    def settle(self) -> None:
+        """Every step so far was handed over (the end of a loop, ``ap.diagnostics()``, the end of the run):
+        judge what a live sensor found since the last record."""

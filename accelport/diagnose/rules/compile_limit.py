@@ -1,0 +1,73 @@
+"""``compile-limit`` (a problem): a compiled function reached dynamo's recompile limit, and from then on runs
+eagerly, uncompiled and silently slower, for every new shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from accelport.contract import StepRecord
+from accelport.diagnose import compiled
+from accelport.diagnose.rule import Rule
+from accelport.errors import DiagnosticWarning
+
+__all__ = ["CompileLimitRule", "CompileLimitWarning"]
+
+
+class CompileLimitWarning(DiagnosticWarning):
+    """A compiled function reached dynamo's recompile limit and now runs eagerly for new shapes."""
+
+
+class CompileLimitRule(Rule):
+    """dynamo's own record of the limit (live), or the records' ``compile_limit_hits`` (a replay)."""
+
+    kind = "compile-limit"
+    severity = "problem"
+    warning = CompileLimitWarning
+
+    def start(self) -> None:
+        self._hits = 0  # from the records (replay); live runs read dynamo too
+        self._last: StepRecord | None = None
+
+    def step(self, record: StepRecord) -> None:
+        self._last = record
+        delta = record.delta
+        # On the records whose counters were read (a quiet block's last): at most 15 steps late.
+        if not delta:
+            return
+        self._hits += int(delta.get("compile_limit_hits", 0))
+        if not self.reported and (self._hits or self._live_hits()):
+            self._judge(record)
+
+    def settle(self) -> None:
+        if self._last is not None and not self.reported and self._live_hits():
+            self._judge(self._last)
+
+    def _live_hits(self) -> int:
+        events = self.run.compile_events
+        return events.limit_hit_count() if events is not None else 0
+
+    def _judge(self, record: StepRecord) -> None:
+        events = self.run.compile_events
+        hits = events.limit_hits() if events is not None else []
+        functions = events.functions() if events is not None and hits else []
+        shapes = self.run.shapes
+        distinct = len(shapes.distinct)
+        suggestion = shapes.suggestion() or compiled.dynamo_suggestion(functions)
+        if hits:
+            hit = hits[0]
+            declared = self.run.compile_dynamic if self.run.backend == record.backend else None
+            message = compiled.compile_limit_message(hit, functions, record.backend,
+                                                     compiled.accepts_dynamic(record.backend, declared),
+                                                     suggestion, distinct)
+            evidence: dict[str, Any] = {"function": f"{hit.function} ({hit.where})", "limit": hit.limit,
+                                        "limit_type": hit.limit_type}
+        else:  # replayed from a metrics file: the count, not dynamo's record
+            fix = f" Pad to a few lengths: collate_fn={compiled.describe(suggestion, distinct)}." \
+                if suggestion else " Pad or bucket the inputs (ap.data.BucketCollate) so it sees only a few shapes."
+            message = ("a compiled function reached torch._dynamo's recompile limit: from now on every new shape "
+                       "runs it eagerly, uncompiled and silently slower, for the rest of the run "
+                       f"({distinct} distinct batch shapes so far).{fix}")
+            evidence = {}
+        evidence["distinct_signatures"] = distinct
+        evidence["buckets"] = list(suggestion.buckets) if suggestion else None
+        self.report(message, record.step, **evidence)

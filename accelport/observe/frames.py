@@ -1,0 +1,48 @@
+"""Which frame is the user's: the line a finding points at is never inside torch, torch_xla or accelport.
+
+Shared by ``accelport diagnose`` (where a finding is shown) and ``accelport launch``'s
+probe (where a worker's script is), so both name the same line.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+__all__ = ["LIBRARIES", "user_site", "library_file"]
+
+#: Top-level packages whose frames are never "the user's line".
+LIBRARIES = frozenset({
+    "accelport", "torch", "torch_xla", "torch_neuronx", "torch_tpu", "typing_extensions", "runpy", "threading",
+    "warnings", "contextlib", "functools", "importlib", "_weakrefset",
+})
+
+
+def user_site(frame: types.FrameType | None = None, also: frozenset[str] = frozenset()) -> tuple[str, int] | None:
+    """(file, line) of the innermost frame outside torch, torch_xla, accelport and the import machinery;
+    ``also``: files skipped too (a plugin's rules)."""
+    frame = frame or sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__") or ""
+        filename = frame.f_code.co_filename
+        if module.partition(".")[0] not in LIBRARIES and not filename.startswith("<frozen ") and filename not in also:
+            return filename, frame.f_lineno
+        frame = frame.f_back
+    return None
+
+
+def library_file(path: str) -> bool:
+    """Whether ``path`` is a file of torch, torch_xla, accelport or another library user_site skips."""
+    path = os.path.abspath(path)
+    for name in LIBRARIES:
+        module = sys.modules.get(name)
+        # A package's directory; a single-file module (threading) is its file alone: its
+        # directory is the standard library's, and may hold site-packages, the script's too.
+        for root in getattr(module, "__path__", None) or ():
+            if path.startswith(os.path.abspath(root) + os.sep):
+                return True
+        origin = getattr(module, "__file__", None)
+        if origin and path == os.path.abspath(origin):
+            return True
+    return False

@@ -226,7 +226,7 @@ def _unsharded_dataloader(iterable: Any) -> bool:
 
 def _signed(source: Iterable[Any], signatures: collections.deque[Any],
             inspect: Callable[[Any, Any], Any] | None = None) -> Iterator[Any]:
-    """``source``, appending each batch's signature to ``signatures`` as it is read.
+    """``source``, appending (signature, seconds the source took to give it) to ``signatures`` per batch.
 
     It runs where the backend reads its source: in the prefetch (or upload) thread
     when there is one, off the training loop's own thread. The host batch has the
@@ -234,17 +234,24 @@ def _signed(source: Iterable[Any], signatures: collections.deque[Any],
     Equal signatures come out as one object, so the loop compares them by identity.
     ``inspect(batch, signature)`` (the diagnostics' look at the host batch) may hand
     back something in the signature's place, which the step tracker unpacks.
+
+    The seconds bound the loop's wait for that batch that counts as waiting for data: a
+    loop that waited longer, for a batch its source gave at once, waited for a thread to
+    be scheduled (a busy machine), which more workers would not change.
     """
     append = signatures.append
     known: dict[tuple[Any, ...], tuple[Any, ...]] = {}
     intern = known.setdefault
-    if inspect is None:
-        for batch in source:
-            append(intern(sig := signature(batch), sig))
-            yield batch
-        return
-    for batch in source:
-        append(inspect(batch, intern(sig := signature(batch), sig)))
+    clock = time.perf_counter
+    it = iter(source)
+    while True:
+        start = clock()
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        sig = intern(sig := signature(batch), sig)
+        append((sig if inspect is None else inspect(batch, sig), clock() - start))
         yield batch
 
 
@@ -331,7 +338,8 @@ class DeviceLoader:
                     batch = next(it)
                 except StopIteration:
                     return
-                tracker.batch_arrived(clock() - t0, next_signature(), batch)
+                sig, produced = next_signature()
+                tracker.batch_arrived(min(clock() - t0, produced), sig, batch)
                 if bar is not None:
                     _advance(bar, tracker, backend, runtime.baseline.get("compilations"))
                 yield batch

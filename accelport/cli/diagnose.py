@@ -231,10 +231,11 @@ def _check_apart(outputs: Sequence[tuple[str, str, str]], inputs: Sequence[tuple
 def _check_backend(name: str) -> None:
     from accelport.errors import UnknownBackendError
     from accelport.plugins.host import create_manager
+    from accelport.runtime.selection import quoted
 
     known = create_manager().backends
-    if name.strip().lower() not in known:
-        raise UsageError(f"diagnose: --backend: {UnknownBackendError(name, known, '--backend')}")
+    if name.strip().lower() not in known:  # quoted as ap.use quotes it: a long name cut, and redacted
+        raise UsageError(f"diagnose: --backend: {UnknownBackendError(quoted(name, os.environ), known, '--backend')}")
 
 
 def _records_file(plan: _Plan) -> str | None:

@@ -326,32 +326,55 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
 
     Checked the same way at every world size and on every backend, so a script
     that works alone works on many: 8-bit and bool tensors are refused (their sums
-    wrap around), and on eager backends with several replicas every replica must
-    pass the same shape, dtype and op (one small extra collective checks it; without
-    it a mismatch sums wrong memory or hangs).
+    wrap around). On eager backends with several replicas, every replica must pass
+    the same shape, dtype and op: one small extra collective checks it on the first
+    8 calls and every 100th after (every call with ``ACCELPORT_CHECK_COLLECTIVES=1``);
+    without it a mismatch sums wrong memory or hangs.
     """
-    b = _rt().backend()
+    rt = _rt()
+    b = rt.backend()
     import torch
 
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"ap.all_reduce needs a tensor, not {type(tensor).__name__}")
-    if op not in ("sum", "mean"):
-        raise ValueError(f"all_reduce op must be 'sum' or 'mean', not {op!r}")
+    problem = _all_reduce_problem(tensor, op, torch)  # from the arguments alone: the same wherever they are
     if not b.lazy and b.world_size() > 1:
-        # Before any check one rank could fail alone: a rank that raised would strand the others.
-        from accelport.tensors import same_on_every_rank
+        collectives = getattr(b, "collectives", None)
+        if collectives is None or collectives.check_due(rt.environ):
+            from accelport.tensors import same_on_every_rank
 
-        if not same_on_every_rank(b, (str(tensor.dtype), tuple(tensor.shape), op)):
-            raise ValueError(f"ap.all_reduce: the replicas passed different tensors (here rank {b.rank()}: shape "
-                             f"{tuple(tensor.shape)}, {tensor.dtype}, op={op!r}); every replica must pass the "
-                             "same shape, dtype and op, in the same order")
-    if tensor.dtype in (torch.uint8, torch.int8, torch.bool):
-        raise TypeError(f"ap.all_reduce of a {tensor.dtype} tensor would wrap around (as uint8, 200 + 200 is "
-                        "144): convert it first with .long() (or .int()), and back after if needed")
-    if op == "mean" and not (tensor.is_floating_point() or tensor.is_complex()):
-        raise TypeError(f"all_reduce(op='mean') needs a floating-point tensor, not {tensor.dtype}; "
-                        "convert it with .float() or reduce with op='sum'")
+            # Taken also with a bad argument: a rank that raised here alone would strand the others
+            # in this collective (or pair it with their next one).
+            if isinstance(tensor, torch.Tensor):
+                key: tuple[Any, ...] = (str(tensor.dtype), tuple(tensor.shape), op)
+                mine = f"shape {tuple(tensor.shape)}, {tensor.dtype}, op={op!r}"
+            else:
+                key, mine = (type(tensor).__qualname__, op), f"a {type(tensor).__name__}, op={op!r}"
+            if collectives is None:
+                same = same_on_every_rank(b, key)
+            else:
+                with collectives.waiting("ap.all_reduce"):  # (its host read waits for the others on a device)
+                    same = same_on_every_rank(b, key)
+            if not same:
+                raise ValueError(f"ap.all_reduce: the replicas passed different tensors (here rank {b.rank()}: "
+                                 f"{mine}); every replica must pass the same shape, dtype and op, in the same "
+                                 "order") from problem
+    if problem is not None:
+        raise problem
     return b.all_reduce(tensor, op)
+
+
+def _all_reduce_problem(tensor: Any, op: Any, torch: Any) -> Exception | None:
+    """What is wrong with ``ap.all_reduce(tensor, op)``'s arguments at any world size, or None."""
+    if not isinstance(tensor, torch.Tensor):
+        return TypeError(f"ap.all_reduce needs a tensor, not {type(tensor).__name__}")
+    if op not in ("sum", "mean"):
+        return ValueError(f"all_reduce op must be 'sum' or 'mean', not {op!r}")
+    if tensor.dtype in (torch.uint8, torch.int8, torch.bool):
+        return TypeError(f"ap.all_reduce of a {tensor.dtype} tensor would wrap around (as uint8, 200 + 200 is "
+                         "144): convert it first with .long() (or .int()), and back after if needed")
+    if op == "mean" and not (tensor.is_floating_point() or tensor.is_complex()):
+        return TypeError(f"all_reduce(op='mean') needs a floating-point tensor, not {tensor.dtype}; "
+                         "convert it with .float() or reduce with op='sum'")
+    return None
 
 
 def broadcast(obj: Any, src: int = 0) -> Any:

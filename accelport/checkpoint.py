@@ -17,13 +17,12 @@ import io
 import json
 import os
 import shutil
-import socket
-import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from accelport.errors import AccelportError, CheckpointError
+from accelport.safe_io import remove_orphans, replace_with, temp_beside
 from accelport.tensors import tree_map_tensors
 
 __all__ = ["save", "load", "save_file", "load_file", "atomic_torch_save", "PendingSave", "MANIFEST"]
@@ -793,73 +792,6 @@ def _host_copy(t: Any) -> Any:
     return t
 
 
-_TMP_SUFFIX = ".accelport.tmp"
-#: The part of a temp file's name taken from the target's: with the host, the pid and
-#: mkstemp's random part it stays well under the 255 bytes most file systems allow.
-_STEM_MAX = 120
-
-
-def _stem(path: str) -> str:
-    """The target's name as temp files carry it: long names are cut and told apart by a hash."""
-    name = os.path.basename(path)
-    if len(name.encode()) <= _STEM_MAX:
-        return name
-    import hashlib
-
-    digest = hashlib.sha1(name.encode("utf-8", "surrogateescape")).hexdigest()[:12]
-    return name.encode()[: _STEM_MAX - 13].decode("utf-8", "ignore") + "~" + digest
-
-
-def _head(path: str) -> str:
-    # Hidden, named after the target and host: an orphan left by a killed writer is
-    # recognisable, and only the host that wrote it ever removes it.
-    return f".{_stem(path)}.{socket.gethostname()[:40]}."
-
-
-def _tmp_prefix(path: str) -> str:
-    return f"{_head(path)}{os.getpid()}."
-
-
-def _remove_orphans(path: str) -> None:
-    """Delete temp files of ``path`` left by writers on this host that no longer run."""
-    directory = os.path.dirname(path)
-    head = _head(path)
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    for name in names:
-        if not (name.startswith(head) and name.endswith(_TMP_SUFFIX)):
-            continue
-        pid_text = name[len(head):].split(".", 1)[0]
-        if not pid_text.isdigit() or int(pid_text) == os.getpid() or _alive(int(pid_text)):
-            continue
-        try:
-            os.unlink(os.path.join(directory, name))
-        except OSError:
-            pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, owned by someone else
-        return True
-    return True
-
-
-def _file_mode(path: str) -> int:
-    """The mode the checkpoint gets: the file it replaces keeps its mode; a new one follows the umask."""
-    try:
-        return os.stat(path).st_mode & 0o7777
-    except OSError:
-        umask = os.umask(0)
-        os.umask(umask)
-        return 0o666 & ~umask
-
-
 def _no_space(directory: str, exc: BaseException) -> AccelportError | None:
     """A clear error when ``exc`` is the disk filling up (torch says only "unexpected pos N vs M")."""
     import errno
@@ -897,13 +829,14 @@ def _make_parents(path: str) -> None:
 
 
 def atomic_torch_save(torch: Any, obj: Any, path: str) -> None:
-    """torch.save to a temp file, fsync, rename: readers never see a half-written file.
+    """torch.save beside ``path``, then renamed over it (:mod:`accelport.safe_io`): readers never see a
+    half-written file.
 
     A writer killed mid-save leaves the previous file at ``path`` untouched and a
-    hidden ``.<name>.<host>.<pid>.*.accelport.tmp`` beside it; the next save on the
-    same host removes such orphans (before it writes, so their space is free again).
-    A symlink at ``path`` is written through: the file it points at is replaced.
-    The file gets the mode of the one it replaces, or the umask's for a new one.
+    hidden ``.<name>.<host>.<pid>.*.tmp`` beside it; the next save on the same host
+    removes such orphans (before it writes, so their space is free again). A symlink
+    at ``path`` is written through: the file it points at is replaced. The file gets
+    the mode of the one it replaces, or the umask's for a new one.
     """
     given = os.path.abspath(path)
     _make_parents(given)
@@ -913,16 +846,12 @@ def atomic_torch_save(torch: Any, obj: Any, path: str) -> None:
         # Only the path as written gets its missing directories, never a place a symlink points at.
         raise CheckpointError(f"ap.save: {given!r} is a symlink to {path!r}, whose directory {directory!r} does "
                               "not exist; create that directory, or remove the link to save at its place")
-    _remove_orphans(path)
-    mode = _file_mode(path)
-    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=_TMP_SUFFIX, dir=directory)
+    remove_orphans(path)
+    tmp = temp_beside(path)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0)), "wb") as f:
             torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-            os.fchmod(f.fileno(), mode)
-        os.replace(tmp, path)
+        replace_with(tmp, path)
     except BaseException as exc:
         try:
             os.unlink(tmp)
@@ -932,13 +861,3 @@ def atomic_torch_save(torch: Any, obj: Any, path: str) -> None:
         if full is not None:
             raise full from exc
         raise
-    # Make the rename itself durable.
-    try:
-        dfd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        dfd = None
-    if dfd is not None:
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)

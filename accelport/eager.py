@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
+from accelport.collectives import Collectives
 from accelport.contract import Backend
 from accelport.device_loader import prefetch_iter
 from accelport.errors import BackendUnavailableError
@@ -166,6 +167,9 @@ class EagerBackend(Backend):
         self._compile_seconds_seen = 0.0
         self._world_env = 1
         self._dist_module: Any = None
+        #: Where this backend's collectives wait (read by accelport launch's probe) and when
+        #: ap.all_reduce checks its arguments across ranks.
+        self.collectives = Collectives()
 
     # -- lifecycle ---------------------------------------------------------------------
     def prepare(self) -> None:
@@ -361,8 +365,11 @@ class EagerBackend(Backend):
                     flat[total:].copy_(torch.tensor([p.grad is not None for p in bucket], dtype=dtype))
                     pending.append((dist.all_reduce(flat, async_op=True), flat, bucket, total))
             for work, flat, bucket, total in pending:
-                work.wait()
-                present = flat[total:].tolist() if any(p.grad is None for p in bucket) else None
+                # Issued async: the wait waits for the other ranks (and a host read of the result, where
+                # a device backend's wait does not hold the host).
+                with self.collectives.waiting("ap.optimizer_step"):
+                    work.wait()
+                    present = flat[total:].tolist() if any(p.grad is None for p in bucket) else None
                 flat = flat[:total].div_(world)
                 offset = 0
                 for i, p in enumerate(bucket):
@@ -507,7 +514,8 @@ class EagerBackend(Backend):
     def barrier(self) -> None:
         dist = self._dist()
         if dist is not None:
-            dist.barrier()
+            with self.collectives.waiting("ap.barrier"):
+                dist.barrier()
 
     def broadcast(self, tensors: list[Any], src: int) -> None:
         """Overwrite ``tensors`` in place with rank ``src``'s values, one collective per bucket.
@@ -530,7 +538,8 @@ class EagerBackend(Backend):
                     flat = torch.cat([t.detach().reshape(-1).to(wire) for t in bucket])
                     pending.append((dist.broadcast(flat, src, async_op=True), flat, bucket))
             for work, flat, bucket in pending:
-                work.wait()
+                with self.collectives.waiting("ap.broadcast"):
+                    work.wait()
                 offset = 0
                 for t in bucket:
                     n = t.numel()
@@ -542,12 +551,13 @@ class EagerBackend(Backend):
         dist = self._dist()
         if dist is None or dist.get_world_size() == 1:
             return tensor
-        if tensor.is_contiguous():
-            dist.all_reduce(tensor)
-        else:  # collectives need dense memory; reduce a packed copy and write it back
-            packed = tensor.contiguous()
-            dist.all_reduce(packed)
-            tensor.copy_(packed)
+        with self.collectives.waiting("ap.all_reduce"):
+            if tensor.is_contiguous():
+                dist.all_reduce(tensor)
+            else:  # collectives need dense memory; reduce a packed copy and write it back
+                packed = tensor.contiguous()
+                dist.all_reduce(packed)
+                tensor.copy_(packed)
         if op == "mean":
             tensor.div_(dist.get_world_size())
         return tensor

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from accelport import _packages
+from accelport.collectives import Collectives
 from accelport.contract import Backend, Probe
 from accelport.errors import AccelportError
 from accelport.platform import PlatformInfo, detect
@@ -179,6 +180,8 @@ class LazyBackend(Backend):
         self._reads_seen = (0, 0)
         self._to_host = 0
         self._compiled_seen = (0, 0.0)
+        #: Where this backend's collectives wait (read by accelport launch's probe).
+        self.collectives = Collectives()
 
     # -- detection ---------------------------------------------------------------------
     def _probe(self) -> Probe:
@@ -305,7 +308,10 @@ class LazyBackend(Backend):
         # step's graph holds the gradient all-reduce: it runs here, on every replica at
         # once, so that a value read on one replica only (a rank-0 save, a print) never
         # executes that collective alone and hangs (torch_xla's barrier=True).
-        if not self._loading or (self._world or self._replicas()) > 1:
+        if (self._world or self._replicas()) > 1:
+            with self.collectives.waiting("ap.optimizer_step"):  # the graph holds the gradient all-reduce
+                self._sync()
+        elif not self._loading:
             self._sync()
         return result
 
@@ -508,7 +514,8 @@ class LazyBackend(Backend):
     def barrier(self) -> None:
         xm = self._x()
         if self.world_size() > 1:
-            xm.rendezvous("accelport.barrier")
+            with self.collectives.waiting("ap.barrier"):
+                xm.rendezvous("accelport.barrier")
 
     def broadcast(self, tensors: list[Any], src: int) -> None:
         """torch_xla's collective_broadcast (what xm.broadcast_master_param runs), then a sync."""
@@ -516,7 +523,8 @@ class LazyBackend(Backend):
         if self.world_size() == 1 or not tensors:
             return
         xm.collective_broadcast(tensors, root_ordinal=src)
-        self._sync()
+        with self.collectives.waiting("ap.broadcast"):  # the broadcast runs in this sync
+            self._sync()
 
     def all_reduce(self, tensor: Any, op: str = "sum") -> Any:
         # tensor and op are checked once, in ap.all_reduce, for every backend.

@@ -87,12 +87,14 @@ class _State:
         if not (isinstance(raw, Sequence) and raw and all(isinstance(n, str) for n in raw)):
             raise AccelportError(f"{where}: backends must be a non-empty list of backend names, "
                                  f"e.g. backends=['xla', 'tpu'] (got {raw!r})")
+        from accelport.runtime.selection import quoted
+
         known = self.host.backends
         names = []
         for name in raw:
             key = name.strip().lower()
             if key not in known:
-                raise UnknownBackendError(name, known, where)
+                raise UnknownBackendError(quoted(name, os.environ), known, where)
             if key not in names:
                 names.append(key)
         min_devices = marker.kwargs.get("min_devices", 1)
@@ -177,7 +179,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
     state = _State()
     try:
-        backend, _ = named(state.host.backends, name, OPTION)
+        backend, _ = named(state.host.backends, name, OPTION, os.environ)  # (a long name: cut and redacted)
     except AccelportError as exc:
         raise pytest.UsageError(str(exc)) from None
     state.session_backend = backend.name

@@ -8,8 +8,10 @@ setting at. Opening never blocks (``O_NONBLOCK``), and reads stop at a size cap.
 An output is written beside its target and renamed over it once complete
 (:func:`write_atomic`; :func:`temp_beside` and :func:`replace_with` for one written
 over a while): a full disk or a kill leaves the earlier file as it was, never a
-truncated one. :func:`same_file` says whether two paths are one file, through
-symlinks and hard links, so an output is never written over an input.
+truncated one; the temporary file a killed writer leaves is named after its target,
+host and process, so :func:`remove_orphans` can remove it later. :func:`same_file`
+says whether two paths are one file, through symlinks and hard links, so an output
+is never written over an input.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import socket
 import stat
 from typing import BinaryIO
 
 from accelport.errors import AccelportError
 
 __all__ = ["read_regular_file", "open_append", "same_file", "output_target", "temp_beside", "replace_with",
-           "write_atomic"]
+           "remove_orphans", "write_atomic"]
 
 
 def _kind(mode: int) -> str:
@@ -111,22 +114,61 @@ def output_target(path: str, *, what: str) -> str:
     return real
 
 
-def temp_beside(path: str) -> str:
-    """A new, empty, hidden file in ``path``'s directory (so the rename onto ``path`` is one step), named after
-    it and this process; its mode follows the umask, as ``open(path, "w")`` would give. OSError if it cannot."""
+def _temp_head(path: str) -> str:
+    """Where the names of ``path``'s temporary files from this host start: ``DIR/.NAME.HOST.``"""
     directory, name = os.path.split(path)
     raw = name.encode("utf-8", "surrogateescape")
-    # With the pid and the random part the name stays well under the 255 bytes file systems allow.
+    # With the host, the pid and the random part the name stays well under the 255 bytes file systems allow.
     stem = name if len(raw) <= 100 else hashlib.sha1(raw).hexdigest()[:16]
+    return os.path.join(directory, f".{stem}.{socket.gethostname()[:40]}.")
+
+
+def temp_beside(path: str) -> str:
+    """A new, empty, hidden file in ``path``'s directory (so the rename onto ``path`` is one step), named
+    ``.NAME.HOST.PID.RANDOM.tmp``; its mode follows the umask, as ``open(path, "w")`` would give. OSError
+    if it cannot."""
+    head = f"{_temp_head(path)}{os.getpid()}."
     for _ in range(100):
-        tmp = os.path.join(directory, f".{stem}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+        tmp = f"{head}{os.urandom(4).hex()}.tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
         except FileExistsError:
             continue
         os.close(fd)
         return tmp
-    raise FileExistsError(errno.EEXIST, "no free temporary name", os.path.join(directory, f".{stem}.*.tmp"))
+    raise FileExistsError(errno.EEXIST, "no free temporary name", f"{head}*.tmp")
+
+
+def remove_orphans(path: str) -> None:
+    """Remove the temporary files of ``path`` (:func:`temp_beside`'s) whose writer on this host no longer
+    runs: a killed writer's leftovers, which would otherwise fill the disk save after save. Those of
+    another host (on a shared file system) are left to it, and so is anything that cannot be removed."""
+    head = _temp_head(path)
+    directory, start = os.path.split(head)
+    try:
+        names = os.listdir(directory or ".")
+    except OSError:
+        return
+    for name in names:
+        if not (name.startswith(start) and name.endswith(".tmp")):
+            continue
+        pid = name[len(start):].split(".", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or _running(int(pid)):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+        except OSError:
+            pass
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it runs, as another user
+        return True
+    return True
 
 
 def replace_with(tmp: str, path: str) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from accelport.errors import CompatibilityWarning, ShardingError, did_you_mean
@@ -171,19 +171,32 @@ def tied_groups(model: Any, units: list[Any]) -> list[list[Any]]:
         for members in classes:  # a unit tied to its own ancestor unit is left to that one
             drop.update(id(u) for u in members if any(id(u) in inside[id(v)] for v in members if v is not u))
         if not drop:
-            break
+            ordered, cycle = _bottom_up(classes[::-1], inside)  # as reversed(model.modules()) visits them
+            if not cycle:
+                return ordered
+            # Groups that must each come after the other (a module of one inside a module of the
+            # other, both ways round): no order can shard them. Their inner modules are left to the
+            # units that hold them, which then share those ties and become one group.
+            drop = {id(u) for group in cycle for u in group
+                    if any(id(u) in inside[id(v)] for other in cycle for v in other)}
         current = [u for u in current if id(u) not in drop]
-    groups = classes[::-1]  # bottom-up, as reversed(model.modules()) visits them
+
+
+def _bottom_up(groups: list[list[Any]], inside: Mapping[int, set[int]]) -> tuple[list[list[Any]], list[list[Any]]]:
+    """``groups`` ordered so that each comes after every group inside its modules, and no cycle; where
+    no such order exists, no order and the groups of one cycle."""
     if all(len(g) == 1 for g in groups):
-        return groups
-    # A group of several modules must still come after every group inside any of them.
-    from graphlib import TopologicalSorter
+        return groups, []  # (one module each: bottom-up already)
+    from graphlib import CycleError, TopologicalSorter
 
     order: TopologicalSorter[int] = TopologicalSorter()
     for i, group in enumerate(groups):
         below = {m for u in group for m in inside[id(u)]}
         order.add(i, *(j for j, other in enumerate(groups) if j != i and any(id(u) in below for u in other)))
-    return [groups[i] for i in order.static_order()]
+    try:
+        return [groups[i] for i in order.static_order()], []
+    except CycleError as exc:  # args[1]: the cycle's nodes, the first one again at the end
+        return [], [groups[i] for i in dict.fromkeys(exc.args[1])]
 
 
 def _sharing(occurrences: list[tuple[str, Any]], units: list[Any]) -> tuple[list[list[Any]], list[Any]]:

@@ -211,6 +211,22 @@ def test_option_with_an_unknown_name_is_a_usage_error(pytester: pytest.Pytester)
     ])
 
 
+def test_a_long_name_is_quoted_cut_and_redacted_as_ap_use_quotes_it(pytester: pytest.Pytester,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    pytester.makepyfile('import pytest\n@pytest.mark.accelport(backends=["x" * 100_000])\ndef test_x():\n    pass\n')
+    result = pytester.runpytest()
+    result.assert_outcomes(errors=1)
+    cut = "x" * 40 + "... [cut: 100000 characters in all]"
+    assert f"unknown backend '{cut}' (from the accelport marker of " in result.stdout.str()
+    assert "x" * 1000 not in result.stdout.str()  # it was quoted whole
+    secret = "s3cr3t-value-of-a-token"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    result = pytester.runpytest("--accelport-backend", secret + "x" * 200)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*unknown backend '<redacted>*' (from --accelport-backend).*"])
+    assert secret not in result.stderr.str() + result.stdout.str()  # redacted of the patterns only, it showed
+
+
 def test_option_with_an_unavailable_backend_is_a_usage_error_with_its_reason(
     pytester: pytest.Pytester,
 ) -> None:

@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 
 from accelport.errors import AccelportError
-from accelport.safe_io import open_append, read_regular_file, replace_with, same_file, temp_beside, write_atomic
+from accelport.safe_io import (
+    open_append,
+    read_regular_file,
+    remove_orphans,
+    replace_with,
+    same_file,
+    temp_beside,
+    write_atomic,
+)
 
 
 @pytest.fixture
@@ -125,6 +133,26 @@ def test_a_temporary_file_beside_a_long_name_fits_the_file_system(tmp_path: Path
     replace_with(tmp, str(target))
     assert target.read_text() == "line\n" and not os.path.exists(tmp)
 
+
+
+def test_temporary_files_of_writers_that_no_longer_run_on_this_host_are_removed(tmp_path: Path) -> None:
+    import socket
+
+    target = tmp_path / "ckpt.pt"
+    mine = temp_beside(str(target))  # this process's: in use
+    host = socket.gethostname()[:40]
+    assert os.path.basename(mine).startswith(f".ckpt.pt.{host}.{os.getpid()}.") and mine.endswith(".tmp")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()  # a pid that has exited
+    orphan = tmp_path / f".ckpt.pt.{host}.{dead}.0a1b2c3d.tmp"
+    live = tmp_path / f".ckpt.pt.{host}.{os.getppid()}.0a1b2c3d.tmp"  # a writer that still runs
+    elsewhere = tmp_path / f".ckpt.pt.another-host.{dead}.0a1b2c3d.tmp"  # its host's to judge (shared disk)
+    other = tmp_path / f".other.pt.{host}.{dead}.0a1b2c3d.tmp"  # another target's
+    for path in (orphan, live, elsewhere, other):
+        path.write_bytes(b"partial")
+    remove_orphans(str(target))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        os.path.basename(p) for p in (mine, str(live), str(elsewhere), str(other)))
 
 
 def test_a_read_that_fails_after_the_open_is_a_specific_error() -> None:

@@ -231,10 +231,11 @@ def _check_apart(outputs: Sequence[tuple[str, str, str]], inputs: Sequence[tuple
 def _check_backend(name: str) -> None:
     from accelport.errors import UnknownBackendError
     from accelport.plugins.host import create_manager
+    from accelport.runtime.selection import quoted
 
     known = create_manager().backends
-    if name.strip().lower() not in known:
-        raise UsageError(f"diagnose: --backend: {UnknownBackendError(name, known, '--backend')}")
+    if name.strip().lower() not in known:  # quoted as ap.use quotes it: a long name cut, and redacted
+        raise UsageError(f"diagnose: --backend: {UnknownBackendError(quoted(name, os.environ), known, '--backend')}")
 
 
 def _records_file(plan: _Plan) -> str | None:
@@ -404,7 +405,6 @@ def run(args: argparse.Namespace) -> int:
     ending = _Terminate(watcher, conclude)
     pid = os.getpid()
     problems = False
-    _give_stdout_back()
     ending.install()
     try:
         outcome = run_watched(watcher, script=plan.script, module=plan.module, args=plan.args)
@@ -486,36 +486,6 @@ def _die_of(signum: int) -> None:
         signal.raise_signal(signum)  # to this thread: delivered before it returns
     except (AttributeError, OSError, ValueError):  # not the main thread, or no such signal: the status says it
         pass
-
-
-def _give_stdout_back() -> None:
-    """stdout with the error handler Python chose for it (the CLI switched it to backslashreplace): under
-    python, printing what the stream cannot encode fails the script, and so it does here."""
-    stream: Any = sys.__stdout__
-    if stream is None or sys.stdout is not stream:
-        return  # a caller's stream (a test's), not the process's
-    try:
-        errors = getattr(sys.__stdin__, "errors", None)  # Python gives stdin and stdout the same one
-        if not isinstance(errors, str):
-            errors = _python_stdio_errors()
-        reconfigure = getattr(stream, "reconfigure", None)
-        if reconfigure is not None and stream.errors != errors:
-            reconfigure(errors=errors)
-    except (AttributeError, LookupError, OSError, ValueError):
-        pass
-
-
-def _python_stdio_errors() -> str:
-    """The error handler Python gives stdin and stdout (stdin is closed, so it cannot be read from it)."""
-    import locale
-
-    configured = os.environ.get("PYTHONIOENCODING", "").partition(":")[2]
-    if configured:
-        return configured
-    ctype = locale.setlocale(locale.LC_CTYPE)
-    if sys.flags.utf8_mode or ctype in ("C", "POSIX") or ctype.lower().replace("-", "") in ("c.utf8", "utf8"):
-        return "surrogateescape"
-    return "strict"
 
 
 @contextlib.contextmanager

@@ -61,13 +61,13 @@ def register(sub: Any) -> None:
 
 def _backend(name: str | None, dry_run: bool) -> Any:
     from accelport.errors import BackendUnavailableError, UnknownBackendError, UsageError
-    from accelport.runtime.selection import named, resolve
+    from accelport.runtime.selection import named, quoted, resolve
     from accelport.runtime.state import RUNTIME
 
     host = RUNTIME.host()
     try:
-        if name is not None:
-            return named(host.backends, name, f"--backend {name}")[0]
+        if name is not None:  # quoted as ap.use quotes it: a long name cut, and redacted
+            return named(host.backends, name, f"--backend {quoted(name, RUNTIME.environ)}", RUNTIME.environ)[0]
         return resolve(host, None, RUNTIME.environ, matrix=RUNTIME.matrix())[0]
     except UnknownBackendError as exc:
         raise UsageError(str(exc)) from None  # a typo on the command line: exit 2

@@ -52,10 +52,11 @@ def write_json(path: str, record: Mapping[str, Any], *, replace: bool = True) ->
     stands: the launcher's, or the worker's own). A failure to write is not raised: the
     launcher falls back to what the engine reports.
     """
+    data = json.dumps(dict(record)).encode()
     tmp = f"{path}.{os.getpid()}.tmp"  # per process: the launcher and a worker may write one name
     try:
-        with open(tmp, "w") as f:
-            json.dump(dict(record), f)
+        with open(tmp, "wb") as f:
+            f.write(data)
         if replace:
             os.replace(tmp, path)
             return True
@@ -64,10 +65,30 @@ def write_json(path: str, record: Mapping[str, Any], *, replace: bool = True) ->
             return True
         except FileExistsError:
             return False
+        except OSError:  # a file system without hard links (EPERM, ENOTSUP ...): create it exclusively
+            return _create_new(path, data)
         finally:
             os.unlink(tmp)
     except OSError:
         return False
+
+
+def _create_new(path: str, data: bytes) -> bool:
+    """Write ``data`` to ``path`` unless it exists (``O_EXCL``), in one write; False if it exists or fails.
+
+    Not renamed into place: a reader may meet the file before its one write, empty, and reads
+    it as missing (:func:`read`), as it would a moment earlier.
+    """
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except OSError:
+        return False
+    try:
+        return os.write(fd, data) == len(data)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def read(path: str) -> dict[str, Any] | None:

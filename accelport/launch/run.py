@@ -205,7 +205,26 @@ def _stop(pids: list[int]) -> None:
             return
         time.sleep(0.1)
     for pid in pids:
-        _signal_group(pid, signal.SIGKILL)
+        if _alive(pid):
+            _signal_group(pid, signal.SIGKILL)
+
+
+def _still_worker(pid: int, workers: Sequence[int]) -> bool:
+    """Whether ``pid`` still runs as one of ``workers`` (the processes the engine started) or a child of
+    one. A rank that has exited may have left its pid to an unrelated process, which must not be
+    stopped; where /proc cannot be read, whether it runs at all."""
+    if not _alive(pid):
+        return False
+    if not os.path.isdir("/proc/self"):
+        return True
+    if pid in workers:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            parent = int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return False
+    return parent in workers
 
 
 def _alive(pid: int) -> bool:
@@ -263,13 +282,27 @@ def _verdict(now: float, stalled: Mapping[int, str], beats: Mapping[int, Mapping
     that is the verdict already. A stalled rank outside any collective (or that did not
     answer) hangs: it is the cause, and the ranks waiting in a collective wait for it.
     If every stalled rank waits in one and a rank had finished its script, that rank
-    ended early.
+    ended early; if none had, a running rank outside any collective, at no more steps
+    than they took, hangs: heartbeats are handed over late (StepRecord), so the rank
+    waiting for it may pass the limit first.
     """
     running = sorted(r for r in beats if r not in done)
+    stalled = dict(stalled)
     hung = sorted(r for r in stalled if not (answers.get(r) or {}).get("waiting"))
     if ended is None and stalled and not hung:
         unmet = [d for d in done.values() if d.get("peers_met") is not True and isinstance(d.get("rank"), int)]
         ended = min(unmet, key=lambda d: float(d.get("time") or 0)) if unmet else None
+    if ended is None and stalled and not hung:
+        taken = [steps for r in stalled if isinstance(steps := (answers.get(r) or {}).get("steps"), int)]
+        if len(taken) == len(stalled):
+            waiters = sorted(stalled)
+            for rank in running:
+                answer = answers.get(rank)
+                if rank not in stalled and answer is not None and not answer.get("waiting") and \
+                        isinstance(answer.get("steps"), int) and answer["steps"] <= min(taken):
+                    hung.append(rank)
+                    stalled[rank] = (f"{_ranks(waiters)} waited for it in a collective "
+                                     f"({stalled[waiters[0]]})")
     records: dict[int, dict[str, Any]] = {}
 
     def record(rank: int, cause: str, error: str, at: float | None = None) -> None:
@@ -379,8 +412,11 @@ class _Monitor(threading.Thread):
         # The ranks that caused it last: the others are gone before they can see it go and
         # fail with a lost connection of their own.
         causes = {r for r, rec in records.items() if rec["cause"] in ("stalled", "ended-early")}
-        pids = {r: int(b["pid"]) for r, b in {**done, **beats}.items() if isinstance(b.get("pid"), int)}
-        first = [p for r, p in pids.items() if r not in causes] + sorted(set(self.workers()) - set(pids.values()))
+        workers = self.workers()
+        pids = {r: p for r, b in {**done, **beats}.items()
+                if isinstance(p := b.get("pid"), int) and _still_worker(p, workers)}
+        first = [p for r, p in pids.items() if r not in causes]
+        first += sorted(p for p in set(workers) - set(pids.values()) if _alive(p))
         _stop(first + [p for r, p in pids.items() if r in causes])
         return True
 

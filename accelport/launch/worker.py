@@ -43,8 +43,7 @@ from typing import Any
 
 from accelport.launch.heartbeat import DONE_PREFIX, HEARTBEAT_PREFIX, PROBE_FILE, WHERE_PREFIX, beat, read, write_json
 
-__all__ = ["main", "run_script", "die_with_parent", "locate", "world_collectives", "FAILURE_PREFIX",
-           "WORLD_COLLECTIVES"]
+__all__ = ["main", "run_script", "die_with_parent", "locate", "api_functions", "FAILURE_PREFIX"]
 
 #: Failure records are ``$ACCELPORT_LAUNCH_DIR/<FAILURE_PREFIX><rank>.json``.
 FAILURE_PREFIX = "failure-rank"
@@ -116,13 +115,24 @@ def _launcher_pid() -> int | None:
         return None
 
 
+def _runtime() -> Any:
+    """This process's accelport runtime, if the script imported accelport's runtime at all."""
+    return getattr(sys.modules.get("accelport.runtime.state"), "RUNTIME", None)
+
+
 def _steps_taken() -> int | None:
     """Training steps this process ended through accelport, if it used accelport at all."""
-    state = sys.modules.get("accelport.runtime.state")
-    runtime = getattr(state, "RUNTIME", None)
+    runtime = _runtime()
     if runtime is None or runtime.selected is None:
         return None
     return int(runtime.tracker.steps)
+
+
+def _waiting_in(thread: int) -> str | None:
+    """The world collective of accelport's that ``thread`` waits in now, as its backend marked it."""
+    runtime = _runtime()
+    collectives = getattr(runtime.selected, "collectives", None) if runtime is not None else None
+    return None if collectives is None else collectives.waiting_in(thread)
 
 
 def _finished(rank: int, directory: str | None) -> None:
@@ -138,63 +148,68 @@ def _finished(rank: int, directory: str | None) -> None:
         write_json(path, {**record, "peers_met": met})
 
 
-#: accelport's calls that every replica makes together, over the whole world (the default
-#: group): a script inside one waits for every other rank. (ap.optimizer_step averages
-#: the gradients before it steps.)
-WORLD_COLLECTIVES = ("optimizer_step", "barrier", "all_reduce", "broadcast")
 #: torch.distributed's own files: a script inside them waits in a collective (of any group).
 _DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
 #: Seconds between two looks at the probe file: a stat each time, nothing else.
 PROBE_POLL_S = 0.5
 
 
-def world_collectives(api: Any) -> dict[types.CodeType, str]:
-    """The code of ``api``'s (``accelport``'s) world collectives, by the name the user calls them."""
+def api_functions(api: Any) -> dict[types.CodeType, str]:
+    """The code of ``api``'s (``accelport``'s) public functions, by the name the user calls them (``ap.save``)."""
     out: dict[types.CodeType, str] = {}
-    for name in WORLD_COLLECTIVES:
-        code = getattr(getattr(api, name, None), "__code__", None)
+    for name in getattr(api, "__all__", ()):
+        code = getattr(api.__dict__.get(name), "__code__", None)  # (not through the lazy __getattr__)
         if isinstance(code, types.CodeType):
             out[code] = f"ap.{name}"
     return out
 
 
-def locate(frame: types.FrameType | None, collectives: Mapping[types.CodeType, str]) -> dict[str, Any]:
+def locate(frame: types.FrameType | None, api: Mapping[types.CodeType, str],
+           world: str | None = None) -> dict[str, Any]:
     """Where a thread whose innermost frame is ``frame`` is: its user's line, and what it waits in.
 
-    ``where`` is ``file:line`` of the innermost frame outside accelport, torch and the
-    import machinery, ``code`` that line's text; ``waiting`` the collective it is
-    inside (``ap.optimizer_step``, ``torch.distributed.all_reduce``), else None, and
-    ``world`` whether that collective is one of ``collectives`` (over every rank).
+    ``world`` is the world collective the thread's backend says it waits in now
+    (:meth:`accelport.collectives.Collectives.waiting_in`): only the code that waits for
+    the other ranks is marked, not the rest of ``ap.optimizer_step`` (the optimizer's own
+    step, the step hooks). ``where`` is ``file:line`` of the innermost frame outside
+    accelport, torch and the import machinery, ``code`` that line's text; ``waiting``
+    the collective it is inside, named by the outermost of accelport's functions on the
+    stack (``ap.optimizer_step``, ``ap.save``) when marked, else the innermost
+    torch.distributed function (``torch.distributed.all_reduce``), else None; and
+    ``world`` whether it is one of accelport's over every rank.
     """
     from accelport.observe.frames import user_site  # the same "user's line" as diagnose shows
 
-    waiting, world = None, False
+    outermost, innermost = None, None
     f = frame
     while f is not None:
         code = f.f_code
-        if code in collectives:  # the outermost wins: ap.optimizer_step, not what it calls
-            waiting, world = collectives[code], True
-        elif waiting is None and _DISTRIBUTED in os.path.abspath(code.co_filename):
+        if code in api:
+            outermost = api[code]
+        elif innermost is None and world is None and _DISTRIBUTED in os.path.abspath(code.co_filename):
             # The innermost of torch.distributed's frames: all_reduce, not its logging wrapper.
-            waiting = f"torch.distributed.{code.co_name}"
+            innermost = f"torch.distributed.{code.co_name}"
         f = f.f_back
+    waiting = (outermost or world) if world is not None else innermost
     site = user_site(frame) if frame is not None else None
     text = ""
     if site is not None:
         import linecache
 
         text = linecache.getline(site[0], site[1]).strip()
-    return {"where": f"{site[0]}:{site[1]}" if site else None, "code": text, "waiting": waiting, "world": world}
+    return {"where": f"{site[0]}:{site[1]}" if site else None, "code": text, "waiting": waiting,
+            "world": world is not None}
 
 
 class _Responder(threading.Thread):
     """Answers the launcher's probes: where the script's thread is now, and what it waits in."""
 
-    def __init__(self, directory: str, rank: int, thread: int, steps: Callable[[], int | None]) -> None:
+    def __init__(self, directory: str, rank: int, thread: int, steps: Callable[[], int | None],
+                 waiting_in: Callable[[int], str | None]) -> None:
         super().__init__(name="accelport-launch-probe", daemon=True)
         self.question = os.path.join(directory, PROBE_FILE)
         self.answer = os.path.join(directory, f"{WHERE_PREFIX}{rank}.json")
-        self.thread, self.steps = thread, steps
+        self.thread, self.steps, self.waiting_in = thread, steps, waiting_in
 
     def run(self) -> None:
         seen: tuple[int, int] | None = None
@@ -213,8 +228,9 @@ class _Responder(threading.Thread):
                 continue
             answered = seq
             try:
+                world = self.waiting_in(self.thread)
                 frame = sys._current_frames().get(self.thread)
-                place = locate(frame, world_collectives(sys.modules.get("accelport")))
+                place = locate(frame, api_functions(sys.modules.get("accelport")), world)
                 del frame
             except Exception as exc:  # an answer without a place is still an answer
                 place = {"where": None, "code": "", "waiting": None, "world": False, "error": repr(exc)}
@@ -226,7 +242,7 @@ def run_script(rank: int, script: str, args: list[str]) -> None:
     """Run ``script`` as ``__main__`` with ``args``; record a failure before it propagates."""
     directory = os.environ.get("ACCELPORT_LAUNCH_DIR") or None
     if directory:
-        _Responder(directory, rank, threading.get_ident(), _steps_taken).start()
+        _Responder(directory, rank, threading.get_ident(), _steps_taken, _waiting_in).start()
         heartbeat = os.path.join(directory, f"{HEARTBEAT_PREFIX}{rank}")
         os.environ["ACCELPORT_HEARTBEAT"] = heartbeat  # read by the launch-heartbeat plugin on first use
         beat(heartbeat, 0)

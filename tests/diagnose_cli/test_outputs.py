@@ -112,6 +112,17 @@ def test_usage_errors_are_redacted_and_escaped(tmp_path: pathlib.Path, monkeypat
         assert "<redacted>" in err or "\\n" in err or "\\x1b" in err, err
 
 
+def test_a_long_backend_name_is_quoted_cut_as_ap_use_quotes_it(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / SCRIPT).write_text(SCRIPT_TEXT)
+    assert main(["diagnose", "--backend", "x" * 100_000, SCRIPT]) == 2
+    err = capsys.readouterr().err
+    cut = "x" * 40 + "... [cut: 100000 characters in all]"
+    assert err.startswith(f"accelport: error: diagnose: --backend: unknown backend '{cut}' (from --backend).")
+    assert len(err) < 400, len(err)  # it was quoted whole, up to the line's limit
+
+
 def test_the_summary_and_the_json_show_no_secret_and_no_control_character(tmp_path: pathlib.Path) -> None:
     where = tmp_path / "run\x1b[31m"
     where.mkdir()

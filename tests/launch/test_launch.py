@@ -811,6 +811,160 @@ def test_a_rank_that_ends_early_is_named_within_seconds_not_the_peer_it_left_wai
     assert took < 150, took  # it used to take the whole exit barrier (300 s here)
 
 
+#: A rank-0-only slow end of its last step, after the gradient all-reduce: a step hook (a plugin).
+SLOW_HOOK = """
+import os, sys, time
+import accelport as ap
+from accelport.launch.heartbeat import DONE_PREFIX, PROBE_FILE, read
+
+@ap.hookimpl
+def accelport_step_end(record):
+    if os.environ.get("RANK") != "0" or record.step != 3:
+        return
+    # Still inside ap.optimizer_step, past its all-reduce: stay until rank 1 has returned and the
+    # launcher has asked where rank 0 is five more times (it judges on two answers in one place).
+    directory = os.environ["ACCELPORT_LAUNCH_DIR"]
+    seq = lambda: (read(os.path.join(directory, PROBE_FILE)) or {}).get("seq") or 0
+    first = None
+    for _ in range(1200):  # (a bound on a hang of this test, not a time it asserts)
+        if first is None and os.path.exists(os.path.join(directory, f"{DONE_PREFIX}1.json")):
+            first = seq()
+        if first is not None and seq() >= first + 5:
+            open(os.path.join(sys.argv[1], "probes-seen"), "w").write(str(seq() - first))
+            return
+        time.sleep(0.1)
+"""
+
+HOOKED = """
+import sys
+import torch
+import accelport as ap
+
+model = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    model(torch.ones(4, 2)).sum().backward()
+    ap.optimizer_step(opt)  # rank 0's third one ends in the slow hook
+    opt.zero_grad()
+"""
+
+
+def _plugin_site(tmp_path: Path, name: str, source: str) -> Path:
+    """A real (temporary) distribution whose `accelport` entry point is module ``name``."""
+    site = tmp_path / "site"
+    info = site / f"{name}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[accelport]\n{name} = {name}\n")
+    (site / f"{name}.py").write_text(source)
+    return site
+
+
+def test_a_rank_that_finished_is_not_blamed_while_a_peer_ends_its_last_step_slowly(tmp_path: Path) -> None:
+    # Both ranks take 3 steps. Rank 0 spends its last step's end in a slow step hook, inside
+    # ap.optimizer_step but past its all-reduce, long after rank 1 returned: a healthy run. It was
+    # stopped as "rank 1 ended early", because ap.optimizer_step on the stack counted as waiting.
+    job = tmp_path / "job.py"
+    job.write_text(HOOKED)
+    site = _plugin_site(tmp_path, "slow_hook", SLOW_HOOK)
+    proc = launch("--backend", "cpu", "--nprocs", "2", str(job), str(tmp_path), timeout=400,
+                  PYTHONPATH=os.pathsep.join([str(site), REPO]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ended early" not in proc.stderr
+    assert int((tmp_path / "probes-seen").read_text()) >= 5  # the launcher looked, rank 1 finished
+
+
+WAITS = """
+import sys
+import torch
+import accelport as ap
+
+ap.barrier()  # both ranks have set up the process group
+if ap.rank() == 0:  # rank 1 returns; rank 0 waits for it
+    if sys.argv[1] == "barrier":
+        ap.barrier()  # WAIT barrier
+    elif sys.argv[1] == "all_reduce":
+        ap.all_reduce(torch.ones(3))  # WAIT all_reduce
+    else:
+        ap.broadcast(torch.ones(3), src=1)  # WAIT broadcast
+"""
+
+
+@pytest.mark.parametrize("collective", ["barrier", "all_reduce", "broadcast"])
+def test_a_rank_left_waiting_in_any_of_accelports_collectives_is_seen_waiting(tmp_path: Path,
+                                                                             collective: str) -> None:
+    job = tmp_path / "waits.py"
+    job.write_text(WAITS)
+    line = next(i for i, text in enumerate(WAITS.splitlines(), 1) if f"WAIT {collective}" in text)
+    proc, took = timed_launch("--json", "--backend", "cpu", "--nprocs", "2", str(job), collective, timeout=240,
+                              ACCELPORT_EXIT_BARRIER_S=HELD_S)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    assert data["error"].startswith("rank 1 ended early: its script returned after 0 step(s) while rank 0 still "
+                                    "ran and waited for it in a collective it never joined (rank 0 in "
+                                    f"ap.{collective} at {job}:{line})"), data["error"]
+    assert took < 150, took
+
+
+#: ap.all_reduce given arguments that differ between the ranks, then 300 good calls, counted.
+REDUCES = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+import accelport as ap
+
+rank = ap.rank()
+count = [0]
+reduce = dist.all_reduce
+
+def counted(*args, **kwargs):
+    count[0] += 1
+    return reduce(*args, **kwargs)
+
+dist.all_reduce = counted  # every all-reduce of this process, accelport's checks included
+
+def error_of(fn):
+    try:
+        fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+got = {
+    "op": error_of(lambda: ap.all_reduce(torch.ones(2), op=("max", "sum")[rank])),
+    "uint8": error_of(lambda: ap.all_reduce(torch.ones(2, dtype=(torch.uint8, torch.int64)[rank]))),
+    "list": error_of(lambda: ap.all_reduce([torch.ones(2)] if rank == 0 else torch.ones(2))),
+    "same_bad": error_of(lambda: ap.all_reduce(torch.ones(2, dtype=torch.uint8))),
+    "in_step": ap.all_reduce(torch.ones(1)).item(),
+}
+before = count[0]
+for _ in range(300):
+    ap.all_reduce(torch.ones(1))
+got["collectives_for_300_calls"] = count[0] - before
+json.dump(got, open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w"))
+"""
+
+
+def test_all_reduce_checks_its_arguments_across_ranks_on_a_shared_schedule_and_stays_in_step(
+        tmp_path: Path) -> None:
+    job = tmp_path / "reduces.py"
+    job.write_text(REDUCES)
+    proc = launch("--backend", "cpu", "--nprocs", "2", str(job), str(tmp_path), timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        differ = "ValueError: ap.all_reduce: the replicas passed different tensors (here rank"
+        # A bad argument on one rank only: every rank raises (the bad one used to raise alone and
+        # leave the other in the check's collective, every later collective paired wrong).
+        assert got["op"].startswith(f"{differ} {rank}: shape (2,), torch.float32, op={('max', 'sum')[rank]!r})")
+        assert got["uint8"].startswith(f"{differ} {rank}: shape (2,), {('torch.uint8', 'torch.int64')[rank]}")
+        assert got["list"].startswith(f"{differ} {rank}: {('a list', 'shape (2,), torch.float32')[rank]}, op='sum')")
+        assert got["same_bad"].startswith("TypeError: ap.all_reduce of a torch.uint8 tensor would wrap around")
+        assert got["in_step"] == 2.0
+        # Calls 6 to 305: 300 reductions, and checks on calls 6, 7, 8, 100, 200 and 300 (not 300 checks).
+        assert got["collectives_for_300_calls"] == 306, got
+
+
 EXITS = """
 import os, sys, time
 import accelport as ap
@@ -962,10 +1116,33 @@ def test_the_rank_outside_any_collective_is_the_one_that_hangs_whichever_stalled
             assert "job.py:9 (work()) after 3 step(s), outside any collective" in records[0]["error"]
             assert records[1]["error"].startswith("its script waits in ap.optimizer_step at job.py:12 (work()) after "
                                                   "3 step(s), a collective, for rank 0, which stopped making progress")
-        else:  # only the waiting rank is past the limit yet: all wait, so no rank is blamed for hanging outside one
-            assert records[1]["cause"] == "stalled" and "as every rank of this host does" in records[1]["error"]
+        else:  # only the waiting rank is past the limit yet (heartbeats come late): rank 0 is still the cause
+            assert records[0]["cause"] == "stalled" and records[1]["cause"] == "stopped", records
+            assert records[0]["error"] == ("rank 1 waited for it in a collective (no step); its script is at "
+                                           "job.py:9 (work()) after 3 step(s), outside any collective; stopped by "
+                                           "the launcher")
+            assert records[1]["error"].startswith("its script waits in ap.optimizer_step at job.py:12 (work()) "
+                                                  "after 3 step(s), a collective, for rank 0, which stopped making")
     unknown = _verdict(100.0, {0: "no step"}, beats, {}, {0: None, 1: answers[1]}, "--timeout 5")
     assert unknown[0]["cause"] == "stalled" and "no answer to the launcher's probe" in unknown[0]["error"]
+
+
+def test_a_rank_outside_any_collective_is_blamed_for_waiting_ones_only_if_it_is_not_ahead_of_them() -> None:
+    from accelport.launch.run import _verdict
+
+    beats = {0: _beat(3, 90.0), 1: _beat(3, 91.0), 2: _beat(3, 91.0)}
+    waits = {1: _answer("ap.optimizer_step", steps=4), 2: _answer("ap.optimizer_step", steps=5)}
+    # Rank 0 has taken more steps than rank 1, which waits: it is past that collective, not the cause.
+    ahead = _verdict(100.0, {1: "no step", 2: "no step"}, beats, {}, {0: _answer(None, steps=5), **waits}, "x")
+    assert ahead[1]["cause"] == ahead[2]["cause"] == "stalled" and ahead[0]["cause"] == "stopped", ahead
+    assert "as every rank of this host does" in ahead[1]["error"]
+    behind = _verdict(100.0, {1: "no step", 2: "no step"}, beats, {}, {0: _answer(None, steps=4), **waits}, "x")
+    assert behind[0]["cause"] == "stalled" and behind[1]["cause"] == behind[2]["cause"] == "stopped", behind
+    assert behind[0]["error"].startswith("ranks 1, 2 waited for it in a collective (no step); its script is at ")
+    # A rank that did not answer, or whose steps are not known, is not blamed on a guess.
+    for answer in (None, {**_answer(None), "steps": None}):
+        unknown = _verdict(100.0, {1: "no step"}, beats, {}, {0: answer, 1: waits[1], 2: waits[2]}, "x")
+        assert unknown[1]["cause"] == "stalled" and unknown[0]["cause"] == "stopped", unknown
 
 
 def test_a_finished_rank_is_named_only_when_the_stalled_ranks_wait_in_a_collective() -> None:
@@ -983,21 +1160,29 @@ def test_a_finished_rank_is_named_only_when_the_stalled_ranks_wait_in_a_collecti
     assert hangs[1]["error"].startswith("had finished its script after 2 step(s) and waited at its exit")
 
 
+def _sleeper() -> subprocess.Popen[bytes]:
+    """A process that stands for a worker: a session of its own, as torchrun starts them."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+
+
 def test_the_monitor_ends_a_job_whose_finished_rank_leaves_another_waiting_only_when_it_stays(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
     from accelport.launch import run
     from accelport.launch.heartbeat import write_json
 
     stopped: list[list[int]] = []
-    monkeypatch.setattr(run, "_stop", stopped.append)  # a spy: there are no processes to stop
+    monkeypatch.setattr(run, "_stop", stopped.append)  # a spy: the verdict and the order, nothing stopped
+    ranks = [_sleeper() for _ in range(2)]
+    request.addfinalizer(lambda: [p.kill() or p.wait() for p in ranks])  # type: ignore[func-returns-value]
+    first, second = (p.pid for p in ranks)
     d = str(tmp_path)
-    write_json(os.path.join(d, "heartbeat-rank0"), _beat(2, 10.0, pid=100))
-    write_json(os.path.join(d, "done-rank1.json"), {"rank": 1, "pid": 101, "time": 11.0, "steps": 2})
-    monitor = run._Monitor(d, timeout=None, startup=None, expected=2, workers=lambda: [])
+    write_json(os.path.join(d, "heartbeat-rank0"), _beat(2, 10.0, pid=first))
+    write_json(os.path.join(d, "done-rank1.json"), {"rank": 1, "pid": second, "time": 11.0, "steps": 2})
+    monitor = run._Monitor(d, timeout=None, startup=None, expected=2, workers=lambda: [first, second])
 
     def answer(seq: int, at: float, **change: Any) -> None:
         write_json(os.path.join(d, "where-rank0.json"), {**_answer("ap.optimizer_step", steps=2), "seq": seq,
-                                                          "time": at, "pid": 100, **change})
+                                                          "time": at, "pid": first, **change})
 
     assert not monitor.check(12.0) and read_probe(d) == 1  # asked once
     answer(1, 12.5)
@@ -1008,7 +1193,7 @@ def test_the_monitor_ends_a_job_whose_finished_rank_leaves_another_waiting_only_
     assert not monitor.check(14.0 + run.PROBE_GAP_S) and read_probe(d) == 3
     assert not stopped and not os.path.exists(os.path.join(d, "failure-rank1.json"))
     answer(3, 16.5, steps=3, where="job.py:20")  # twice in the same place, at a step rank 1 never took
-    assert monitor.check(17.0) and stopped == [[100, 101]] and monitor.fired  # rank 1, the cause, stopped last
+    assert monitor.check(17.0) and stopped == [[first, second]] and monitor.fired  # rank 1, the cause, last
     assert read(os.path.join(d, "failure-rank1.json"))["cause"] == "ended-early"  # type: ignore[index]
     assert read(os.path.join(d, "failure-rank0.json"))["cause"] == "stopped"  # type: ignore[index]
 
@@ -1059,38 +1244,54 @@ def test_a_lost_connection_after_a_rank_finished_blames_the_rank_that_finished(t
     assert _explain([raised], str(tmp_path), None)[0] is raised  # its own error: the cause
 
 
-def test_where_a_script_waits_is_read_from_its_thread() -> None:
+def test_where_a_script_waits_is_read_from_its_thread_and_its_backends_marks() -> None:
     import threading
-    import types
 
-    from accelport.launch.worker import locate, world_collectives
+    from accelport.collectives import Collectives
+    from accelport.launch.worker import api_functions, locate
 
+    collectives = Collectives()
     release = threading.Event()
 
-    def optimizer_step() -> None:  # stands for ap.optimizer_step: its code is passed as a world collective
+    def optimizer_step() -> None:  # stands for ap.optimizer_step, in the code that waits for the others
+        with collectives.waiting("ap.optimizer_step"):
+            release.wait(60)
+
+    def optimizer_step_after_its_wait() -> None:  # ... and in the optimizer's own step, or a step hook
         release.wait(60)
 
-    def elsewhere() -> None:
-        release.wait(60)
-
+    api = {optimizer_step.__code__: "ap.optimizer_step", optimizer_step_after_its_wait.__code__: "ap.optimizer_step"}
+    threads = [threading.Thread(target=f, daemon=True) for f in (optimizer_step, optimizer_step_after_its_wait)]
     try:
-        threads = [threading.Thread(target=f, daemon=True) for f in (optimizer_step, elsewhere)]
         for t in threads:
             t.start()
-        _until(lambda: all(t.ident in sys._current_frames() for t in threads))
+        _until(lambda: all(t.ident in sys._current_frames() for t in threads) and collectives.waiting_in(
+            threads[0].ident) is not None)  # type: ignore[arg-type]
         frames = sys._current_frames()
-        collectives = {optimizer_step.__code__: "ap.optimizer_step"}
-        waiting = locate(frames[threads[0].ident], collectives)  # type: ignore[index]
-        outside = locate(frames[threads[1].ident], collectives)  # type: ignore[index]
+        marks = [collectives.waiting_in(t.ident) for t in threads]  # type: ignore[arg-type]
+        waiting = locate(frames[threads[0].ident], api, marks[0])  # type: ignore[index]
+        after = locate(frames[threads[1].ident], api, marks[1])  # type: ignore[index]
     finally:
         release.set()
+        for t in threads:
+            t.join()
     assert (waiting["waiting"], waiting["world"]) == ("ap.optimizer_step", True), waiting
-    assert (outside["waiting"], outside["world"]) == (None, False), outside
+    assert (after["waiting"], after["world"]) == (None, False), after  # it used to count as waiting
+    assert collectives.waiting_in(threads[0].ident) is None  # type: ignore[arg-type]  # the mark goes with the wait
     # The user's line: this test's, not threading's.
     assert waiting["where"].startswith(f"{__file__}:") and waiting["code"] == "release.wait(60)", waiting
-    assert set(world_collectives(ap).values()) == {"ap.optimizer_step", "ap.barrier", "ap.all_reduce",
-                                                   "ap.broadcast"}
-    assert all(isinstance(code, types.CodeType) for code in world_collectives(ap))
+    names = set(api_functions(ap).values())
+    assert {"ap.optimizer_step", "ap.barrier", "ap.all_reduce", "ap.broadcast", "ap.save"} <= names
+
+
+def test_the_all_reduce_check_runs_on_the_first_calls_then_every_hundredth_or_always_when_asked() -> None:
+    from accelport.collectives import CHECK_SETTING, Collectives
+
+    scheduled = Collectives()
+    due = [n for n in range(1, 1001) if scheduled.check_due({})]
+    assert due == [1, 2, 3, 4, 5, 6, 7, 8, 100, 200, 300, 400, 500, 600, 700, 800, 900, 1000]
+    always = Collectives()
+    assert all(always.check_due({CHECK_SETTING: "1"}) for _ in range(1000))
 
 
 def test_a_record_written_without_replace_keeps_the_first_verdict(tmp_path: Path) -> None:
@@ -1101,6 +1302,58 @@ def test_a_record_written_without_replace_keeps_the_first_verdict(tmp_path: Path
     assert not write_json(path, {"cause": "raised"}, replace=False)
     assert read(path) == {"cause": "stalled"} and sorted(os.listdir(tmp_path)) == ["failure-rank0.json"]
     assert write_json(path, {"cause": "raised"}) and read(path) == {"cause": "raised"}
+
+
+def test_where_hard_links_are_not_allowed_a_record_is_still_written_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from accelport.launch.heartbeat import read, write_json
+
+    def no_link(src: str, dst: str) -> None:  # stands in for a file system without hard links (vfat, some FUSE)
+        raise PermissionError(errno.EPERM, "Operation not permitted", src)
+
+    monkeypatch.setattr(os, "link", no_link)
+    path = str(tmp_path / "failure-rank0.json")
+    assert write_json(path, {"cause": "stalled"}, replace=False)  # it used to be lost
+    assert not write_json(path, {"cause": "raised"}, replace=False)
+    assert read(path) == {"cause": "stalled"} and sorted(os.listdir(tmp_path)) == ["failure-rank0.json"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="tells a process's parent from /proc")
+def test_a_rank_that_exited_is_not_stopped_through_its_pid(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    from accelport.launch import run
+    from accelport.launch.heartbeat import write_json
+
+    # Rank 1 has exited and its pid now belongs to a process the launch never started (here: one
+    # adopted by init, as a recycled pid would be); rank 0 hangs.
+    stranger = int(subprocess.run(["sh", "-c", "sleep 600 >/dev/null 2>&1 & echo $!"], capture_output=True,
+                                  text=True, check=True).stdout)
+    request.addfinalizer(lambda: _gone(stranger) or os.kill(stranger, 9))  # type: ignore[func-returns-value]
+    rank0 = _sleeper()
+    request.addfinalizer(lambda: rank0.kill() or rank0.wait())  # type: ignore[func-returns-value]
+    d = str(tmp_path)
+    write_json(os.path.join(d, "heartbeat-rank0"), _beat(2, 10.0, pid=rank0.pid))
+    write_json(os.path.join(d, "done-rank1.json"), {"rank": 1, "pid": stranger, "time": 11.0, "steps": 2,
+                                                     "peers_met": True})
+    monitor = run._Monitor(d, timeout=5, startup=None, expected=2, workers=lambda: [rank0.pid])
+    assert monitor.check(100.0)  # rank 0 stalled: every rank is stopped
+    assert rank0.wait(timeout=120) == -15  # (SIGTERM: the bound guards a hang only)
+    assert not _gone(stranger)  # it used to be sent SIGTERM too
+
+
+def test_a_long_backend_name_is_quoted_cut_and_redacted_as_ap_use_quotes_it(
+        script: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    huge = "x" * 100_000
+    assert main(["launch", "--backend", huge, script]) == 2
+    err = capsys.readouterr().err
+    cut = "x" * 40 + "... [cut: 100000 characters in all]"
+    assert err.startswith(f"accelport: error: unknown backend '{cut}' (from --backend {cut}). ")
+    assert len(err) < 400, len(err)  # the name came back whole in "(from --backend ...)", up to the line's limit
+    monkeypatch.setenv("HF_TOKEN", "s3cr3t-value-of-a-token")
+    assert main(["launch", "--backend", "s3cr3t-value-of-a-token" + "x" * 200, script]) == 2
+    err = capsys.readouterr().err
+    assert "s3cr3t" not in err and "<redacted>" in err, err
 
 
 def test_a_failing_worker_leaves_its_process_group_alone_at_exit(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -224,9 +224,23 @@ def _unsharded_dataloader(iterable: Any) -> bool:
     return not any(isinstance(s, data.distributed.DistributedSampler) for s in samplers)
 
 
-def _signed(source: Iterable[Any], signatures: collections.deque[Any],
+class _Busy:
+    """How long the loader's source has been busy giving batches, in all (written by the thread that reads it)."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.since: float | None = None  # when the fetch in progress started
+
+    def until(self, now: float) -> float:
+        """Seconds busy up to ``now``, the fetch in progress included."""
+        since = self.since
+        return self.total + (now - since if since is not None else 0.0)
+
+
+def _signed(source: Iterable[Any], signatures: collections.deque[Any], busy: _Busy,
             inspect: Callable[[Any, Any], Any] | None = None) -> Iterator[Any]:
-    """``source``, appending (signature, seconds the source took to give it) to ``signatures`` per batch.
+    """``source``, appending each batch's signature to ``signatures`` as it is read, and timing in ``busy`` how long
+    the source took to give the batches.
 
     It runs where the backend reads its source: in the prefetch (or upload) thread
     when there is one, off the training loop's own thread. The host batch has the
@@ -234,10 +248,6 @@ def _signed(source: Iterable[Any], signatures: collections.deque[Any],
     Equal signatures come out as one object, so the loop compares them by identity.
     ``inspect(batch, signature)`` (the diagnostics' look at the host batch) may hand
     back something in the signature's place, which the step tracker unpacks.
-
-    The seconds bound the loop's wait for that batch that counts as waiting for data: a
-    loop that waited longer, for a batch its source gave at once, waited for a thread to
-    be scheduled (a busy machine), which more workers would not change.
     """
     append = signatures.append
     known: dict[tuple[Any, ...], tuple[Any, ...]] = {}
@@ -245,13 +255,16 @@ def _signed(source: Iterable[Any], signatures: collections.deque[Any],
     clock = time.perf_counter
     it = iter(source)
     while True:
-        start = clock()
+        busy.since = start = clock()
         try:
             batch = next(it)
         except StopIteration:
+            busy.since = None
             return
         sig = intern(sig := signature(batch), sig)
-        append((sig if inspect is None else inspect(batch, sig), clock() - start))
+        append(sig if inspect is None else inspect(batch, sig))
+        busy.total += clock() - start
+        busy.since = None
         yield batch
 
 
@@ -316,7 +329,9 @@ class DeviceLoader:
         tracker.loader_info = describe_loader(self.iterable)
         signatures: collections.deque[Any] = collections.deque()
         inspect = tracker.inspector()
-        it = iter(backend.wrap_loader(_signed(self._source(backend), signatures, inspect), prefetch=self.prefetch))
+        busy = _Busy()
+        it = iter(backend.wrap_loader(_signed(self._source(backend), signatures, busy, inspect),
+                                      prefetch=self.prefetch))
         next_signature = signatures.popleft
         # Eager backends neither run a graph between batches nor defer a step's record.
         between = getattr(backend.end_of_batch, "__func__", None) is not Backend.end_of_batch or \
@@ -334,12 +349,17 @@ class DeviceLoader:
                     tracker.synced()
                 first = False
                 t0 = clock()
+                before = busy.until(t0)
                 try:
                     batch = next(it)
                 except StopIteration:
                     return
-                sig, produced = next_signature()
-                tracker.batch_arrived(min(clock() - t0, produced), sig, batch)
+                now = clock()
+                # Waiting for data is waiting while the source was busy giving batches: a loop that waited
+                # longer, while its source had nothing to do, waited for a thread to be scheduled (a busy
+                # machine), which more workers would not change. (Several batches may go up in one transfer:
+                # all that the source did meanwhile counts.)
+                tracker.batch_arrived(min(now - t0, busy.until(now) - before), next_signature(), batch)
                 if bar is not None:
                     _advance(bar, tracker, backend, runtime.baseline.get("compilations"))
                 yield batch

@@ -22,7 +22,8 @@ from typing import Any, Protocol
 from accelport.contract import Backend
 from accelport.errors import DiagnosticWarning
 
-__all__ = ["DeviceLoader", "LoaderRun", "LoaderTracker", "prefetch_iter", "shard_batches", "signature"]
+__all__ = ["DeviceLoader", "LoaderRun", "LoaderTracker", "POSITION_ATTRIBUTE", "prefetch_iter", "shard_batches",
+           "signature"]
 
 
 class LoaderTracker(Protocol):
@@ -55,6 +56,12 @@ class LoaderRun(Protocol):
     def first_time(self, key: str) -> bool: ...
 
 _DONE = object()
+
+#: The attribute through which a loader (or the DeviceLoader around it) carries its data position,
+#: set by ``ap.Checkpointer.restore(loader=...)`` (accelport.resume): an object whose
+#: ``begin(iterable, per_batch)`` gives what a new pass reads (the rest of a pass resumed from a
+#: checkpoint) and whose ``advance()`` counts each batch handed to the loop.
+POSITION_ATTRIBUTE = "_accelport_position"
 
 
 _DTYPE_NAMES: dict[Any, str] = {}
@@ -290,12 +297,12 @@ class DeviceLoader:
             n //= self._runtime.backend().world_size()
         return n
 
-    def _source(self, backend: Backend) -> Iterable[Any]:
+    def _source(self, backend: Backend, iterable: Iterable[Any]) -> Iterable[Any]:
         world = backend.world_size()
         if world == 1:
-            return self.iterable
+            return iterable
         if self.shard:
-            return shard_batches(self.iterable, backend.rank(), world)
+            return shard_batches(iterable, backend.rank(), world)
         if self.shard is None and _unsharded_dataloader(self.iterable) and \
                 self._runtime.first_time("unsharded-dataloader"):
             warnings.warn(
@@ -307,7 +314,7 @@ class DeviceLoader:
                 DiagnosticWarning,
                 stacklevel=3,
             )
-        return self.iterable
+        return iterable
 
     def __iter__(self) -> Iterator[Any]:
         runtime = self._runtime
@@ -316,7 +323,13 @@ class DeviceLoader:
         tracker.loader_info = describe_loader(self.iterable)
         signatures: collections.deque[Any] = collections.deque()
         inspect = tracker.inspector()
-        it = iter(backend.wrap_loader(_signed(self._source(backend), signatures, inspect), prefetch=self.prefetch))
+        position = getattr(self, POSITION_ATTRIBUTE, None) or getattr(self.iterable, POSITION_ATTRIBUTE, None)
+        source: Iterable[Any] = self.iterable
+        if position is not None:  # a checkpointed run: this pass may resume one, and its batches are counted
+            world = backend.world_size()
+            source = position.begin(source, world if self.shard and world > 1 else 1)
+        it = iter(backend.wrap_loader(_signed(self._source(backend, source), signatures, inspect),
+                                      prefetch=self.prefetch))
         next_signature = signatures.popleft
         # Eager backends neither run a graph between batches nor defer a step's record.
         between = getattr(backend.end_of_batch, "__func__", None) is not Backend.end_of_batch or \
@@ -340,6 +353,8 @@ class DeviceLoader:
                     return
                 sig, produced = next_signature()
                 tracker.batch_arrived(min(clock() - t0, produced), sig, batch)
+                if position is not None:
+                    position.advance()
                 if bar is not None:
                     _advance(bar, tracker, backend, runtime.baseline.get("compilations"))
                 yield batch

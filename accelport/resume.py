@@ -305,8 +305,20 @@ class _Position:
         else:
             self.epoch = resume["next"] if resume is not None else self.epoch + 1
             self.consumed = 0
-        it = iter(loader)
-        first = next(it, _END)
+        if resumed:
+            import torch
+
+            # A pass that goes on: what its iterator draws as it starts again (the workers' base seed) was
+            # drawn when the pass began, before the RNG state the loop continues from.
+            training = torch.get_rng_state()
+            try:
+                it = iter(loader)
+                first = next(it, _END)
+            finally:
+                torch.set_rng_state(training)
+        else:
+            it = iter(loader)
+            first = next(it, _END)
         if first is _END and resumed:
             # The pass had ended at the checkpoint: the next one starts, as it would have.
             self.epoch, self.consumed = self.epoch + 1, 0

@@ -1,6 +1,5 @@
 """A training job that checkpoints itself with ap.Checkpointer (tests/test_resume.py, tests/launch/).
 
-
     python resume_job.py OUT CKPT [--steps 60] [--every 10] [--kill-at STEP --kill-rank R]
                          [--pause-at STEP] [--shard] [--workers N] [--stateful]
 
@@ -11,7 +10,8 @@ writes OUT/seen-rank<r>-<pid>.json (the sample indices of each step it took) and
 end, OUT/final-rank<r>.pt (its parameters, gathered whole when sharded).
 
 ``--kill-at STEP --kill-rank R``: rank R SIGKILLs itself after that step's update, in the
-first attempt only (TORCHELASTIC_RESTART_COUNT unset or 0). ``--pause-at STEP``: every
+first attempt only (TORCHELASTIC_RESTART_COUNT unset or 0); ``--kill-in-save STEP``: each rank
+SIGKILLs itself in that step's save, once its own part is written (first attempt only). ``--pause-at STEP``: every
 rank stops there (before the step's checkpoint call) and writes OUT/ready-rank<r> until
 it gets a stop request (the test then signals the launch).
 """
@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--kill-rank", type=int, default=0)
     parser.add_argument("--pause-at", type=int, default=None)
+    parser.add_argument("--kill-in-save", type=int, default=None)
     parser.add_argument("--shard", action="store_true")
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--stateful", action="store_true")
@@ -76,6 +77,17 @@ def main() -> None:
     ckpt = ap.Checkpointer(args.ckpt, every_steps=args.every)
     step = ckpt.restore(model=model, optimizer=opt, scheduler=sched, loader=loader)
     first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    if args.kill_in_save is not None and first_attempt:
+        import accelport.checkpoint
+
+        write = accelport.checkpoint.atomic_torch_save
+
+        def write_then_die(torch_module: object, obj: object, path: str) -> None:
+            write(torch_module, obj, path)
+            if f"step-{args.kill_in_save:08d}" in path and os.path.basename(path).startswith("rank-"):
+                os.kill(os.getpid(), signal.SIGKILL)  # this rank's part is on disk; the checkpoint is not complete
+
+        accelport.checkpoint.atomic_torch_save = write_then_die  # type: ignore[assignment]
     seen: list[list[int]] = []
     record = os.path.join(args.out, f"seen-rank{rank}-{os.getpid()}.json")
     epoch = ckpt.epoch

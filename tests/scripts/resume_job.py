@@ -53,7 +53,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     model: torch.nn.Module = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1),
-                                                 torch.nn.Linear(32, 1))
+                                                 torch.nn.Linear(32, 1)).to(ap.device())
     if args.shard:
         model = ap.shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -119,7 +119,7 @@ def main() -> None:
         state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     else:
         state = model.state_dict()
-    torch.save({k: v.detach().clone() for k, v in state.items()}, os.path.join(args.out, f"final-rank{rank}.pt"))
+    torch.save({k: v.detach().cpu().clone() for k, v in state.items()}, os.path.join(args.out, f"final-rank{rank}.pt"))
 
 
 if __name__ == "__main__":

@@ -644,32 +644,32 @@ class _Agreement:
         self._since = time.monotonic()
         self._since_step = 0
 
-    def boundary(self, step: int, stop: bool, due: bool) -> tuple[bool, bool]:
-        """(save now, stop after saving), the same on every rank."""
-        save = stop_now = False
+    def boundary(self, step: int, stop: bool, due: bool, written: bool) -> tuple[bool, bool, bool]:
+        """(save now, stop after saving, every rank's background save written), the same on every rank."""
+        decision = (False, False, False)
         if self._work is not None:
             if step < self._wait_at:
-                return False, False
+                return decision
             self._work.wait()
             self._work = None
-            save, stop_now = self._decide(self._buffer)
+            decision = self._decide(self._buffer)
             self._issue_at = self._issued + self._every
         if step >= self._issue_at:
-            a, b = self._issue(step, stop, due)
-            save, stop_now = save or a, stop_now or b
-        return save or stop_now, stop_now
+            now = self._issue(step, stop, due, written)
+            decision = (decision[0] or now[0], decision[1] or now[1], decision[2] or now[2])
+        return decision
 
-    def _issue(self, step: int, stop: bool, due: bool) -> tuple[bool, bool]:
+    def _issue(self, step: int, stop: bool, due: bool, written: bool) -> tuple[bool, bool, bool]:
         import torch
 
         now = time.monotonic()
         per_step_us = int(1e6 * (now - self._since) / max(1, step - self._since_step))
         self._since, self._since_step = now, step
-        buffer = torch.tensor([int(stop), int(due), per_step_us], dtype=torch.int64)
+        buffer = torch.tensor([int(stop), int(due), int(written), per_step_us], dtype=torch.int64)
         if self._group is not None and self._every > 1:
             self._work = self._dist.all_reduce(buffer, group=self._group, async_op=True)  # type: ignore[union-attr]
             self._buffer, self._issued, self._wait_at = buffer, step, step + 1
-            return False, False
+            return False, False, False
         if self._group is not None:
             self._dist.all_reduce(buffer, group=self._group)  # type: ignore[union-attr]
         else:  # no torch.distributed group (XLA replicas): the backend's own collective
@@ -682,11 +682,11 @@ class _Agreement:
         self._issue_at = step + self._every
         return decision
 
-    def _decide(self, buffer: Any) -> tuple[bool, bool]:
-        stop, due, total_us = (int(v) for v in buffer.tolist())
+    def _decide(self, buffer: Any) -> tuple[bool, bool, bool]:
+        stop, due, written, total_us = (int(v) for v in buffer.tolist())
         mean_us = max(1, total_us // self.world)
         self._every = max(1, min(1000, int(AGREE_INTERVAL_S * 1e6) // mean_us))
-        return bool(due or stop), bool(stop)
+        return bool(due or stop), bool(stop), written == self.world
 
 
 # -- the checkpointer ---------------------------------------------------------------------------------
@@ -715,7 +715,7 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, *, every_steps: int | None = None,
                  every_seconds: float | None = None, keep_last: int | None = 3,
-                 stop_on: Iterable[str | int] | str = ("SIGTERM",)) -> None:
+                 stop_on: Iterable[str | int] | str = ("SIGTERM",), background: bool = False) -> None:
         if directory is None:
             directory = (os.environ.get(CHECKPOINT_DIR_ENV) or "").strip() or None
             if directory is None:
@@ -730,6 +730,8 @@ class Checkpointer:
         if every_seconds is not None and (isinstance(every_seconds, bool) or not isinstance(every_seconds, (int, float))
                                           or not every_seconds > 0):
             raise UsageError(f"every_seconds must be a number of seconds above 0 (or None), not {every_seconds!r}")
+        if not isinstance(background, bool):
+            raise UsageError(f"background must be True or False, not {background!r}")
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise UsageError(f"keep_last must be 1 or more (complete checkpoints to keep), or None to keep all, "
                              f"not {keep_last!r}")
@@ -737,6 +739,7 @@ class Checkpointer:
         self.every_steps = every_steps
         self.every_seconds = float(every_seconds) if every_seconds is not None else None
         self.keep_last = keep_last
+        self.background = background
         signals = _parse_signals(stop_on)
         deadline = deadline_s(os.environ)
         self._check_directory()
@@ -747,6 +750,7 @@ class Checkpointer:
         self._agreement: _Agreement | None = None
         self._last_save_time = time.monotonic()
         self._saved_step: int | None = None
+        self._pending: tuple[Any, str, int] | None = None  # a background save: its handle, directory, step
         self._stop = _StopSignals(signals, deadline) if signals else None
 
     # -- public ----------------------------------------------------------------------------------------
@@ -786,7 +790,8 @@ class Checkpointer:
         if loader is not None:
             self._position = _attach(loader, self._stop.signals if self._stop is not None else ())
         world = backend.world_size()
-        if world > 1 and self._agreement is None and (self._stop is not None or self.every_seconds is not None):
+        if world > 1 and self._agreement is None and (self._stop is not None or self.every_seconds is not None
+                                                      or self.background):
             self._agreement = _Agreement(backend)
         found = find_checkpoints(self.directory)
         chosen = newest_complete(found)
@@ -820,16 +825,24 @@ class Checkpointer:
                                   "optimizer=opt, ...) once before the loop; it names what every checkpoint holds")
         due = self.every_steps is not None and steps % self.every_steps == 0
         stop = self._stop is not None and self._stop.requested
+        pending = self._pending
         if self._agreement is not None:
             timely = self.every_seconds is not None and time.monotonic() - self._last_save_time >= self.every_seconds
-            save, stop = self._agreement.boundary(steps, stop, timely)
+            save, stop, written = self._agreement.boundary(steps, stop, timely,
+                                                           pending is not None and pending[0].done())
             due = due or save
-        elif self.every_seconds is not None and not due:
-            due = time.monotonic() - self._last_save_time >= self.every_seconds
+            if written and pending is not None:
+                self._finish_background()
+        else:
+            if self.every_seconds is not None and not due:
+                due = time.monotonic() - self._last_save_time >= self.every_seconds
+            if pending is not None and pending[0].done() and self._agreement is None and self._world_one():
+                self._finish_background()
         if due or stop:
             if self._saved_step != steps:
                 self.save()
             if stop:
+                self._finish_background()
                 self._exit()
 
     def save(self) -> str:
@@ -845,15 +858,24 @@ class Checkpointer:
         self.last_saved = path
         return path
 
+    def wait(self) -> None:
+        """Complete a background save still being written (call it on every rank, as :meth:`step`)."""
+        self._finish_background()
+
     def close(self) -> None:
-        """Give the stop signals back to their previous handlers."""
-        if self._stop is not None:
-            self._stop.close()
+        """Complete a background save (on every rank together), and give the stop signals back."""
+        try:
+            self._finish_background()
+        finally:
+            if self._stop is not None:
+                self._stop.close()
 
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, *exc: object) -> None:
+        if kind is not None:
+            self._pending = None  # this rank fails: no waiting for the others, the save stays incomplete
         self.close()
 
     def __repr__(self) -> str:
@@ -876,9 +898,40 @@ class Checkpointer:
                                   f"{exc.strerror or type(exc).__name__}; give a directory this process can create "
                                   "and write") from exc
 
+    def _world_one(self) -> bool:
+        return _api().world_size() == 1
+
+    def _finish_background(self) -> None:
+        """Wait for the background save on every rank, then complete its checkpoint (rank 0)."""
+        if self._pending is None:
+            return
+        from accelport import checkpoint
+
+        pending, target, step = self._pending
+        self._pending = None
+        backend = _api().backend()
+        try:
+            pending.wait()  # every rank, at the same step boundary; a failure is raised on all of them
+        except CheckpointError:
+            if backend.rank() == 0:
+                shutil.rmtree(target, ignore_errors=True)
+            raise
+        self._complete(checkpoint, backend, target, step)
+
+    def _complete(self, checkpoint: Any, backend: Any, target: str, step: int) -> None:
+        failure = None
+        if backend.rank() == 0:
+            try:
+                self._mark(target, step, backend.world_size())
+                self._prune(step)
+            except Exception as exc:  # noqa: BLE001 - one rank's error reaches every rank
+                failure = _as_checkpoint_error(exc)
+        self._agreed(checkpoint, backend, failure, target)
+
     def _write(self, api: Any, backend: Any, step: int) -> str:
         from accelport import checkpoint
 
+        self._finish_background()
         rank, world = backend.rank(), backend.world_size()
         target = _step_dir(self.directory, step)
         failure: CheckpointError | None = None
@@ -896,8 +949,9 @@ class Checkpointer:
             state[key] = value.state_dict() if key == "scheduler" else value
         state["step"] = step
         failure = None
+        pending = None
         try:
-            api.save(state, os.path.join(target, STATE))
+            pending = api.save(state, os.path.join(target, STATE), background=self.background)
         except Exception as exc:  # noqa: BLE001 - one rank's error (a full disk on rank 0) reaches every rank
             if _sharded(self._objects.get("model")):  # type: ignore[union-attr]
                 raise  # ap.save of a sharded model raised it on every rank already
@@ -912,13 +966,10 @@ class Checkpointer:
             except Exception as exc:  # noqa: BLE001 - as above
                 failure = _as_checkpoint_error(exc)
         self._agreed(checkpoint, backend, failure, target)
-        if rank == 0:
-            try:
-                self._mark(target, step, world)
-                self._prune(step)
-            except Exception as exc:  # noqa: BLE001 - as above
-                failure = _as_checkpoint_error(exc)
-        self._agreed(checkpoint, backend, failure, target)
+        if pending is not None and not pending.done():
+            self._pending = (pending, target, step)  # completed once every rank's shards are written
+            return target
+        self._complete(checkpoint, backend, target, step)
         return target
 
     def _agreed(self, checkpoint: Any, backend: Any, failure: CheckpointError | None, target: str) -> None:

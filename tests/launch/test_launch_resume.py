@@ -103,15 +103,20 @@ def test_sigterm_to_the_launch_saves_on_every_rank_and_a_second_launch_resumes_b
     assert_identical(finals(uninterrupted), finals(tmp_path))
 
 
-def test_a_sharded_checkpoint_of_2_ranks_resumes_on_1(tmp_path: Path) -> None:
+@pytest.mark.parametrize("background", [False, True])
+def test_a_sharded_checkpoint_of_2_ranks_resumes_on_1(tmp_path: Path, background: bool) -> None:
     import torch
 
     ckpt = tmp_path / "ckpt"
     (tmp_path / "two").mkdir()
-    two = launch("--nprocs", "2", JOB, str(tmp_path / "two"), str(ckpt), "--shard", "--steps", "20")
+    two = launch("--nprocs", "2", JOB, str(tmp_path / "two"), str(ckpt), "--shard", "--steps", "20",
+                 *(["--every", "5", "--background"] if background else []))
     assert two.returncode == 0, two.stderr
     saved = torch.load(tmp_path / "two" / "final-rank0.pt")  # gathered whole from the shards
     assert (ckpt / "step-00000020" / "state" / ".metadata").exists()  # DCP: a shard file per rank
+    # In the background (DCP's async save), each checkpoint completed at a later step or at close().
+    assert [(f.step, f.complete) for f in find_checkpoints(ckpt)] == ([(10, True), (15, True), (20, True)]
+                                                                      if background else [(10, True), (20, True)])
     alone = tmp_path / "alone"
     alone.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELPORT_", "TORCHELASTIC_"))}

@@ -1,7 +1,7 @@
 """A training job that checkpoints itself with ap.Checkpointer (tests/test_resume.py, tests/launch/).
 
     python resume_job.py OUT CKPT [--steps 60] [--every 10] [--kill-at STEP --kill-rank R]
-                         [--pause-at STEP] [--shard] [--workers N] [--stateful]
+                         [--pause-at STEP] [--shard] [--workers N] [--stateful] [--background]
 
 A seeded, shuffled DataLoader (a DistributedSampler with several ranks), dropout, AdamW,
 a learning-rate schedule, and draws from Python's and numpy's global generators every
@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--shard", action="store_true")
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--stateful", action="store_true")
+    parser.add_argument("--background", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rank, world = ap.rank(), ap.world_size()
@@ -74,7 +75,7 @@ def main() -> None:
         loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=sampler is None, sampler=sampler,
                                              num_workers=args.workers)
 
-    ckpt = ap.Checkpointer(args.ckpt, every_steps=args.every)
+    ckpt = ap.Checkpointer(args.ckpt, every_steps=args.every, background=args.background)
     step = ckpt.restore(model=model, optimizer=opt, scheduler=sched, loader=loader)
     first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
     if args.kill_in_save is not None and first_attempt:
@@ -115,6 +116,7 @@ def main() -> None:
             if step >= args.steps:
                 break
         epoch += 1
+    ckpt.close()  # a background save still being written completes here
     if args.shard:
         state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     else:

@@ -689,7 +689,7 @@ def _run_subprocess(plan: LaunchPlan, env: dict[str, str], launch_dir: str, stop
     finally:
         monitor.close()
         for sig, handler in forwarded.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
     if stops:
         raise stopped_launch(launch_dir, stops[0], plan.nprocs or 1)
     if code == EXIT_PREEMPTED:

@@ -154,15 +154,28 @@ class _IgnoreStop:
 
     torchrun signals a worker's whole process group; a loader worker killed by it would
     fail the training step before it reaches the boundary where the checkpoint is saved.
-    The main process still ends its loader workers as usual.
+    So the loader worker blocks the stop signals and a thread of its own waits for them:
+    one sent by the process that started it (the DataLoader ending its workers, Python's
+    multiprocessing at exit) ends it as the signal would; one from anyone else (torchrun,
+    the platform, a terminal) is left to the main process.
     """
 
     def __init__(self, inner: Any, signals: tuple[int, ...]) -> None:
         self.inner, self.signals = inner, signals
 
     def __call__(self, worker_id: int) -> None:
-        for s in self.signals:
-            signal.signal(s, signal.SIG_IGN)
+        if hasattr(signal, "sigwaitinfo") and hasattr(signal, "pthread_sigmask"):
+            parent = os.getppid()
+            wanted = set(self.signals)
+            signal.pthread_sigmask(signal.SIG_BLOCK, wanted)  # threads started after this inherit it
+
+            def watch() -> None:
+                while True:
+                    info = signal.sigwaitinfo(wanted)
+                    if info.si_pid == parent or os.getppid() != parent:
+                        os._exit(128 + info.si_signo)
+
+            threading.Thread(target=watch, name="accelport-loader-worker-stop", daemon=True).start()
         if self.inner is not None:
             self.inner(worker_id)
 
@@ -221,11 +234,14 @@ class _Position:
         self._start: dict[str, Any] | None = None  # map: the RNG states the pass in progress was drawn from
         self._snapshots: deque[Any] = deque()  # stateful: the loader's state after each batch read
         self._state: Any = None  # stateful: after the last batch consumed
+        self._live = True  # stateful: read in the loop's own thread, so its state_dict() is the loop's position
+        self._consumer: int | None = None
         self._resume: dict[str, Any] | None = None
 
     # -- ap.loader's side -----------------------------------------------------------------------
     def begin(self, iterable: Iterable[Any], per_batch: int) -> Iterable[Any]:
         self._per_batch = per_batch
+        self._consumer = threading.get_ident()
         resume, self._resume = self._resume, None
         if self.kind == "map":
             return self._map_pass(resume)
@@ -297,6 +313,9 @@ class _Position:
         self._length = self._length_of(loader)
         self._snapshots.clear()
         self._state = None
+        # Read ahead in another thread (a prefetch thread), the loader's state is past the loop's: keep its
+        # state after each batch (state_dict() costs about a batch's loading), to hand the loop's on.
+        self._live = threading.get_ident() == self._consumer
         resumed = resume is not None and resume.get("state") is not None
         if resumed:
             assert resume is not None
@@ -325,6 +344,10 @@ class _Position:
             it = iter(loader)
             first = next(it, _END)
         if first is _END:
+            return
+        if self._live:
+            yield first
+            yield from it
             return
         self._snapshots.append(loader.state_dict())
         yield first
@@ -356,7 +379,7 @@ class _Position:
             out["start"] = self._start
             out["now"] = {"generators": {k: g.get_state() for k, g in _generators(self.loader).items()}}
         elif self.kind == "stateful":
-            out["state"] = self._state
+            out["state"] = self.loader.state_dict() if self._live else self._state
         return out
 
     def resume_at(self, saved: Mapping[str, Any]) -> str:

@@ -39,8 +39,9 @@ def job(*args: str, timeout: float = 300, **extra: str) -> subprocess.CompletedP
 
 
 def start_job(*args: str, **extra: str) -> subprocess.Popen[str]:
+    """The job in a process group of its own (with its DataLoader workers), as torchrun starts a worker."""
     return subprocess.Popen([sys.executable, "-c", DEFAULT_SIGNALS, str(JOB), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env(**extra), cwd=REPO)
+                            stderr=subprocess.PIPE, text=True, env=_env(**extra), cwd=REPO, start_new_session=True)
 
 
 def wait_for(path: Path, proc: subprocess.Popen[str], limit: float = 300) -> None:
@@ -75,11 +76,17 @@ def seen(out: Path, rank: int = 0) -> dict[int, list[int]]:
     return steps
 
 
+#: The loaders a resumed run is tested with: a DataLoader (read in the loop's thread; with 2 workers and read
+#: ahead by a prefetch thread) and torchdata's StatefulDataLoader (the same two ways).
+LOADERS = {"plain": (), "workers": ("--workers", "2", "--prefetch", "2"), "stateful": ("--stateful",),
+           "stateful-prefetch": ("--stateful", "--prefetch", "2")}
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The uninterrupted runs each resumed run must equal, one per kind of loader."""
     out = {}
-    for kind, args in (("plain", ()), ("workers", ("--workers", "2")), ("stateful", ("--stateful",))):
+    for kind, args in LOADERS.items():
         where = tmp_path_factory.mktemp(f"full-{kind}")
         done = job(str(where), str(where / "ckpt"), *args)
         assert done.returncode == 0, done.stderr
@@ -87,7 +94,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-LOADERS = {"plain": (), "workers": ("--workers", "2"), "stateful": ("--stateful",)}
 
 
 @pytest.mark.parametrize("kind", list(LOADERS))
@@ -106,19 +112,24 @@ def test_a_run_killed_at_step_23_resumes_bit_identical(reference: dict[str, Path
     assert part[21] != part[1]  # (the control: not the start of a pass)
 
 
+@pytest.mark.parametrize("kind", ["plain", "workers"])
 def test_sigterm_saves_at_the_next_step_and_exits_75_then_the_rerun_matches(reference: dict[str, Path],
-                                                                            tmp_path: Path) -> None:
+                                                                            tmp_path: Path, kind: str) -> None:
     ckpt = tmp_path / "ckpt"
-    proc = start_job(str(tmp_path), str(ckpt), "--pause-at", "25")
+    proc = start_job(str(tmp_path), str(ckpt), "--pause-at", "25", *LOADERS[kind])
     wait_for(tmp_path / "ready-rank0", proc)
-    proc.send_signal(signal.SIGTERM)
+    if kind == "workers":
+        # As torchrun stops a worker: the signal to its whole process group, its DataLoader workers too.
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_PREEMPTED, err
     assert "SIGTERM: saved the checkpoint of step 25" in err and "exit status 75" in err
     assert [f.step for f in find_checkpoints(ckpt) if f.complete] == [10, 20, 25]
-    resumed = job(str(tmp_path), str(ckpt))
+    resumed = job(str(tmp_path), str(ckpt), *LOADERS[kind])
     assert resumed.returncode == 0, resumed.stderr
-    assert_identical(final(reference["plain"]), final(tmp_path))
+    assert_identical(final(reference[kind]), final(tmp_path))
 
 
 def test_a_checkpoint_torn_by_sigkill_during_its_save_is_skipped(reference: dict[str, Path], tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """A training job that checkpoints itself with ap.Checkpointer (tests/test_resume.py, tests/launch/).
 
     python resume_job.py OUT CKPT [--steps 60] [--every 10] [--kill-at STEP --kill-rank R]
-                         [--pause-at STEP] [--shard] [--workers N] [--stateful] [--background]
+                         [--pause-at STEP] [--shard] [--workers N] [--stateful] [--background] [--prefetch N]
 
 A seeded, shuffled DataLoader (a DistributedSampler with several ranks), dropout, AdamW,
 a learning-rate schedule, and draws from Python's and numpy's global generators every
@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--stateful", action="store_true")
     parser.add_argument("--background", action="store_true")
+    parser.add_argument("--prefetch", type=int, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     rank, world = ap.rank(), ap.world_size()
@@ -95,7 +96,7 @@ def main() -> None:
     while step < args.steps:
         if sampler is not None:
             sampler.set_epoch(epoch)
-        for xb, yb, idx in ap.loader(loader):
+        for xb, yb, idx in ap.loader(loader, prefetch=args.prefetch):  # prefetch=N: read ahead in a thread
             xb = xb + 0.01 * random.random() + 0.01 * float(np.random.rand())
             loss = torch.nn.functional.mse_loss(model(xb), yb)
             loss.backward()

@@ -42,6 +42,9 @@ LINT = ("ruff==0.17.6", "mypy==2.4.1")
 def tests(session: nox.Session) -> None:
     """The whole suite on the default environment: latest torch CPU build, then ruff and mypy."""
     session.install(f"torch=={TORCH}", "numpy", "-e", ".[test]", *LINT)
+    # StatefulDataLoader for the resume tests; without its deps (requests, urllib3: unused by it, and its
+    # torch requirement must not move the pin above).
+    session.install("--no-deps", "torchdata==0.11.0")
     session.run("ruff", "check", "accelport", "backends", "tests", "benchmarks")
     session.run("mypy")  # [tool.mypy] in pyproject.toml: the package and backends/
     _pytest(session, "-m", "not xla and not tpu_pkg")

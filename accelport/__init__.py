@@ -25,6 +25,7 @@ from accelport.errors import (
     AccelportError,
     BackendUnavailableError,
     CheckpointError,
+    CheckpointWarning,
     CompatibilityWarning,
     CompatMatrixError,
     DiagnosticWarning,
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from accelport.device_loader import DeviceLoader
     from accelport.diagnose.rule import Diagnosis, Rule, RunView
     from accelport.plugins.hookspecs import hookimpl
+    from accelport.resume import Checkpointer
     from accelport.runtime.state import Runtime
 
 __version__ = "0.1.0"
@@ -54,6 +56,8 @@ __all__ = [
     "BackendInfo",
     "BackendUnavailableError",
     "CheckpointError",
+    "CheckpointWarning",
+    "Checkpointer",
     "CompatMatrixError",
     "CompatibilityWarning",
     "DiagnosticWarning",
@@ -106,6 +110,7 @@ _LAZY = {
     "Diagnosis": "accelport.diagnose.rule",
     "Rule": "accelport.diagnose.rule",
     "RunView": "accelport.diagnose.rule",
+    "Checkpointer": "accelport.resume",
     "hookimpl": "accelport.plugins.hookspecs",
 }
 

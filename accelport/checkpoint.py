@@ -25,7 +25,7 @@ from accelport.errors import AccelportError, CheckpointError
 from accelport.safe_io import remove_orphans, replace_with, temp_beside
 from accelport.tensors import tree_map_tensors
 
-__all__ = ["save", "load", "save_file", "load_file", "atomic_torch_save", "PendingSave", "MANIFEST"]
+__all__ = ["save", "load", "save_file", "load_file", "atomic_torch_save", "agree", "PendingSave", "MANIFEST"]
 
 #: The file that marks a directory as an accelport checkpoint and says what it holds.
 MANIFEST = "accelport.json"
@@ -281,6 +281,14 @@ def _agree(rank: int, world: int, failure: CheckpointError | None, reduce: Calla
         raise failure
     message = bytes(text.cpu().tolist()).rstrip(b"\0").decode("utf-8", "ignore")
     raise CheckpointError(f"{message} (the error of rank {source}, raised on every rank)")
+
+
+def agree(backend: Any, failure: CheckpointError | None) -> None:
+    """Every rank of ``backend`` learns whether any rank failed; then all raise the first failing rank's error.
+
+    Call it on every rank at the same point (a no-op alone when ``failure`` is None).
+    """
+    _backend_agree(backend)(failure)
 
 
 def _backend_agree(backend: Any) -> Callable[[CheckpointError | None], None]:
@@ -672,6 +680,11 @@ def _restore_from_file(path: str, loaded: Any, into: Mapping[str, Any]) -> dict[
                               f"it holds {', '.join(map(repr, loaded))}")
     sharded = {k for k, m in modules.items() if _fsdp2_sharded(m)}
     pairs = _pair({k: o for k, o in optimizers.items()}, modules, "ap.load") if sharded else {}
+    for key, module in modules.items():
+        differences = _key_differences(module, loaded[key])
+        if differences:
+            raise CheckpointError(f"ap.load: {path!r} does not fit the objects given in into= ({key!r}: "
+                                  f"{differences}): build the model as it was when saved (the same classes and sizes)")
     try:
         for key, module in modules.items():
             _load_module(module, loaded[key], sharded=key in sharded)
@@ -684,6 +697,26 @@ def _restore_from_file(path: str, loaded: Any, into: Mapping[str, Any]) -> dict[
         raise CheckpointError(f"ap.load: {path!r} does not fit the objects given in into= "
                               f"({type(exc).__name__}: {_first_line(exc)})") from exc
     return {k: v for k, v in loaded.items() if k not in modules and k not in optimizers}
+
+
+def _key_differences(module: Any, state: Any) -> str:
+    """The keys a module lacks and those its state dict has that ``state`` lacks, as one clause ("" if none)."""
+    if not isinstance(state, Mapping):
+        return f"the saved entry is a {type(state).__name__}, not a state dict"
+    expected = {_strip(k) for k in module.state_dict()}
+    saved = {_strip(str(k)) for k in state}
+    missing, unexpected = sorted(expected - saved), sorted(saved - expected)
+
+    def some(keys: list[str]) -> str:
+        shown = ", ".join(map(repr, keys[:5]))
+        return shown + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} missing key(s): {some(missing)}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected key(s): {some(unexpected)}")
+    return "; ".join(parts)
 
 
 def _load_module(module: Any, state: Mapping[str, Any], *, sharded: bool) -> None:

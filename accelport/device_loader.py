@@ -22,7 +22,8 @@ from typing import Any, Protocol
 from accelport.contract import Backend
 from accelport.errors import DiagnosticWarning
 
-__all__ = ["DeviceLoader", "LoaderRun", "LoaderTracker", "prefetch_iter", "shard_batches", "signature"]
+__all__ = ["DeviceLoader", "LoaderRun", "LoaderTracker", "POSITION_ATTRIBUTE", "prefetch_iter", "shard_batches",
+           "signature"]
 
 
 class LoaderTracker(Protocol):
@@ -55,6 +56,12 @@ class LoaderRun(Protocol):
     def first_time(self, key: str) -> bool: ...
 
 _DONE = object()
+
+#: The attribute through which a loader (or the DeviceLoader around it) carries its data position,
+#: set by ``ap.Checkpointer.restore(loader=...)`` (accelport.resume): an object whose
+#: ``begin(iterable, per_batch)`` gives what a new pass reads (the rest of a pass resumed from a
+#: checkpoint) and whose ``advance()`` counts each batch handed to the loop.
+POSITION_ATTRIBUTE = "_accelport_position"
 
 
 _DTYPE_NAMES: dict[Any, str] = {}
@@ -303,12 +310,12 @@ class DeviceLoader:
             n //= self._runtime.backend().world_size()
         return n
 
-    def _source(self, backend: Backend) -> Iterable[Any]:
+    def _source(self, backend: Backend, iterable: Iterable[Any]) -> Iterable[Any]:
         world = backend.world_size()
         if world == 1:
-            return self.iterable
+            return iterable
         if self.shard:
-            return shard_batches(self.iterable, backend.rank(), world)
+            return shard_batches(iterable, backend.rank(), world)
         if self.shard is None and _unsharded_dataloader(self.iterable) and \
                 self._runtime.first_time("unsharded-dataloader"):
             warnings.warn(
@@ -320,7 +327,7 @@ class DeviceLoader:
                 DiagnosticWarning,
                 stacklevel=3,
             )
-        return self.iterable
+        return iterable
 
     def __iter__(self) -> Iterator[Any]:
         runtime = self._runtime
@@ -329,8 +336,13 @@ class DeviceLoader:
         tracker.loader_info = describe_loader(self.iterable)
         signatures: collections.deque[Any] = collections.deque()
         inspect = tracker.inspector()
+        position = getattr(self, POSITION_ATTRIBUTE, None) or getattr(self.iterable, POSITION_ATTRIBUTE, None)
+        source: Iterable[Any] = self.iterable
+        if position is not None:  # a checkpointed run: this pass may resume one, and its batches are counted
+            world = backend.world_size()
+            source = position.begin(source, world if self.shard and world > 1 else 1)
         busy = _Busy()
-        it = iter(backend.wrap_loader(_signed(self._source(backend), signatures, busy, inspect),
+        it = iter(backend.wrap_loader(_signed(self._source(backend, source), signatures, busy, inspect),
                                       prefetch=self.prefetch))
         next_signature = signatures.popleft
         # Eager backends neither run a graph between batches nor defer a step's record.
@@ -360,6 +372,8 @@ class DeviceLoader:
                 # machine), which more workers would not change. (Several batches may go up in one transfer:
                 # all that the source did meanwhile counts.)
                 tracker.batch_arrived(min(now - t0, busy.until(now) - before), next_signature(), batch)
+                if position is not None:
+                    position.advance()
                 if bar is not None:
                     _advance(bar, tracker, backend, runtime.baseline.get("compilations"))
                 yield batch

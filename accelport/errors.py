@@ -22,6 +22,7 @@ __all__ = [
     "InvalidPythonVersionError",
     "ShardingError",
     "CheckpointError",
+    "CheckpointWarning",
     "UsageError",
     "nearest",
     "did_you_mean",
@@ -197,6 +198,10 @@ class ShardingError(AccelportError):
 
 class CheckpointError(AccelportError):
     """A checkpoint cannot be written or restored as asked (``ap.save``, ``ap.load``)."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped (torn or incomplete), or a run resumes less exactly than it was saved."""
 
 
 class PluginWarning(UserWarning):

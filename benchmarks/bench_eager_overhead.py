@@ -10,6 +10,9 @@ interleaved round by round in one process so machine noise hits all alike:
 - raw:        ``for x, y in batches:`` ... ``opt.step()`` (compiled: ``torch.compile(model)``)
 - accelport:  ``for x, y in ap.loader(batches):`` ... ``ap.optimizer_step(opt)`` with every
               diagnosis on, as shipped (compiled: ``ap.compile(model)``)
+- accelport eager + checkpointer: the same, with ``ckpt.step()`` of an ``ap.Checkpointer``
+              after each step (SIGTERM handled, the loader's position kept, no save due): what
+              a step that does not save costs
 
 A step's time is the wall time between consecutive batches arriving in the loop.
 Reported: the median step time of each loop, the median over rounds of each round's
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -69,6 +73,18 @@ def main() -> None:
         ap_model = make_model("ap" if kind == "compiled" else None)
         runs[f"raw {kind}"] = lambda m=raw_model: train_pass(data, *m, lambda opt: opt.step())
         runs[f"accelport {kind}"] = lambda m=ap_model: train_pass(ap.loader(data), *m, ap.optimizer_step)
+    ckpt = None
+    if "eager" in kinds:
+        ckpt_model = make_model(None)
+        ckpt = ap.Checkpointer(tempfile.mkdtemp(prefix="bench-ckpt-"), every_steps=10**9)
+        checkpointed = ap.loader(data)
+        ckpt.restore(model=ckpt_model[0], optimizer=ckpt_model[1], loader=checkpointed)
+
+        def step_and_check(opt: torch.optim.Optimizer, ckpt: ap.Checkpointer = ckpt) -> None:
+            ap.optimizer_step(opt)
+            ckpt.step()
+
+        runs["accelport eager + checkpointer"] = lambda m=ckpt_model: train_pass(checkpointed, *m, step_and_check)
     rounds = interleave(runs, args.rounds)
 
     engine = RUNTIME.diagnostics()
@@ -93,6 +109,14 @@ def main() -> None:
         print(f"{kind:9s} accelport / raw: median of per-round ratios {by_median:.3f} (of means {by_mean:.3f}, "
               f"of CPU time {by_cpu:.3f}); {extra:+.1f} us a step ({extra_cpu:+.1f} us of CPU)")
 
+    if ckpt is not None:
+        ours, base = "accelport eager + checkpointer", "accelport eager"
+        print(f"{ours:20s} median step {statistics.median(rounds.times[ours]) * 1e6:8.1f} us, "
+              f"CPU {statistics.median(rounds.cpu[ours]) * 1e6:8.1f} us")
+        print(f"checkpointer, a step that does not save: / accelport eager: median of per-round ratios "
+              f"{rounds.ratio(rounds.median, ours, base):.3f} (of means {rounds.ratio(rounds.mean, ours, base):.3f}, "
+              f"of CPU time {rounds.ratio(rounds.cpu, ours, base):.3f}); {ckpt.steps} steps, no save")
+
     # accelport's own per-step pieces, timed alone.
     backend = ap.backend()
     tracker = RUNTIME.tracker
@@ -109,6 +133,9 @@ def main() -> None:
         ("step bookkeeping + diagnostics (tracker.step_end)", per_call(tracker.step_end)),
         ("backend.step_counters()", per_call(backend.step_counters)),
     )
+    if ckpt is not None:
+        pieces += (("ckpt.step() that does not save", per_call(ckpt.step)),)
+        ckpt.close()
     for name, cost in pieces:
         print(f"{name:52s} {cost:7.2f} us per call")
     for kind, ratio in headline.items():

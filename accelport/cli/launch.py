@@ -22,8 +22,10 @@ def register(sub: Any) -> None:
         description="Start one worker per device on the engine the backend's ecosystem uses "
                     "(torchrun for eager backends, torch_xla.launch for XLA). The workers get the "
                     "backend in ACCELPORT_BACKEND. If one fails, the others are stopped and the "
-                    "launch exits non-zero naming the rank that failed first. On several hosts, run "
-                    "the same command on each with the same rendezvous options.",
+                    "launch exits non-zero naming the rank that failed first. SIGTERM (or SIGINT) goes to "
+                    "every worker: with ap.Checkpointer each saves at its next step and the launch exits "
+                    "with status 75 (143 if a worker could not save within ACCELPORT_STOP_DEADLINE_S). "
+                    "On several hosts, run the same command on each with the same rendezvous options.",
     )
     p.add_argument("--nprocs", type=int, default=None, metavar="N",
                    help="worker processes per host (default: one per device the backend sees; 1 on cpu)")
@@ -35,6 +37,10 @@ def register(sub: Any) -> None:
                    help="stop the job when a worker that ended a training step (ap.optimizer_step) goes this long "
                         "without ending another: a hang ends instead of waiting for ever, naming the rank that "
                         "hangs and its line (default: no limit)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="start every worker again, up to N times, when one fails (torchrun's elastic agent; on XLA "
+                        "around torch_xla's launcher): a script with ap.Checkpointer resumes from its newest "
+                        "checkpoint (default 0)")
     p.add_argument("--startup-timeout", type=int, default=None, metavar="SECONDS",
                    help="stop the job when a worker has not ended its first training step this long after the "
                         "launch (start-up, imports, data, a first compilation; default with --timeout: the larger "
@@ -82,13 +88,15 @@ def run(args: argparse.Namespace) -> int:
     from accelport.cli import emit_json
     from accelport.launch.plan import Rendezvous, build_plan
     from accelport.launch.run import WorkerFailedError, run_plan
+    from accelport.launch.stop import LaunchStopped
 
     rdzv = Rendezvous(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                       master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint,
                       rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id, rdzv_timeout=args.rdzv_timeout)
     backend = _backend(args.backend, args.dry_run)
     plan = build_plan(backend, args.script, args.script_args, nprocs=args.nprocs, rdzv=rdzv, timeout=args.timeout,
-                      startup_timeout=args.startup_timeout, oversubscribe=args.oversubscribe)
+                      startup_timeout=args.startup_timeout, oversubscribe=args.oversubscribe,
+                      max_restarts=args.max_restarts)
     if args.dry_run:
         if args.json:
             emit_json(plan.to_dict())
@@ -105,6 +113,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     try:
         run_plan(plan)
+    except LaunchStopped as exc:
+        if args.json:
+            emit_json({"stopped": str(exc), "kind": "LaunchStopped", **exc.to_dict()})
+        else:
+            print(f"accelport: {exc}", file=sys.stderr)
+        return exc.exit_status
     except WorkerFailedError as exc:
         if args.json:
             emit_json({"error": str(exc), "kind": "WorkerFailedError", **exc.to_dict()})

@@ -133,6 +133,71 @@ def _caches(backends: Mapping[str, Any], environ: Mapping[str, str]) -> list[dic
     return rows
 
 
+def _checkpoints(environ: Mapping[str, str], now: float | None = None) -> dict[str, Any] | None:
+    """What ``ACCELPORT_CHECKPOINT_DIR`` holds (ap.Checkpointer's default directory); None when it is unset."""
+    from accelport.resume import CHECKPOINT_DIR_ENV, find_checkpoints, newest_complete
+
+    directory = (environ.get(CHECKPOINT_DIR_ENV) or "").strip()
+    if not directory:
+        return None
+    now = time.time() if now is None else now
+    path = os.path.abspath(directory)
+    row: dict[str, Any] = {"directory": path, "exists": os.path.isdir(path), "is_file": os.path.lexists(path)
+                           and not os.path.isdir(path), "writable": None, "complete": [], "torn": [], "newest": None}
+    if row["exists"]:
+        row["writable"] = os.access(path, os.W_OK)
+        found = find_checkpoints(path)
+        row["complete"] = [{"step": f.step, "path": f.path, "world_size": f.world_size,
+                            "age_s": None if f.time is None else max(0.0, now - f.time)} for f in found if f.complete]
+        row["torn"] = [{"step": f.step, "path": f.path, "problem": f.problem} for f in found if not f.complete]
+        newest = newest_complete(found)
+        row["newest"] = next((c for c in row["complete"] if newest is not None and c["step"] == newest.step), None)
+    return row
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "at a time not recorded"
+    minutes = int(seconds // 60)
+    if minutes < 1:
+        return f"{seconds:.0f} s ago"
+    if minutes < 120:
+        return f"{minutes} min ago"
+    hours = minutes // 60
+    return f"{hours} h {minutes % 60} min ago" if hours < 48 else f"{hours // 24} days ago"
+
+
+def _checkpoint_findings(row: Mapping[str, Any] | None) -> list[Finding]:
+    """Where a resumed run would start from, for ``ACCELPORT_CHECKPOINT_DIR``."""
+    if row is None:
+        return []
+    where = f"ACCELPORT_CHECKPOINT_DIR={row['directory']}"
+    if row["is_file"]:
+        return [Finding("problem", f"{where} is a file, not a directory: ap.Checkpointer() refuses it",
+                        "point ACCELPORT_CHECKPOINT_DIR at a directory (created if missing)", "core")]
+    if not row["exists"]:
+        return [Finding("note", f"{where} does not exist yet: a run starts at step 0 and ap.Checkpointer() creates it",
+                        "", "core")]
+    found: list[Finding] = []
+    if row["writable"] is False:
+        found.append(Finding("problem", f"{where} is not writable by this user: ap.Checkpointer() cannot save there",
+                             "give the directory to the user that trains, or point the variable elsewhere", "core"))
+    newest = row["newest"]
+    if newest is None:
+        found.append(Finding("note", f"{where} holds no complete checkpoint: a run starts at step 0", "", "core"))
+    else:
+        world = f", written by {newest['world_size']} rank(s)" if newest.get("world_size") else ""
+        found.append(Finding("note", f"checkpoints in {row['directory']}: {len(row['complete'])} complete, the newest "
+                             f"at step {newest['step']} ({newest['path']}{world}) written {_age(newest['age_s'])}; "
+                             "a run with ap.Checkpointer() resumes from it", "", "core"))
+    later = [t for t in row["torn"] if newest is None or t["step"] > newest["step"]]
+    for torn in later:
+        found.append(Finding("warning", f"checkpoint {torn['path']} is incomplete: {torn['problem']}",
+                             "nothing to do: a resumed run skips it (with a warning) and the next save of that step "
+                             "replaces it; delete it to free its space", "core"))
+    return found
+
+
 def _safe(fn: Any, default: Any = None) -> Any:
     try:
         return fn()
@@ -303,6 +368,8 @@ def gather(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     ctx = DoctorContext(env, plat, packages, probes, dict(host.backends), selected, reason, cpus, extra)
 
     findings = _core_findings(ctx, recommendation, matrix, matrix_error)
+    checkpoints = _checkpoints(env)
+    findings += _checkpoint_findings(checkpoints)
     if matrix is not None:  # installed patch releases against the matrix's: known-bad, superseded, mispaired
         from accelport.compat.releases import installed_findings
 
@@ -350,6 +417,7 @@ def gather(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         "recommendation": _recommendation_dict(recommendation),
         "environment": _environment(env),
         "caches": _caches(host.backends, env),
+        "checkpoints": checkpoints,
         "plugins": [
             {"name": p.name, "module": p.module, "distribution": p.distribution, "version": p.version,
              "builtin": p.builtin, "hooks": list(p.hooks)}

@@ -60,6 +60,14 @@ def render_text(report: Mapping[str, Any]) -> str:
         for c in report["caches"]:
             where = "remote" if c.get("remote") else (_size(c["bytes"]) if c["exists"] else "not created yet")
             lines.append(f"  {c['owner']}: {c['path']} ({where})")
+    ckpt = report.get("checkpoints")
+    if ckpt:
+        newest = ckpt.get("newest")
+        lines += ["", "checkpoints (ACCELPORT_CHECKPOINT_DIR):",
+                  f"  {ckpt['directory']}: " + ("a file, not a directory" if ckpt.get("is_file") else
+                                                "not created yet" if not ckpt.get("exists") else
+                                                f"{len(ckpt['complete'])} complete, {len(ckpt['torn'])} incomplete"
+                                                + (f"; newest step {newest['step']}" if newest else ""))]
     lines += ["", "plugins: " + ", ".join(
         f"{p['name']}" + (f" {p['version']}" if p.get("version") else "") + (" (FAILED)" if p.get("failed") else "")
         for p in report["plugins"])]

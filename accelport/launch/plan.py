@@ -109,6 +109,9 @@ class LaunchPlan:
     #: Seconds from the launch a worker may take to end its first training step (--startup-timeout;
     #: with --timeout at least that, :data:`STARTUP_TIMEOUT_S` by default); None: no limit.
     startup_timeout: int | None = None
+    #: --max-restarts: times the whole group of workers is started again after one fails (torchrun's
+    #: elastic agent; on XLA the launcher's own loop around torch_xla's launcher, which has none).
+    max_restarts: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -168,13 +171,14 @@ def build_plan(
     timeout: int | None = None,
     startup_timeout: int | None = None,
     oversubscribe: bool = False,
+    max_restarts: int = 0,
 ) -> LaunchPlan:
     """The command and environment that start ``script`` on ``backend``. Imports nothing heavy.
 
     Raises the CLI's usage error for bad input (no such script, a script path that
     starts with "-", ``nprocs`` < 1 or more than the host's devices without
-    ``oversubscribe``, a ``timeout`` or ``startup_timeout`` < 1, rendezvous options
-    that cannot work), with what to do instead.
+    ``oversubscribe``, a ``timeout`` or ``startup_timeout`` < 1, ``max_restarts`` < 0,
+    rendezvous options that cannot work), with what to do instead.
     """
     environ = os.environ if environ is None else environ
     rdzv = rdzv or Rendezvous()
@@ -193,6 +197,9 @@ def build_plan(
                      "also has to start the worker. Give a --startup-timeout of at least the --timeout, or "
                      "leave it out (default: the larger of --timeout and "
                      f"{STARTUP_TIMEOUT_S})")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise _usage(f"--max-restarts must be 0 or more (times the workers are started again, from the newest "
+                     f"checkpoint, after one fails), not {max_restarts!r}")
     _check_script(script)
     _check_nnodes(rdzv.nnodes)
     _check_rendezvous(rdzv)
@@ -205,8 +212,12 @@ def build_plan(
     if engine == "xla":
         command, n = _xla_command(backend, script, script_args, nprocs, rdzv, environ, platform, python,
                                   env, notes)
+        if max_restarts:
+            notes.append(f"torch_xla's launcher has no restarts: accelport starts it again, up to {max_restarts} "
+                         "time(s), when a worker fails (TORCHELASTIC_RESTART_COUNT counts the restarts, as under "
+                         "torchrun)")
     else:
-        command, n = _torchrun_command(backend, script, script_args, nprocs, rdzv, python)
+        command, n = _torchrun_command(backend, script, script_args, nprocs, rdzv, python, max_restarts)
     kwargs: dict[str, int] = {}
     if backend.launch_env_function:
         kwargs = {"nproc_per_node": n} if n is not None else {}
@@ -221,6 +232,7 @@ def build_plan(
         available=probe.available, reason=probe.reason, notes=notes,
         rendezvous=_meeting_point(rdzv) if engine == "torchrun" else {}, timeout=timeout,
         startup_timeout=startup_timeout or (max(timeout, STARTUP_TIMEOUT_S) if timeout else None),
+        max_restarts=max_restarts,
     )
 
 
@@ -288,9 +300,11 @@ def check_resolves(rendezvous: Mapping[str, Any]) -> None:
 
 
 def _torchrun_command(backend: Backend, script: str, script_args: Sequence[str], nprocs: int | None,
-                      rdzv: Rendezvous, python: str) -> tuple[list[str], int]:
+                      rdzv: Rendezvous, python: str, max_restarts: int = 0) -> tuple[list[str], int]:
     n = nprocs if nprocs is not None else max(1, backend.probe().device_count or 1)
     args = ["--nproc-per-node", str(n), "--nnodes", rdzv.nnodes]
+    if max_restarts:
+        args += ["--max-restarts", str(max_restarts)]  # the elastic agent restarts the whole group
     options = [g for g in rdzv.given() if g != "nnodes"]
     flags = ", ".join("--" + g.replace("_", "-") for g in options)
     timeout = str(rdzv.rdzv_timeout or RDZV_TIMEOUT_S)

@@ -24,6 +24,7 @@ from typing import Any
 from accelport.errors import AccelportError
 from accelport.launch.heartbeat import DONE_PREFIX, HEARTBEAT_PREFIX, PROBE_FILE, WHERE_PREFIX, read, write_json
 from accelport.launch.plan import LaunchError, LaunchPlan, check_resolves
+from accelport.launch.stop import EXIT_PREEMPTED, LAUNCHER_MARGIN_S, deadline_s, stopped_launch
 
 __all__ = ["WorkerFailure", "WorkerFailedError", "parent_launch_env", "run_plan"]
 
@@ -131,6 +132,13 @@ def run_plan(plan: LaunchPlan, environ: Mapping[str, str] | None = None) -> None
     if plan.parent_env_function:
         env.update(parent_launch_env(plan.parent_env_function, plan.parent_env_kwargs, env,
                                      python=plan.command[0], preload=plan.parent_env_preload))
+    # A stop request (SIGTERM) reaches every worker; they get the deadline to save before torchrun kills them.
+    stop_wait = deadline_s(env) + LAUNCHER_MARGIN_S
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(stop_wait + 0.999)))
+    if plan.max_restarts and plan.engine == "torchrun":
+        # torchrun's agent shares its rendezvous store with the workers, with no prefix per attempt: restarted
+        # workers read the dead ones' addresses and fail to connect (pytorch/pytorch#135712, #167288).
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     launch_dir = tempfile.mkdtemp(prefix="accelport-launch-")
     env["ACCELPORT_LAUNCH_DIR"] = launch_dir
     env["ACCELPORT_LAUNCHER_PID"] = str(os.getpid())  # each worker dies with this process (worker.py)
@@ -138,7 +146,14 @@ def run_plan(plan: LaunchPlan, environ: Mapping[str, str] | None = None) -> None
         if plan.engine == "torchrun":
             _run_torchrun(plan, env, launch_dir)
         else:
-            _run_subprocess(plan, env, launch_dir)
+            for attempt in range(plan.max_restarts + 1):  # torch_xla's launcher has no restarts: start it again
+                env["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
+                try:
+                    _run_subprocess(plan, env, launch_dir, stop_wait)
+                    break
+                except WorkerFailedError:
+                    if attempt == plan.max_restarts:
+                        raise
     finally:
         shutil.rmtree(launch_dir, ignore_errors=True)
 
@@ -622,6 +637,8 @@ def _run_torchrun(plan: LaunchPlan, env: dict[str, str], launch_dir: str) -> Non
         try:
             torchrun.run(args)
         except ChildFailedError as exc:
+            if all(pf.exitcode == EXIT_PREEMPTED for pf in exc.failures.values()):
+                raise _stopped_workers(launch_dir, plan.nprocs) from None  # they got the stop request themselves
             records = _records(launch_dir)
             failures = [
                 _failure_from(int(rank), pf.exitcode, records.get(int(rank)), pf.pid, float(pf.timestamp))
@@ -640,7 +657,8 @@ def _run_torchrun(plan: LaunchPlan, env: dict[str, str], launch_dir: str) -> Non
                 "--master-addr), that the address is reachable from all of them, and --rdzv-timeout "
                 "if the hosts start far apart") from None
         except SignalException as exc:
-            raise LaunchError(f"the launch received {exc.sigval.name}; all workers were stopped") from None
+            # torchrun passed the signal to every worker and waited for them (its shutdown timeout).
+            raise stopped_launch(launch_dir, exc.sigval, plan.nprocs) from None
         finally:
             monitor.close()
     finally:
@@ -648,18 +666,34 @@ def _run_torchrun(plan: LaunchPlan, env: dict[str, str], launch_dir: str) -> Non
         os.environ.update(saved)
 
 
-def _run_subprocess(plan: LaunchPlan, env: dict[str, str], launch_dir: str) -> None:
+def _stopped_workers(launch_dir: str, expected: int | None) -> Exception:
+    from accelport.launch.stop import read_stops
+
+    names = {str(r.get("signal")) for r in read_stops(launch_dir).values()}
+    sig = getattr(signal, names.pop(), signal.SIGTERM) if len(names) == 1 else signal.SIGTERM
+    return stopped_launch(launch_dir, sig, expected)
+
+
+def _run_subprocess(plan: LaunchPlan, env: dict[str, str], launch_dir: str, stop_wait: float) -> None:
     # A session of its own: the monitor (and an interrupt) stop torch_xla's replicas with it.
     proc = subprocess.Popen(plan.command, env=env, start_new_session=True)
     monitor = _monitor(plan, launch_dir, lambda: [proc.pid])
+    stops: list[int] = []
+    forwarded = _forward_stops(proc.pid, stops)
     try:
-        code = proc.wait()
+        code = _wait(proc, stops, stop_wait)
     except BaseException:
         _signal_group(proc.pid, signal.SIGKILL)
         proc.wait()
         raise
     finally:
         monitor.close()
+        for sig, handler in forwarded.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    if stops:
+        raise stopped_launch(launch_dir, stops[0], plan.nprocs or 1)
+    if code == EXIT_PREEMPTED:
+        raise _stopped_workers(launch_dir, plan.nprocs or 1)
     if code == 0:
         return
     records = _records(launch_dir)
@@ -667,3 +701,30 @@ def _run_subprocess(plan: LaunchPlan, env: dict[str, str], launch_dir: str) -> N
     if not failures:
         failures = [_failure_from(0, code, None)]
     raise WorkerFailedError(*_explain(failures, launch_dir, monitor))
+
+
+def _forward_stops(pid: int, stops: list[int]) -> dict[int, Any]:
+    """SIGTERM and SIGINT to the launcher go to the workers' group (they save and exit); the previous handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def forward(signum: int, frame: Any) -> None:
+        stops.append(signum)
+        _signal_group(pid, signum)
+
+    return {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _wait(proc: subprocess.Popen[Any], stops: list[int], stop_wait: float) -> int:
+    """The worker's exit status; once a stop was forwarded, killed if it has not ended ``stop_wait`` s later."""
+    while True:
+        try:
+            return proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        if stops:
+            try:
+                return proc.wait(timeout=stop_wait)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc.pid, signal.SIGKILL)
+                return proc.wait()

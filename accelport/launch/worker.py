@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from accelport.launch.heartbeat import DONE_PREFIX, HEARTBEAT_PREFIX, PROBE_FILE, WHERE_PREFIX, beat, read, write_json
+from accelport.launch.stop import EXIT_PREEMPTED, STOPPED_PREFIX
 
 __all__ = ["main", "run_script", "die_with_parent", "locate", "api_functions", "FAILURE_PREFIX"]
 
@@ -241,6 +242,8 @@ class _Responder(threading.Thread):
 def run_script(rank: int, script: str, args: list[str]) -> None:
     """Run ``script`` as ``__main__`` with ``args``; record a failure before it propagates."""
     directory = os.environ.get("ACCELPORT_LAUNCH_DIR") or None
+    if directory and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
+        _forget_attempt(directory, rank)
     if directory:
         _Responder(directory, rank, threading.get_ident(), _steps_taken, _waiting_in).start()
         heartbeat = os.path.join(directory, f"{HEARTBEAT_PREFIX}{rank}")
@@ -252,7 +255,8 @@ def run_script(rank: int, script: str, args: list[str]) -> None:
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
-        if exc.code not in (None, 0):  # sys.exit("message") or a non-zero status: this rank fails
+        # A stop request that saved (ap.Checkpointer) ends every rank at the same step: they meet at exit.
+        if exc.code not in (None, 0, EXIT_PREEMPTED):  # sys.exit("message") or a non-zero status: this rank fails
             _record_failure(rank, exc)
             raise
         _finished(rank, directory)
@@ -261,6 +265,16 @@ def run_script(rank: int, script: str, args: list[str]) -> None:
         _record_failure(rank, exc)
         raise
     _finished(rank, directory)
+
+
+def _forget_attempt(directory: str, rank: int) -> None:
+    """A restarted worker: what this rank told the launcher in the attempt before is not about this one."""
+    for name in (f"{FAILURE_PREFIX}{rank}.json", f"{DONE_PREFIX}{rank}.json", f"{WHERE_PREFIX}{rank}.json",
+                 f"{STOPPED_PREFIX}{rank}.json"):
+        try:
+            os.unlink(os.path.join(directory, name))
+        except OSError:
+            pass
 
 
 def _xla_replica(index: int, script: str, args: list[str]) -> None:
@@ -289,6 +303,11 @@ def main(argv: list[str] | None = None) -> None:
         import torch_xla  # only here, in the launched job: never to detect anything
 
         os.environ["ACCELPORT_LAUNCHER_PID"] = str(os.getpid())  # the replicas' parent
+        if not single:
+            # The launcher signals the whole group: the replicas save and exit; this parent waits for them
+            # (ended by the signal, it would take them with it: they die with their parent).
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: None)
 
         # By its importable name: spawned replicas unpickle it from there, not from __main__.
         from accelport.launch.worker import _xla_replica as replica

@@ -159,7 +159,8 @@ env_values = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blackl
 HOSTILE = ["PJRT_DEVICE", "XLA_USE_BF16", "XLA_FLAGS", "NEURON_CC_FLAGS", "NEURON_COMPILE_CACHE_URL",
            "CPU_NUM_DEVICES", "TPU_ACCELERATOR_TYPE", "ACCELPORT_BACKEND", "ACCELPORT_DISABLED_PLUGINS",
            "TORCHINDUCTOR_CACHE_DIR", "WORLD_SIZE", "LOCAL_RANK", "PT_XLA_DEBUG_LEVEL", "ACCELPORT_SYSROOT",
-           "ACCELPORT_COMPAT_MATRIX", "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT", "NEURON_RT_VISIBLE_CORES"]
+           "ACCELPORT_COMPAT_MATRIX", "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT", "NEURON_RT_VISIBLE_CORES",
+           "ACCELPORT_CHECKPOINT_DIR"]
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -228,3 +229,30 @@ def test_missing_numpy_is_a_warning_where_ap_shard_runs(monkeypatch: pytest.Monk
     monkeypatch.setattr(_packages, "has_module", found)
     assert not [f for f in gather({**env, "ACCELPORT_BACKEND": "cpu"})["findings"] if "numpy" in f["title"]]
 
+
+
+def test_doctor_says_where_the_checkpoints_are_and_how_old_the_newest_is(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    import accelport as ap
+
+    ap.use("cpu")
+    with ap.Checkpointer(tmp_path, every_steps=1, stop_on=()) as ckpt:
+        ckpt.restore(model=torch.nn.Linear(2, 2))
+        ckpt.step()
+        ckpt.step()
+    (tmp_path / "step-00000003").mkdir()  # a save killed before it completed
+    code, report = doctor_json({"ACCELPORT_CHECKPOINT_DIR": str(tmp_path)})
+    assert code == 0
+    row = report["checkpoints"]
+    assert row["directory"] == str(tmp_path) and [c["step"] for c in row["complete"]] == [1, 2]
+    assert row["newest"]["step"] == 2 and 0 <= row["newest"]["age_s"] < 3600
+    titles = [f["title"] for f in report["findings"]]
+    assert any(t.startswith(f"checkpoints in {tmp_path}: 2 complete, the newest at step 2 (") and "written" in t
+               and "a run with ap.Checkpointer() resumes from it" in t for t in titles), titles
+    assert any("step-00000003 is incomplete: it has no checkpoint.json" in t for t in titles), titles
+    (tmp_path / "file").write_text("x")
+    code, report = doctor_json({"ACCELPORT_CHECKPOINT_DIR": str(tmp_path / "file")})
+    assert code == 1 and any("is a file, not a directory" in f["title"] for f in report["findings"])
+    assert "checkpoints (ACCELPORT_CHECKPOINT_DIR):" in render_text(report)
+    assert gather({k: v for k, v in os.environ.items() if k != "ACCELPORT_CHECKPOINT_DIR"})["checkpoints"] is None

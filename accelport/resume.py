@@ -1,0 +1,1131 @@
+"""``ap.Checkpointer``: a run that checkpoints itself, resumes where it stopped, and saves when asked to stop.
+
+    ckpt = ap.Checkpointer("ckpt/", every_steps=500)
+    start = ckpt.restore(model=model, optimizer=opt, scheduler=sched, loader=train_loader)
+    for step, (x, y) in enumerate(ap.loader(train_loader), start):
+        ...
+        ap.optimizer_step(opt)
+        ckpt.step()        # saves when due, and at once after a stop request (SIGTERM), then exits
+
+One checkpoint is a directory ``step-<8 digits>/`` under the checkpointer's directory:
+
+    state             model, optimizer, scheduler state and the step, through ap.save: one file, or
+                      the directory of shards every rank writes when the model is sharded (DCP)
+    rank-<r>.pt       rank r's own: every RNG state and the data position
+    checkpoint.json   written last, by rank 0, once every rank's part is in place: the step, the
+                      world size, and every file with its size
+
+A directory without ``checkpoint.json``, or whose files are not all there at the sizes
+it lists, is torn (a kill during the save, a copy cut short): :meth:`Checkpointer.restore`
+skips it with a :class:`~accelport.errors.CheckpointWarning` and takes the newest complete one.
+
+The data position is kept by the loader given to ``restore``, while its batches come
+through ``ap.loader``: how many batches of the pass in progress the loop consumed and
+what its order was drawn from (the RNG states at the start of the pass), so a resumed
+run reads the rest of the same pass in the same order, without loading the batches it
+skips. torchdata's ``StatefulDataLoader`` keeps its own position (``state_dict()``).
+
+Nothing here imports torch at import time: ``accelport doctor`` lists checkpoints with
+:func:`find_checkpoints`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from accelport.device_loader import POSITION_ATTRIBUTE
+from accelport.errors import CheckpointError, CheckpointWarning, UsageError, warn_user
+from accelport.launch.stop import EXIT_PREEMPTED, deadline_s, record_stop, signal_name, unsaved_status
+
+__all__ = ["Checkpointer", "CHECKPOINT_DIR_ENV", "EXIT_PREEMPTED", "Found", "find_checkpoints", "newest_complete"]
+
+#: Where checkpoints go when ``Checkpointer()`` is given no directory; ``accelport doctor`` reports it.
+CHECKPOINT_DIR_ENV = "ACCELPORT_CHECKPOINT_DIR"
+MARKER = "checkpoint.json"
+FORMAT = "accelport.run"
+STATE = "state"
+_PREFIX = "step-"
+#: Seconds between two agreements of the ranks on a stop request or a time-based save (several ranks).
+AGREE_INTERVAL_S = 0.25
+
+
+# -- what is on disk (torch-free) ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Found:
+    """One checkpoint directory as found on disk."""
+
+    path: str
+    step: int
+    #: Whether it may be loaded: its checkpoint.json is there and every file it lists, at its size.
+    complete: bool
+    #: Why it is not complete ("" when it is).
+    problem: str = ""
+    #: When it was completed (seconds since the epoch), from checkpoint.json.
+    time: float | None = None
+    world_size: int | None = None
+
+
+def _step_dir(directory: str, step: int) -> str:
+    return os.path.join(directory, f"{_PREFIX}{step:08d}")
+
+
+def _check(path: str, step: int) -> Found:
+    try:
+        with open(os.path.join(path, MARKER)) as f:
+            marker = json.load(f)
+    except FileNotFoundError:
+        return Found(path, step, False, f"it has no {MARKER}: its save did not finish (killed, or out of space)")
+    except (OSError, ValueError) as exc:
+        return Found(path, step, False, f"its {MARKER} cannot be read ({type(exc).__name__})")
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT or not isinstance(marker.get("files"), dict):
+        return Found(path, step, False, f"its {MARKER} is not one accelport wrote")
+    for name, size in sorted(marker["files"].items()):
+        try:
+            held = os.path.getsize(os.path.join(path, name))
+        except OSError:
+            return Found(path, step, False, f"{name} is missing")
+        if held != size:
+            return Found(path, step, False, f"{name} holds {held} bytes, not the {size} it was saved with")
+    when = marker.get("time")
+    world = marker.get("world_size")
+    return Found(path, step, True, "", float(when) if isinstance(when, (int, float)) else None,
+                 world if isinstance(world, int) else None)
+
+
+def find_checkpoints(directory: str | os.PathLike[str]) -> list[Found]:
+    """Every ``step-N`` directory under ``directory``, oldest step first, each checked for completeness."""
+    directory = os.fspath(directory)
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        number = name[len(_PREFIX):]
+        path = os.path.join(directory, name)
+        if name.startswith(_PREFIX) and number.isdigit() and os.path.isdir(path):
+            found.append(_check(path, int(number)))
+    return sorted(found, key=lambda f: f.step)
+
+
+def newest_complete(found: Sequence[Found]) -> Found | None:
+    """The newest complete checkpoint of ``found``, or None."""
+    return next((f for f in reversed(found) if f.complete), None)
+
+
+# -- the data position --------------------------------------------------------------------------
+
+_END = object()
+
+
+class _Skipped:
+    """A sampler (or batch sampler) less its first ``skip`` items: indices only, no sample is loaded."""
+
+    def __init__(self, sampler: Any, skip: int) -> None:
+        self.sampler, self.skip = sampler, skip
+
+    def __iter__(self) -> Iterator[Any]:
+        it = iter(self.sampler)  # the order is drawn here, as the original pass drew it
+        for _ in range(self.skip):
+            if next(it, _END) is _END:
+                return
+        yield from it
+
+    def __len__(self) -> int:
+        return max(0, len(self.sampler) - self.skip)
+
+
+class _IgnoreStop:
+    """A DataLoader's ``worker_init_fn`` that leaves the stop signals to the main process.
+
+    torchrun signals a worker's whole process group; a loader worker killed by it would
+    fail the training step before it reaches the boundary where the checkpoint is saved.
+    So the loader worker blocks the stop signals and a thread of its own waits for them:
+    one sent by the process that started it (the DataLoader ending its workers, Python's
+    multiprocessing at exit) ends it as the signal would; one from anyone else (torchrun,
+    the platform, a terminal) is left to the main process.
+    """
+
+    def __init__(self, inner: Any, signals: tuple[int, ...]) -> None:
+        self.inner, self.signals = inner, signals
+
+    def __call__(self, worker_id: int) -> None:
+        if hasattr(signal, "sigwaitinfo") and hasattr(signal, "pthread_sigmask"):
+            parent = os.getppid()
+            wanted = set(self.signals)
+            signal.pthread_sigmask(signal.SIG_BLOCK, wanted)  # threads started after this inherit it
+
+            def watch() -> None:
+                while True:
+                    info = signal.sigwaitinfo(wanted)
+                    if info.si_pid == parent or os.getppid() != parent:
+                        os._exit(128 + info.si_signo)
+
+            threading.Thread(target=watch, name="accelport-loader-worker-stop", daemon=True).start()
+        if self.inner is not None:
+            self.inner(worker_id)
+
+
+def _generators(loader: Any) -> dict[str, Any]:
+    """The torch.Generator objects a DataLoader's order is drawn from, by where they are."""
+    import torch
+
+    found: dict[str, Any] = {}
+    seen: set[int] = set()
+    sampler = getattr(loader, "sampler", None)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for name, owner in (("loader", loader), ("sampler", sampler), ("batch_sampler", batch_sampler),
+                        ("batch_sampler.sampler", getattr(batch_sampler, "sampler", None))):
+        g = getattr(owner, "generator", None)
+        if isinstance(g, torch.Generator) and id(g) not in seen:
+            seen.add(id(g))
+            found[name] = g
+    return found
+
+
+def _epoch_owner(loader: Any) -> Any:
+    """The sampler whose ``set_epoch`` picks the order (DistributedSampler), or None."""
+    for owner in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        if callable(getattr(owner, "set_epoch", None)) and isinstance(getattr(owner, "epoch", None), int):
+            return owner
+    return None
+
+
+def _loader_kind(loader: Any) -> str:
+    data = sys.modules.get("torch.utils.data")
+    if callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None)):
+        return "stateful"  # torchdata's StatefulDataLoader, or any loader that keeps its own position
+    if data is not None and isinstance(loader, data.DataLoader):
+        return "iterable" if isinstance(loader.dataset, data.IterableDataset) else "map"
+    if isinstance(loader, Sequence):
+        return "sequence"
+    return "iterable"
+
+
+class _Position:
+    """Where the training loop is in one loader: the pass (epoch), and the batches it consumed of it.
+
+    ``ap.loader`` calls :meth:`begin` when a pass starts (it returns what to read: the
+    loader itself, or the rest of a pass resumed from a checkpoint) and :meth:`advance`
+    for every batch it hands to the loop. What is read ahead in a prefetch thread is not
+    consumed until the loop gets it.
+    """
+
+    def __init__(self, loader: Any, kind: str) -> None:
+        self.loader, self.kind = loader, kind
+        self.epoch = -1
+        self.consumed = 0
+        self._per_batch = 1
+        self._length: int | None = None
+        self._start: dict[str, Any] | None = None  # map: the RNG states the pass in progress was drawn from
+        self._snapshots: deque[Any] = deque()  # stateful: the loader's state after each batch read
+        self._state: Any = None  # stateful: after the last batch consumed
+        self._live = True  # stateful: read in the loop's own thread, so its state_dict() is the loop's position
+        self._consumer: int | None = None
+        self._resume: dict[str, Any] | None = None
+
+    # -- ap.loader's side -----------------------------------------------------------------------
+    def begin(self, iterable: Iterable[Any], per_batch: int) -> Iterable[Any]:
+        self._per_batch = per_batch
+        self._consumer = threading.get_ident()
+        resume, self._resume = self._resume, None
+        if self.kind == "map":
+            return self._map_pass(resume)
+        if self.kind == "stateful":
+            return self._stateful_pass(resume)
+        if self.kind == "sequence":
+            return self._sequence_pass(iterable, resume)
+        return self._plain_pass(iterable, resume)
+
+    def advance(self) -> None:
+        self.consumed += self._per_batch
+        if self._snapshots:
+            self._state = self._snapshots.popleft()
+
+    def _length_of(self, loader: Any) -> int | None:
+        try:
+            return len(loader)
+        except TypeError:
+            return None
+
+    def _map_pass(self, resume: dict[str, Any] | None) -> Iterator[Any]:
+        import torch
+
+        loader = self.loader
+        self._length = self._length_of(loader)
+        if resume is None or not resume.get("consumed"):
+            self.epoch = resume["next"] if resume is not None else self.epoch + 1
+            self.consumed = 0
+            self._start = self._capture(loader)
+            yield from loader
+            return
+        # The rest of the pass in progress at the checkpoint: its order drawn again from the
+        # same RNG states, its first batches skipped as indices, never loaded.
+        self.epoch, self.consumed, self._start = resume["epoch"], resume["consumed"], resume["start"]
+        training = torch.get_rng_state()  # restored at restore(): what the loop draws from next
+        self._apply(loader, self._start)
+        it = iter(_remaining(loader, self.consumed))
+        try:
+            first = next(it, _END)  # the pass's own draws (its order, the workers' seed) happen here
+        finally:
+            torch.set_rng_state(training)
+        if first is _END:
+            return
+        yield first
+        yield from it
+
+    def _capture(self, loader: Any) -> dict[str, Any]:
+        import torch
+
+        owner = _epoch_owner(loader)
+        return {"torch": torch.get_rng_state(),
+                "generators": {k: g.get_state() for k, g in _generators(loader).items()},
+                "sampler_epoch": owner.epoch if owner is not None else None}
+
+    def _apply(self, loader: Any, states: Mapping[str, Any]) -> None:
+        import torch
+
+        if states.get("torch") is not None:
+            torch.set_rng_state(states["torch"])
+        for name, g in _generators(loader).items():
+            if name in states.get("generators", {}):
+                g.set_state(states["generators"][name])
+        owner = _epoch_owner(loader)
+        if owner is not None and isinstance(states.get("sampler_epoch"), int):
+            owner.set_epoch(states["sampler_epoch"])
+
+    def _stateful_pass(self, resume: dict[str, Any] | None) -> Iterator[Any]:
+        loader = self.loader
+        self._length = self._length_of(loader)
+        self._snapshots.clear()
+        self._state = None
+        # Read ahead in another thread (a prefetch thread), the loader's state is past the loop's: keep its
+        # state after each batch (state_dict() costs about a batch's loading), to hand the loop's on.
+        self._live = threading.get_ident() == self._consumer
+        resumed = resume is not None and resume.get("state") is not None
+        if resumed:
+            assert resume is not None
+            loader.load_state_dict(resume["state"])
+            self.epoch, self.consumed = resume["epoch"], resume["consumed"]
+        else:
+            self.epoch = resume["next"] if resume is not None else self.epoch + 1
+            self.consumed = 0
+        if resumed:
+            import torch
+
+            # A pass that goes on: what its iterator draws as it starts again (the workers' base seed) was
+            # drawn when the pass began, before the RNG state the loop continues from.
+            training = torch.get_rng_state()
+            try:
+                it = iter(loader)
+                first = next(it, _END)
+            finally:
+                torch.set_rng_state(training)
+        else:
+            it = iter(loader)
+            first = next(it, _END)
+        if first is _END and resumed:
+            # The pass had ended at the checkpoint: the next one starts, as it would have.
+            self.epoch, self.consumed = self.epoch + 1, 0
+            it = iter(loader)
+            first = next(it, _END)
+        if first is _END:
+            return
+        if self._live:
+            yield first
+            yield from it
+            return
+        self._snapshots.append(loader.state_dict())
+        yield first
+        for batch in it:
+            self._snapshots.append(loader.state_dict())  # in the thread that reads the loader
+            yield batch
+
+    def _sequence_pass(self, items: Iterable[Any], resume: dict[str, Any] | None) -> Iterator[Any]:
+        skip = int(resume.get("consumed") or 0) if resume is not None else 0
+        self.epoch = resume["next"] if resume is not None else self.epoch + 1
+        self.consumed = skip
+        self._length = self._length_of(items)
+        yield from itertools.islice(items, skip, None)
+
+    def _plain_pass(self, items: Iterable[Any], resume: dict[str, Any] | None) -> Iterator[Any]:
+        self.epoch = resume["next"] if resume is not None else self.epoch + 1
+        self.consumed = 0
+        yield from items
+
+    # -- the checkpointer's side -------------------------------------------------------------------
+    def ended(self) -> bool:
+        """Whether the pass in progress can give the loop no further batch."""
+        return self._length is not None and self._length - self.consumed < self._per_batch
+
+    def state(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "epoch": self.epoch, "consumed": self.consumed,
+                               "ended": self.ended()}
+        if self.kind == "map":
+            out["start"] = self._start
+            out["now"] = {"generators": {k: g.get_state() for k, g in _generators(self.loader).items()}}
+        elif self.kind == "stateful":
+            out["state"] = self.loader.state_dict() if self._live else self._state
+        return out
+
+    def resume_at(self, saved: Mapping[str, Any]) -> str:
+        """Continue from ``saved`` at the next pass; returns what a resumed run cannot restore ("" if none)."""
+        epoch, consumed, ended = int(saved.get("epoch", -1)), int(saved.get("consumed", 0)), bool(saved.get("ended"))
+        self._resume = None
+        if epoch < 0:
+            return ""
+        if saved.get("kind") != self.kind:
+            self.epoch = epoch if ended else epoch - 1
+            return ("" if ended or not consumed else
+                    f"the checkpoint's data position is of a {saved.get('kind')} loader and this one is {self.kind}: "
+                    "the pass in progress starts again from its first batch")
+        if self.kind == "map":
+            self._apply(self.loader, dict(saved.get("now") or {}))
+        if self.kind == "stateful" and saved.get("state") is not None:
+            # The loader's own state, even at the end of a pass: its order for the next one depends on it.
+            self._resume = {"epoch": epoch, "next": epoch + 1 if ended else epoch, "consumed": consumed,
+                            "state": saved["state"]}
+            return ""
+        if ended:
+            self.epoch = epoch  # the next pass is a new one
+            return ""
+        self._resume = {"epoch": epoch, "next": epoch, "consumed": consumed, "start": saved.get("start")}
+        if self.kind == "iterable" and consumed:
+            self._resume["consumed"] = 0
+            return (f"{type(self.loader).__name__} over an iterable dataset keeps no position: the pass in progress "
+                    f"at the checkpoint (epoch {epoch}, {consumed} batches in) starts again from its first batch; "
+                    "torchdata's StatefulDataLoader resumes such a dataset where it was")
+        return ""
+
+    def next_epoch(self) -> int:
+        """The epoch the loop's next pass is: the one in progress at the checkpoint, or the one after it."""
+        if self._resume is not None:
+            return int(self._resume["next"])
+        return self.epoch + 1
+
+
+def _remaining(loader: Any, skip: int) -> Any:
+    """A DataLoader like ``loader`` whose sampler leaves out the first ``skip`` batches (as indices)."""
+    import inspect
+
+    from torch.utils.data import DataLoader
+
+    accepted = inspect.signature(DataLoader.__init__).parameters
+    kwargs: dict[str, Any] = {
+        "num_workers": loader.num_workers, "collate_fn": loader.collate_fn, "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout, "worker_init_fn": loader.worker_init_fn, "generator": loader.generator,
+        "persistent_workers": False,
+    }
+    if loader.num_workers > 0:
+        kwargs["multiprocessing_context"] = loader.multiprocessing_context
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    if "in_order" in accepted and hasattr(loader, "in_order"):
+        kwargs["in_order"] = loader.in_order
+    if loader.batch_sampler is not None:
+        return DataLoader(loader.dataset, batch_sampler=_Skipped(loader.batch_sampler, skip), **kwargs)
+    return DataLoader(loader.dataset, sampler=_Skipped(loader.sampler, skip), batch_size=None, **kwargs)
+
+
+def _attach(loader: Any, signals: tuple[int, ...]) -> _Position:
+    from accelport.device_loader import DeviceLoader
+
+    if not hasattr(loader, "__iter__"):
+        raise TypeError(f"Checkpointer.restore(loader=...) takes the DataLoader (or ap.loader(...)) the loop reads, "
+                        f"not {type(loader).__name__}")
+    holder = loader
+    inner = loader.iterable if isinstance(loader, DeviceLoader) else loader
+    existing = getattr(inner, POSITION_ATTRIBUTE, None) or getattr(holder, POSITION_ATTRIBUTE, None)
+    if isinstance(existing, _Position):
+        return existing
+    position = _Position(inner, _loader_kind(inner))
+    try:
+        setattr(inner, POSITION_ATTRIBUTE, position)
+    except (AttributeError, TypeError):  # a list, a tuple: ap.loader(...) of it carries the position
+        if holder is inner:
+            raise TypeError(
+                f"Checkpointer.restore(loader=...) cannot keep the position of a {type(inner).__name__}: pass "
+                f"ap.loader(...) of it, and iterate that same object (train = ap.loader(batches); "
+                "ckpt.restore(..., loader=train); for batch in train: ...)") from None
+        setattr(holder, POSITION_ATTRIBUTE, position)
+    data = sys.modules.get("torch.utils.data")
+    if signals and data is not None and isinstance(inner, data.DataLoader) and inner.num_workers > 0 \
+            and not isinstance(inner.worker_init_fn, _IgnoreStop):
+        inner.worker_init_fn = _IgnoreStop(inner.worker_init_fn, signals)
+    return position
+
+
+# -- RNG states -----------------------------------------------------------------------------------
+
+
+def _device_rng(backend: Any) -> tuple[str, Any, Any] | None:
+    """(name, get, set) of the selected device's generators, or None where the host's is the device's."""
+    import torch
+
+    if getattr(backend, "lazy", False):
+        import torch_xla.core.xla_model as xm
+
+        return "xla", xm.get_rng_state, xm.set_rng_state
+    device_type = getattr(backend, "device_type", "cpu")
+    if device_type == "cpu":
+        return None
+    module = getattr(torch, getattr(backend, "module_name", device_type), None)
+    for get, put in (("get_rng_state_all", "set_rng_state_all"), ("get_rng_state", "set_rng_state")):
+        if callable(getattr(module, get, None)) and callable(getattr(module, put, None)):
+            return device_type, getattr(module, get), getattr(module, put)
+    return device_type, None, None
+
+
+def _rng_states(backend: Any) -> dict[str, Any]:
+    import torch
+
+    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    np = sys.modules.get("numpy")
+    if np is not None:
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        out["numpy"] = (str(kind), [int(k) for k in keys], int(pos), int(has_gauss), float(gauss))
+    device = _device_rng(backend)
+    if device is not None and device[1] is not None:
+        out["device"] = (device[0], device[1]())
+    return out
+
+
+def _set_rng_states(backend: Any, saved: Mapping[str, Any]) -> list[str]:
+    """Restore ``saved``; returns the generators that could not be restored."""
+    import torch
+
+    missed = []
+    torch.set_rng_state(saved["torch"])
+    version, internal, gauss = saved["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if saved.get("numpy") is not None:
+        import numpy as np  # saved with it: the script uses numpy's global generator
+
+        kind, keys, pos, has_gauss, gauss = saved["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    device = _device_rng(backend)
+    if device is not None:
+        name, _, put = device
+        if saved.get("device") is not None and saved["device"][0] == name and put is not None:
+            put(saved["device"][1])
+        else:
+            missed.append(f"the {name} device's")
+    return missed
+
+
+# -- stop requests --------------------------------------------------------------------------------
+
+
+def _parse_signals(stop_on: Any) -> tuple[int, ...]:
+    if isinstance(stop_on, (str, int)):
+        stop_on = (stop_on,)
+    out = []
+    for item in stop_on:
+        try:
+            sig = signal.Signals[item.upper() if item.upper().startswith("SIG") else "SIG" + item.upper()] \
+                if isinstance(item, str) else signal.Signals(item)
+        except (KeyError, ValueError, AttributeError):
+            raise UsageError(f"Checkpointer(stop_on=...) takes signal names such as 'SIGTERM' and 'SIGINT', not "
+                             f"{item!r}") from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
+            raise UsageError(f"Checkpointer(stop_on=...): {sig.name} cannot be caught (or means no stop); "
+                             "use SIGTERM, SIGINT, SIGHUP, SIGUSR1 or SIGUSR2")
+        out.append(int(sig))
+    return tuple(dict.fromkeys(out))
+
+
+class _StopSignals:
+    """The stop signals turned into a request the loop answers at its next step boundary, with a deadline.
+
+    The handler only records the request. A watcher thread learns of the signal at
+    once (through ``signal.set_wakeup_fd`` where no one else uses it, else from the
+    handler) and, if the process is still there ``deadline`` seconds later (a step
+    longer than that, a collective waiting for a dead peer), ends it: with
+    :data:`EXIT_PREEMPTED` if the checkpoint was saved, else as the signal would have.
+    """
+
+    def __init__(self, signals: tuple[int, ...], deadline: float) -> None:
+        self.signals, self.deadline = signals, deadline
+        self.requested = False
+        self.signum: int | None = None
+        self.saved = False
+        self._closed = threading.Event()
+        self._previous: dict[int, Any] = {}
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self._wakeup = False
+        try:
+            for s in signals:
+                self._previous[s] = signal.signal(s, self._handler)
+        except ValueError:  # not the main thread
+            self._restore_handlers()
+            os.close(self._read)
+            os.close(self._write)
+            raise UsageError("ap.Checkpointer handles stop signals, and Python sets signal handlers only in the main "
+                             "thread: create it there, or pass stop_on=() to handle none") from None
+        previous = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        if previous == -1:
+            self._wakeup = True
+        else:
+            signal.set_wakeup_fd(previous)  # someone's (an event loop's): leave it, the handler tells the watcher
+        threading.Thread(target=self._watch, name="accelport-stop-deadline", daemon=True).start()
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if not self.requested:
+            self.signum = signum
+            self.requested = True
+        try:
+            os.write(self._write, bytes([signum]))
+        except OSError:
+            pass
+
+    def _watch(self) -> None:
+        wanted = set(self.signals)
+        signum = None
+        while signum is None:
+            try:
+                data = os.read(self._read, 64)
+            except OSError:
+                return
+            if not data or 0 in data:
+                return  # closed
+            signum = next((b for b in data if b in wanted), None)
+        if self._closed.wait(self.deadline):
+            return
+        status = EXIT_PREEMPTED if self.saved else unsaved_status(signum)
+        what = "after saving the checkpoint" if self.saved else "without a checkpoint (no step boundary reached)"
+        try:
+            os.write(2, f"accelport: {signal_name(signum)}: {self.deadline:g} s deadline passed; exiting {what} "
+                        f"with status {status}\n".encode())
+        finally:
+            os._exit(status)
+
+    def _restore_handlers(self) -> None:
+        for s, handler in self._previous.items():
+            try:
+                signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+            except (ValueError, TypeError):
+                pass
+        self._previous.clear()
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._restore_handlers()
+        if self._wakeup:
+            try:
+                signal.set_wakeup_fd(-1)
+            except ValueError:
+                pass
+        try:
+            os.write(self._write, b"\0")
+        except OSError:
+            pass
+
+
+# -- several ranks agree -----------------------------------------------------------------------------
+
+
+class _Agreement:
+    """Every rank decides at the same step boundary to save (a time-based save) and to stop.
+
+    A rank's stop request or clock is its own; acting on it alone would leave the others
+    waiting in a collective. Every few steps (so that a check falls about every
+    :data:`AGREE_INTERVAL_S` seconds, from the ranks' mean step time, which every rank
+    learns from the same sum) the ranks add their flags in one small all-reduce on a
+    gloo group of its own: issued at one boundary, read at the next, so a step never
+    waits for it. With steps longer than the interval it is read at once.
+    """
+
+    def __init__(self, backend: Any) -> None:
+        import torch.distributed as dist
+
+        self._backend = backend
+        self.world = backend.world_size()
+        self._dist = dist if dist.is_available() and dist.is_initialized() else None
+        self._group = self._dist.new_group(backend="gloo") if self._dist is not None else None
+        self._every = 1
+        self._issue_at = 1
+        self._wait_at = 0
+        self._issued = 0
+        self._work: Any = None
+        self._buffer: Any = None
+        self._since = time.monotonic()
+        self._since_step = 0
+
+    def boundary(self, step: int, stop: bool, due: bool, written: bool) -> tuple[bool, bool, bool]:
+        """(save now, stop after saving, every rank's background save written), the same on every rank."""
+        decision = (False, False, False)
+        if self._work is not None:
+            if step < self._wait_at:
+                return decision
+            self._work.wait()
+            self._work = None
+            decision = self._decide(self._buffer)
+            self._issue_at = self._issued + self._every
+        if step >= self._issue_at:
+            now = self._issue(step, stop, due, written)
+            decision = (decision[0] or now[0], decision[1] or now[1], decision[2] or now[2])
+        return decision
+
+    def _issue(self, step: int, stop: bool, due: bool, written: bool) -> tuple[bool, bool, bool]:
+        import torch
+
+        now = time.monotonic()
+        per_step_us = int(1e6 * (now - self._since) / max(1, step - self._since_step))
+        self._since, self._since_step = now, step
+        buffer = torch.tensor([int(stop), int(due), int(written), per_step_us], dtype=torch.int64)
+        if self._group is not None and self._every > 1:
+            self._work = self._dist.all_reduce(buffer, group=self._group, async_op=True)  # type: ignore[union-attr]
+            self._buffer, self._issued, self._wait_at = buffer, step, step + 1
+            return False, False, False
+        if self._group is not None:
+            self._dist.all_reduce(buffer, group=self._group)  # type: ignore[union-attr]
+        else:  # no torch.distributed group (XLA replicas): the backend's own collective
+            from accelport.tensors import collective_device
+
+            buffer = buffer.to(collective_device(self._backend))
+            self._backend.all_reduce(buffer)
+            buffer = buffer.cpu()
+        decision = self._decide(buffer)
+        self._issue_at = step + self._every
+        return decision
+
+    def _decide(self, buffer: Any) -> tuple[bool, bool, bool]:
+        stop, due, written, total_us = (int(v) for v in buffer.tolist())
+        mean_us = max(1, total_us // self.world)
+        self._every = max(1, min(1000, int(AGREE_INTERVAL_S * 1e6) // mean_us))
+        return bool(due or stop), bool(stop), written == self.world
+
+
+# -- the checkpointer ---------------------------------------------------------------------------------
+
+
+def _api() -> Any:
+    import accelport
+
+    return accelport
+
+
+class Checkpointer:
+    """Periodic checkpoints of a training run, resumed where it stopped; a stop request saves at once.
+
+    ``directory``: where the checkpoints go (default ``ACCELPORT_CHECKPOINT_DIR``); on several
+    hosts, storage every host shares. ``every_steps`` / ``every_seconds``: when :meth:`step`
+    saves (either, both, or neither: then only on a stop request and :meth:`save`).
+    ``keep_last``: complete checkpoints kept (None: all). ``stop_on``: the signals that mean
+    "save and stop" (``("SIGTERM", "SIGINT")`` to add Ctrl-C; ``()`` for none); the process then
+    exits with status 75 after the save, or 128 + the signal's number if the deadline
+    (``ACCELPORT_STOP_DEADLINE_S``, default 30 s) passes first.
+    """
+
+    #: The exit status after a stop request whose checkpoint was saved: run again to resume.
+    EXIT_PREEMPTED = EXIT_PREEMPTED
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None, *, every_steps: int | None = None,
+                 every_seconds: float | None = None, keep_last: int | None = 3,
+                 stop_on: Iterable[str | int] | str = ("SIGTERM",), background: bool = False) -> None:
+        if directory is None:
+            directory = (os.environ.get(CHECKPOINT_DIR_ENV) or "").strip() or None
+            if directory is None:
+                raise UsageError(f"ap.Checkpointer needs a directory: pass one (ap.Checkpointer('ckpt/', ...)) or set "
+                                 f"{CHECKPOINT_DIR_ENV}")
+        if not isinstance(directory, (str, os.PathLike)) or os.fspath(directory) in ("", b""):
+            raise UsageError(f"ap.Checkpointer needs the path of a directory, such as 'ckpt/', not {directory!r}")
+        if every_steps is not None and (isinstance(every_steps, bool) or not isinstance(every_steps, int)
+                                        or every_steps < 1):
+            raise UsageError(f"every_steps must be a whole number of steps, 1 or more (or None: no step-based saves), "
+                             f"not {every_steps!r}")
+        if every_seconds is not None and (isinstance(every_seconds, bool) or not isinstance(every_seconds, (int, float))
+                                          or not every_seconds > 0):
+            raise UsageError(f"every_seconds must be a number of seconds above 0 (or None), not {every_seconds!r}")
+        if not isinstance(background, bool):
+            raise UsageError(f"background must be True or False, not {background!r}")
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+            raise UsageError(f"keep_last must be 1 or more (complete checkpoints to keep), or None to keep all, "
+                             f"not {keep_last!r}")
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.every_steps = every_steps
+        self.every_seconds = float(every_seconds) if every_seconds is not None else None
+        self.keep_last = keep_last
+        self.background = background
+        signals = _parse_signals(stop_on)
+        deadline = deadline_s(os.environ)
+        self._check_directory()
+        self.steps = 0
+        self.last_saved: str | None = None
+        self._objects: dict[str, Any] | None = None
+        self._position: _Position | None = None
+        self._agreement: _Agreement | None = None
+        self._last_save_time = time.monotonic()
+        self._saved_step: int | None = None
+        self._pending: tuple[Any, str, int] | None = None  # a background save: its handle, directory, step
+        self._stop = _StopSignals(signals, deadline) if signals else None
+
+    # -- public ----------------------------------------------------------------------------------------
+    @property
+    def stop_requested(self) -> bool:
+        """Whether this process got a stop signal (the checkpoint is saved at the next :meth:`step`)."""
+        return self._stop is not None and self._stop.requested
+
+    @property
+    def epoch(self) -> int:
+        """The epoch (pass over the loader given to :meth:`restore`) to start from: 0 without a checkpoint;
+        after a restore, the pass in progress at the checkpoint, or the next one if it had ended.
+        ``for epoch in range(ckpt.epoch, epochs):`` resumes an epoch loop."""
+        if self._position is None:
+            return 0
+        return max(0, self._position.next_epoch())
+
+    def restore(self, *, model: Any = None, optimizer: Any = None, scheduler: Any = None, loader: Any = None) -> int:
+        """Load the newest complete checkpoint into these objects; returns the step to start from (0 when none).
+
+        These are also what every later save holds. A torn or incomplete checkpoint is
+        skipped with a :class:`CheckpointWarning`; RNG states (torch, the device's, Python's
+        ``random``, numpy's global one) and the loader's position come back too.
+        """
+        for name, value, check, what in (("model", model, "module", "torch.nn.Module"),
+                                         ("optimizer", optimizer, "optimizer", "torch.optim.Optimizer")):
+            if value is not None and not _is(value, check):
+                raise TypeError(f"Checkpointer.restore({name}=...) takes a {what}, not {type(value).__name__}")
+        if scheduler is not None and not (callable(getattr(scheduler, "state_dict", None))
+                                          and callable(getattr(scheduler, "load_state_dict", None))):
+            raise TypeError(f"Checkpointer.restore(scheduler=...) takes a learning-rate scheduler (with state_dict() "
+                            f"and load_state_dict()), not {type(scheduler).__name__}")
+        api = _api()
+        backend = api.backend()
+        self._objects = {k: v for k, v in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler))
+                         if v is not None}
+        if loader is not None:
+            self._position = _attach(loader, self._stop.signals if self._stop is not None else ())
+        world = backend.world_size()
+        if world > 1 and self._agreement is None and (self._stop is not None or self.every_seconds is not None
+                                                      or self.background):
+            self._agreement = _Agreement(backend)
+        found = find_checkpoints(self.directory)
+        chosen = newest_complete(found)
+        for torn in found:
+            if not torn.complete and (chosen is None or torn.step > chosen.step):
+                warn_user(f"ap.Checkpointer: skipped the checkpoint at {torn.path}: {torn.problem}; "
+                          + (f"resuming from step {chosen.step}" if chosen else "no complete checkpoint to resume "
+                             "from, starting at step 0"), CheckpointWarning)
+        if world > 1:
+            from accelport.tensors import same_on_every_rank
+
+            if not same_on_every_rank(backend, chosen.step if chosen else None):
+                raise CheckpointError(f"ap.Checkpointer: the ranks found different newest checkpoints in "
+                                      f"{self.directory} (here rank {backend.rank()}: "
+                                      f"{chosen.path if chosen else 'none'}): put the directory on storage every "
+                                      "host shares, and start every rank on the same one")
+        if chosen is None:
+            self.steps = 0
+            self._last_save_time = time.monotonic()
+            return 0
+        self._load(api, backend, chosen)
+        self._last_save_time = time.monotonic()
+        return self.steps
+
+    def step(self) -> None:
+        """End of a training step: save when one is due, or when a stop was requested (then exit)."""
+        self.steps += 1
+        steps = self.steps
+        if self._objects is None:
+            raise CheckpointError("ap.Checkpointer.step() before restore(): call ckpt.restore(model=model, "
+                                  "optimizer=opt, ...) once before the loop; it names what every checkpoint holds")
+        due = self.every_steps is not None and steps % self.every_steps == 0
+        stop = self._stop is not None and self._stop.requested
+        pending = self._pending
+        if self._agreement is not None:
+            timely = self.every_seconds is not None and time.monotonic() - self._last_save_time >= self.every_seconds
+            save, stop, written = self._agreement.boundary(steps, stop, timely,
+                                                           pending is not None and pending[0].done())
+            due = due or save
+            if written and pending is not None:
+                self._finish_background()
+        else:
+            if self.every_seconds is not None and not due:
+                due = time.monotonic() - self._last_save_time >= self.every_seconds
+            if pending is not None and pending[0].done() and self._agreement is None and self._world_one():
+                self._finish_background()
+        if due or stop:
+            if self._saved_step != steps:
+                self.save()
+            if stop:
+                self._finish_background()
+                self._exit()
+
+    def save(self) -> str:
+        """Write a checkpoint of the step reached now, on every rank together; returns its directory."""
+        if self._objects is None:
+            raise CheckpointError("ap.Checkpointer.save() before restore(): call ckpt.restore(model=model, "
+                                  "optimizer=opt, ...) first; it names what the checkpoint holds")
+        api = _api()
+        backend = api.backend()
+        path = self._write(api, backend, self.steps)
+        self._saved_step = self.steps
+        self._last_save_time = time.monotonic()
+        self.last_saved = path
+        return path
+
+    def wait(self) -> None:
+        """Complete a background save still being written (call it on every rank, as :meth:`step`)."""
+        self._finish_background()
+
+    def close(self) -> None:
+        """Complete a background save (on every rank together), and give the stop signals back."""
+        try:
+            self._finish_background()
+        finally:
+            if self._stop is not None:
+                self._stop.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, kind: object, *exc: object) -> None:
+        if kind is not None:
+            self._pending = None  # this rank fails: no waiting for the others, the save stays incomplete
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Checkpointer {self.directory!r} step {self.steps}>"
+
+    # -- inside ------------------------------------------------------------------------------------
+    def _check_directory(self) -> None:
+        import tempfile
+
+        if os.path.lexists(self.directory) and not os.path.isdir(self.directory):
+            raise CheckpointError(f"ap.Checkpointer: {self.directory!r} is a file, not a directory; give the path of "
+                                  "a directory (it is created if missing)")
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".accelport-probe.", dir=self.directory)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise CheckpointError(f"ap.Checkpointer: cannot write in {self.directory!r}: "
+                                  f"{exc.strerror or type(exc).__name__}; give a directory this process can create "
+                                  "and write") from exc
+
+    def _world_one(self) -> bool:
+        return _api().world_size() == 1
+
+    def _finish_background(self) -> None:
+        """Wait for the background save on every rank, then complete its checkpoint (rank 0)."""
+        if self._pending is None:
+            return
+        from accelport import checkpoint
+
+        pending, target, step = self._pending
+        self._pending = None
+        backend = _api().backend()
+        try:
+            pending.wait()  # every rank, at the same step boundary; a failure is raised on all of them
+        except CheckpointError:
+            if backend.rank() == 0:
+                shutil.rmtree(target, ignore_errors=True)
+            raise
+        self._complete(checkpoint, backend, target, step)
+
+    def _complete(self, checkpoint: Any, backend: Any, target: str, step: int) -> None:
+        failure = None
+        if backend.rank() == 0:
+            try:
+                self._mark(target, step, backend.world_size())
+                self._prune(step)
+            except Exception as exc:  # noqa: BLE001 - one rank's error reaches every rank
+                failure = _as_checkpoint_error(exc)
+        self._agreed(checkpoint, backend, failure, target)
+
+    def _write(self, api: Any, backend: Any, step: int) -> str:
+        from accelport import checkpoint
+
+        self._finish_background()
+        rank, world = backend.rank(), backend.world_size()
+        target = _step_dir(self.directory, step)
+        failure: CheckpointError | None = None
+        if rank == 0:
+            try:
+                if os.path.lexists(target):
+                    shutil.rmtree(target)  # a torn one from an earlier attempt, or this step saved again
+                os.makedirs(target)
+            except OSError as exc:
+                failure = CheckpointError(f"ap.Checkpointer: cannot create {target!r}: "
+                                          f"{exc.strerror or type(exc).__name__}")
+        checkpoint.agree(backend, failure)
+        state: dict[str, Any] = {}
+        for key, value in self._objects.items():  # type: ignore[union-attr]
+            state[key] = value.state_dict() if key == "scheduler" else value
+        state["step"] = step
+        failure = None
+        pending = None
+        try:
+            pending = api.save(state, os.path.join(target, STATE), background=self.background)
+        except Exception as exc:  # noqa: BLE001 - one rank's error (a full disk on rank 0) reaches every rank
+            if _sharded(self._objects.get("model")):  # type: ignore[union-attr]
+                raise  # ap.save of a sharded model raised it on every rank already
+            failure = _as_checkpoint_error(exc)
+        if failure is None:
+            try:
+                mine = {"rank": rank, "world_size": world, "step": step, "rng": _rng_states(backend),
+                        "data": self._position.state() if self._position is not None else None}
+                import torch
+
+                checkpoint.atomic_torch_save(torch, mine, os.path.join(target, f"rank-{rank}.pt"))
+            except Exception as exc:  # noqa: BLE001 - as above
+                failure = _as_checkpoint_error(exc)
+        self._agreed(checkpoint, backend, failure, target)
+        if pending is not None and not pending.done():
+            self._pending = (pending, target, step)  # completed once every rank's shards are written
+            return target
+        self._complete(checkpoint, backend, target, step)
+        return target
+
+    def _agreed(self, checkpoint: Any, backend: Any, failure: CheckpointError | None, target: str) -> None:
+        try:
+            checkpoint.agree(backend, failure)
+        except CheckpointError:
+            if backend.rank() == 0:
+                shutil.rmtree(target, ignore_errors=True)  # never left to be taken for a checkpoint, nor fill a disk
+            raise
+
+    def _mark(self, target: str, step: int, world: int) -> None:
+        files: dict[str, int] = {}
+        for root, _dirs, names in os.walk(target):
+            for name in names:
+                full = os.path.join(root, name)
+                files[os.path.relpath(full, target)] = os.path.getsize(full)
+        missing = [f"rank-{r}.pt" for r in range(world) if f"rank-{r}.pt" not in files]
+        if missing:
+            raise CheckpointError(f"ap.Checkpointer: {target!r} lacks {', '.join(missing)} after every rank wrote its "
+                                  "part: the directory must be on storage every host shares")
+        marker = {"format": FORMAT, "version": 1, "step": step, "world_size": world, "time": time.time(),
+                  "files": files}
+        tmp = os.path.join(target, f".{MARKER}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(marker, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(target, MARKER))
+        _fsync_dir(target)
+
+    def _prune(self, step: int) -> None:
+        found = find_checkpoints(self.directory)
+        complete = [f for f in found if f.complete]
+        drop = [f for f in found if not f.complete and f.step < step]
+        if self.keep_last is not None:
+            drop += complete[:-self.keep_last]
+        for f in drop:
+            shutil.rmtree(f.path, ignore_errors=True)
+
+    def _load(self, api: Any, backend: Any, found: Found) -> None:
+        objects = self._objects or {}
+        into = {k: v for k, v in objects.items() if k in ("model", "optimizer")}
+        plain = api.load(os.path.join(found.path, STATE), into=into)
+        if not isinstance(plain, Mapping) or not isinstance(plain.get("step"), int):
+            raise CheckpointError(f"ap.Checkpointer: {found.path!r} holds no step count: not a checkpoint it wrote")
+        scheduler = objects.get("scheduler")
+        if scheduler is not None:
+            if "scheduler" not in plain:
+                raise CheckpointError(f"ap.Checkpointer: {found.path!r} holds no scheduler state (it was saved without "
+                                      "scheduler=): restore without scheduler=, or start from a new directory")
+            scheduler.load_state_dict(plain["scheduler"])
+        unused = [k for k in ("optimizer", "scheduler") if k in plain and k not in objects] + \
+            [k for k in ("model",) if k not in objects and _holds(found.path, k)]
+        if unused:
+            warn_user(f"ap.Checkpointer: {found.path} holds {', '.join(unused)} state that restore() was not given "
+                      f"({', '.join(k + '=' for k in unused)}): it is not restored, and the run will not continue as "
+                      "it would have", CheckpointWarning)
+        rank, world = backend.rank(), backend.world_size()
+        saved_world = found.world_size or world
+        from accelport.checkpoint import load_file
+
+        own = os.path.join(found.path, f"rank-{rank}.pt")
+        mine = load_file(own if rank < saved_world else os.path.join(found.path, "rank-0.pt"), "cpu")
+        notes = []
+        if rank < saved_world:
+            notes += [f"{what} RNG state" for what in _set_rng_states(backend, mine["rng"])]
+        if saved_world != world and rank == 0:
+            notes.append(f"the world size: the checkpoint was written by {saved_world} rank(s), this run has {world}; "
+                         "model, optimizer and scheduler are restored (resharded), each rank's RNG state only where "
+                         "that rank existed, and every rank's data position from its own rank or rank 0's")
+        if self._position is not None and mine.get("data") is not None:
+            problem = self._position.resume_at(mine["data"])
+            if problem:
+                notes.append(problem)
+        for note in notes:
+            warn_user(f"ap.Checkpointer: resuming from {found.path}, not restored exactly: {note}", CheckpointWarning)
+        self.steps = int(plain["step"])
+        self._saved_step = self.steps
+        self.last_saved = found.path
+
+    def _exit(self) -> None:
+        assert self._stop is not None
+        self._stop.saved = True
+        api = _api()
+        backend = api.backend()
+        signum = self._stop.signum or signal.SIGTERM
+        record_stop(os.environ.get("ACCELPORT_LAUNCH_DIR"), backend.rank(),
+                    {"step": self.steps, "path": self.last_saved, "signal": signal_name(signum), "time": time.time(),
+                     "pid": os.getpid()})
+        if backend.rank() == 0:
+            print(f"accelport: {signal_name(signum)}: saved the checkpoint of step {self.steps} in {self.last_saved} "
+                  f"and stopped; run again to resume (exit status {EXIT_PREEMPTED})", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_PREEMPTED)
+
+
+def _sharded(model: Any) -> bool:
+    from accelport.sharding import is_dtensor
+
+    return model is not None and any(is_dtensor(p) for p in model.parameters())
+
+
+def _is(value: Any, kind: str) -> bool:
+    import torch
+
+    return isinstance(value, torch.nn.Module if kind == "module" else torch.optim.Optimizer)
+
+
+def _holds(path: str, key: str) -> bool:
+    """Whether the checkpoint at ``path`` holds a sharded ``key`` (from its manifest; a file is not opened)."""
+    from accelport.checkpoint import MANIFEST
+
+    try:
+        with open(os.path.join(path, STATE, MANIFEST)) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return key in manifest.get("modules", [])
+
+
+def _as_checkpoint_error(exc: BaseException) -> CheckpointError:
+    if isinstance(exc, CheckpointError):
+        return exc
+    error = CheckpointError(str(exc) if str(exc) else f"ap.Checkpointer: {type(exc).__name__}")
+    error.__cause__ = exc
+    return error
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

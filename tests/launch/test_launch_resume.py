@@ -1,0 +1,164 @@
+"""`accelport launch` with ap.Checkpointer on 2 cpu processes (gloo): a worker killed and the group restarted
+(--max-restarts), SIGTERM to the launch (every rank saves, status 75, a second launch resumes), a sharded
+checkpoint of 2 ranks resumed alone; every resumed run bit-identical to an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from accelport.cli import main
+from accelport.launch.plan import build_plan
+from accelport.launch.stop import EXIT_PREEMPTED
+from accelport.resume import find_checkpoints
+from tests.conftest import REPO
+from tests.launch.test_launch import XlaStandIn, cpu
+
+JOB = str(Path(REPO) / "tests" / "scripts" / "resume_job.py")
+
+#: Run the rest of argv in a fresh Python with the stop signals at their defaults, whatever the test run inherited.
+DEFAULT_SIGNALS = ("import os, signal, sys\n"
+                   "for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):\n"
+                   "    signal.signal(s, signal.SIG_DFL)\n"
+                   "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n")
+
+
+def _command(*args: str) -> list[str]:
+    return [sys.executable, "-c", DEFAULT_SIGNALS, "-m", "accelport", "launch", "--backend", "cpu", *args]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("ACCELPORT_", "TORCHELASTIC_"))} | extra
+
+
+def launch(*args: str, timeout: float = 600, **extra: str) -> subprocess.CompletedProcess[str]:
+    """`accelport launch --backend cpu ...` as a user runs it; the timeout only guards a hang."""
+    return subprocess.run(_command(*args), capture_output=True, text=True, env=_env(**extra), timeout=timeout,
+                          cwd=REPO)
+
+
+def finals(out: Path) -> list[dict[str, Any]]:
+    import torch
+
+    return [torch.load(out / f"final-rank{r}.pt") for r in (0, 1)]
+
+
+def assert_identical(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
+    import torch
+
+    for ra, rb in zip(a, b, strict=True):
+        assert ra.keys() == rb.keys()
+        for key in ra:
+            assert torch.equal(ra[key], rb[key]), key
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("full")
+    done = launch("--nprocs", "2", JOB, str(out), str(out / "ckpt"))
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def test_a_rank_killed_at_step_23_is_restarted_and_the_job_ends_bit_identical(uninterrupted: Path,
+                                                                               tmp_path: Path) -> None:
+    done = launch("--nprocs", "2", "--max-restarts", "1", JOB, str(tmp_path), str(tmp_path / "ckpt"),
+                  "--kill-at", "23", "--kill-rank", "1")
+    assert done.returncode == 0, done.stderr
+    assert "exitcode: -9" in done.stderr  # rank 1 really died (torchrun's report), and the group was restarted
+    assert len(list(tmp_path.glob("seen-rank1-*.json"))) == 2
+    assert_identical(finals(uninterrupted), finals(tmp_path))
+    # The control: the ranks read different shards, so each one's data position had to be its own.
+    starts = [json.loads(p.read_text())["start"] for p in tmp_path.glob("seen-rank*-*.json")]
+    assert sorted(starts) == [0, 0, 20, 20]
+
+
+def test_sigterm_to_the_launch_saves_on_every_rank_and_a_second_launch_resumes_bit_identical(
+        uninterrupted: Path, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen(_command("--nprocs", "2", JOB, str(tmp_path), str(ckpt), "--pause-at", "25"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
+    deadline = time.monotonic() + 600  # only guards a hang
+    while not all((tmp_path / f"ready-rank{r}").exists() for r in (0, 1)):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the job never reached step 25"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == EXIT_PREEMPTED, err
+    assert "accelport: stopped by SIGTERM: every rank saved its checkpoint (step" in err
+    newest = [f for f in find_checkpoints(ckpt) if f.complete][-1]
+    assert newest.step >= 25 and newest.world_size == 2  # at a step boundary both ranks agreed on
+    assert {p.name for p in Path(newest.path).iterdir()} >= {"state", "rank-0.pt", "rank-1.pt", "checkpoint.json"}
+    again = launch("--nprocs", "2", JOB, str(tmp_path), str(ckpt))
+    assert again.returncode == 0, again.stderr
+    assert_identical(finals(uninterrupted), finals(tmp_path))
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_sharded_checkpoint_of_2_ranks_resumes_on_1(tmp_path: Path, background: bool) -> None:
+    import torch
+
+    ckpt = tmp_path / "ckpt"
+    (tmp_path / "two").mkdir()
+    two = launch("--nprocs", "2", JOB, str(tmp_path / "two"), str(ckpt), "--shard", "--steps", "20",
+                 *(["--every", "5", "--background"] if background else []))
+    assert two.returncode == 0, two.stderr
+    saved = torch.load(tmp_path / "two" / "final-rank0.pt")  # gathered whole from the shards
+    assert (ckpt / "step-00000020" / "state" / ".metadata").exists()  # DCP: a shard file per rank
+    # In the background (DCP's async save), each checkpoint completed at a later step or at close().
+    assert [(f.step, f.complete) for f in find_checkpoints(ckpt)] == ([(10, True), (15, True), (20, True)]
+                                                                      if background else [(10, True), (20, True)])
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELPORT_", "TORCHELASTIC_"))}
+    done = subprocess.run([sys.executable, JOB, str(alone), str(ckpt), "--steps", "20"], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert "the checkpoint was written by 2 rank(s), this run has 1" in done.stderr
+    restored = torch.load(alone / "final-rank0.pt")
+    for key in saved:
+        assert torch.equal(saved[key], restored[key]), key
+    on = subprocess.run([sys.executable, JOB, str(alone), str(ckpt), "--steps", "26"], capture_output=True,
+                        text=True, env=env, timeout=300, cwd=REPO)
+    assert on.returncode == 0, on.stderr  # and it trains on from there, the optimizer state resharded
+    assert json.loads(sorted(alone.glob("seen-rank0-*.json"), key=lambda p: p.stat().st_mtime)[-1].read_text())[
+        "start"] == 20
+
+
+def test_a_stopped_launch_whose_script_saves_nothing_exits_as_the_signal(tmp_path: Path) -> None:
+    script = tmp_path / "sleeper.py"
+    script.write_text("import pathlib, sys, time\npathlib.Path(sys.argv[1]).touch()\ntime.sleep(600)\n")
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen(_command("--nprocs", "1", str(script), str(ready)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
+    deadline = time.monotonic() + 300
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM: no worker saved a checkpoint" in err
+
+
+def test_max_restarts_is_passed_to_torchrun_and_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from torch.distributed.run import parse_args
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    plan = build_plan(cpu(), str(script), nprocs=1, max_restarts=2)
+    assert parse_args(plan.command[3:]).max_restarts == 2 and plan.max_restarts == 2
+    assert "--max-restarts" not in build_plan(cpu(), str(script), nprocs=1).command
+    xla = build_plan(XlaStandIn(), str(script), environ={"PJRT_DEVICE": "CPU"}, nprocs=1, max_restarts=1)
+    assert xla.max_restarts == 1 and any("torch_xla's launcher has no restarts" in n for n in xla.notes)
+    assert main(["launch", "--max-restarts", "-1", "--dry-run", str(script)]) == 2
+    assert "--max-restarts must be 0 or more" in capsys.readouterr().err

@@ -1,0 +1,129 @@
+"""A training job that checkpoints itself with ap.Checkpointer (tests/test_resume.py, tests/launch/).
+
+    python resume_job.py OUT CKPT [--steps 60] [--every 10] [--kill-at STEP --kill-rank R]
+                         [--pause-at STEP] [--shard] [--workers N] [--stateful] [--background] [--prefetch N]
+
+A seeded, shuffled DataLoader (a DistributedSampler with several ranks), dropout, AdamW,
+a learning-rate schedule, and draws from Python's and numpy's global generators every
+step: a resumed run matches an uninterrupted one only if all of it is restored. Each rank
+writes OUT/seen-rank<r>-<pid>.json (the sample indices of each step it took) and, at the
+end, OUT/final-rank<r>.pt (its parameters, gathered whole when sharded).
+
+``--kill-at STEP --kill-rank R``: rank R SIGKILLs itself after that step's update, in the
+first attempt only (TORCHELASTIC_RESTART_COUNT unset or 0); ``--kill-in-save STEP``: each rank
+SIGKILLs itself in that step's save, once its own part is written (first attempt only). ``--pause-at STEP``: every
+rank stops there (before the step's checkpoint call) and writes OUT/ready-rank<r> until
+it gets a stop request (the test then signals the launch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import torch
+
+import accelport as ap
+
+BATCH = 4
+SAMPLES = 96
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("ckpt")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--kill-at", type=int, default=None)
+    parser.add_argument("--kill-rank", type=int, default=0)
+    parser.add_argument("--pause-at", type=int, default=None)
+    parser.add_argument("--kill-in-save", type=int, default=None)
+    parser.add_argument("--shard", action="store_true")
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--stateful", action="store_true")
+    parser.add_argument("--background", action="store_true")
+    parser.add_argument("--prefetch", type=int, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rank, world = ap.rank(), ap.world_size()
+
+    torch.manual_seed(0)
+    model: torch.nn.Module = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+                                                 torch.nn.Linear(32, 1)).to(ap.device())
+    if args.shard:
+        model = ap.shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.9)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(SAMPLES, 8, generator=g)
+    data = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True), torch.arange(SAMPLES))
+    torch.manual_seed(100 + rank)  # each rank its own dropout
+    random.seed(200 + rank)
+    np.random.seed(300 + rank)
+    sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=3) if world > 1 else None
+    if args.stateful:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        loader: torch.utils.data.DataLoader = StatefulDataLoader(data, batch_size=BATCH, shuffle=sampler is None,
+                                                                 sampler=sampler, num_workers=args.workers)
+    else:
+        loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=sampler is None, sampler=sampler,
+                                             num_workers=args.workers)
+
+    ckpt = ap.Checkpointer(args.ckpt, every_steps=args.every, background=args.background)
+    step = ckpt.restore(model=model, optimizer=opt, scheduler=sched, loader=loader)
+    first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    if args.kill_in_save is not None and first_attempt:
+        import accelport.checkpoint
+
+        write = accelport.checkpoint.atomic_torch_save
+
+        def write_then_die(torch_module: object, obj: object, path: str) -> None:
+            write(torch_module, obj, path)
+            if f"step-{args.kill_in_save:08d}" in path and os.path.basename(path).startswith("rank-"):
+                os.kill(os.getpid(), signal.SIGKILL)  # this rank's part is on disk; the checkpoint is not complete
+
+        accelport.checkpoint.atomic_torch_save = write_then_die  # type: ignore[assignment]
+    seen: list[list[int]] = []
+    record = os.path.join(args.out, f"seen-rank{rank}-{os.getpid()}.json")
+    epoch = ckpt.epoch
+    while step < args.steps:
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        for xb, yb, idx in ap.loader(loader, prefetch=args.prefetch):  # prefetch=N: read ahead in a thread
+            xb = xb + 0.01 * random.random() + 0.01 * float(np.random.rand())
+            loss = torch.nn.functional.mse_loss(model(xb), yb)
+            loss.backward()
+            ap.optimizer_step(opt)
+            opt.zero_grad()
+            sched.step()
+            step += 1
+            seen.append([step, *idx.tolist()])
+            with open(record, "w") as f:
+                json.dump({"start": step - len(seen), "seen": seen}, f)
+            if step == args.kill_at and rank == args.kill_rank and first_attempt:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if step == args.pause_at:
+                open(os.path.join(args.out, f"ready-rank{rank}"), "w").close()
+                while not ckpt.stop_requested:
+                    time.sleep(0.05)
+            ckpt.step()
+            if step >= args.steps:
+                break
+        epoch += 1
+    ckpt.close()  # a background save still being written completes here
+    if args.shard:
+        state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    else:
+        state = model.state_dict()
+    torch.save({k: v.detach().cpu().clone() for k, v in state.items()}, os.path.join(args.out, f"final-rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()

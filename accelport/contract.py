@@ -83,7 +83,8 @@ class Metrics:
     optimizer_state_bytes: int | None = None
     data_wait_seconds: float = 0.0
     step_seconds: float = 0.0
-    batch_signatures: int = 0
+    #: Distinct batch shapes seen (None: no batch came through a loader accelport sees).
+    batch_signatures: int | None = None
     compile_cache_dir: str | None = None
 
     def to_dict(self) -> dict[str, Any]:

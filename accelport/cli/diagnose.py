@@ -264,7 +264,8 @@ def _wrapped(text: str, first: str) -> list[str]:
 
 def render_summary(target: str, watcher: Watcher, outcome: Outcome, written: Sequence[str],
                    redactor: Redactor) -> str:
-    """The findings in doctor's plain style: severity and what was seen, the fix, the script's line.
+    """The findings in doctor's plain style: severity and what was seen, the run's totals, the fix, the script's
+    line; then how much of the run was judged (never "ok" where something was not).
 
     Each piece goes through ``redactor`` whole, before it is wrapped: no credential, and no
     control character (a newline in a path) that would forge a line.
@@ -279,27 +280,97 @@ def render_summary(target: str, watcher: Watcher, outcome: Outcome, written: Seq
         ended = f"was ended by {signal.Signals(outcome.ended_by).name} (status {outcome.exit_status})"
     else:
         ended = f"exited with status {outcome.exit_status}"
-    lines = [shown(f"accelport diagnose: {target} took {watcher.steps} optimizer step(s){on} and {ended}{found}")]
+    took = f"{watcher.steps} optimizer step(s)"
+    if watcher.manual_steps:
+        took += f" and {watcher.backwards} backward passes ({watcher.manual_steps} taken as steps)"
+    lines = [shown(f"accelport diagnose: {target} took {took}{on} and {ended}{found}")]
     for f in findings:
-        seen, _, fix = shown(f.message).partition(": ")
-        lines += _wrapped(f"{f.kind} at step {f.step}: {seen}", f"  [{_ICON[f.severity]}] ")
-        if fix:
-            lines += _wrapped(fix, f"{_INDENT}fix: ")
+        lines += _wrapped(shown(f"{f.kind} at step {f.step}: {f.message}"), f"  [{_ICON[f.severity]}] ")
+        if f.totals_text:
+            lines += _wrapped(shown(f.totals_text), f"{_INDENT}over the run: ")
+        if f.fix:
+            lines += _wrapped(shown(f.fix), f"{_INDENT}fix: ")
         site = where(f, watcher.sites)
-        if site:
-            lines.append(shown(f"{_INDENT}at {site[0]}:{site[1]}"))
-    if not findings and watcher.steps and watcher.backend_name:
-        lines.append(f"  [{_ICON['ok']}] no finding: nothing in this run looks slow or wrong")
-    elif not findings and not watcher.steps:
-        lines += _wrapped("no optimizer step ran in this process, so nothing was diagnosed: diagnose watches "
-                          "optimizer.step() of torch.optim optimizers (also inside xm.optimizer_step); "
-                          "training in processes the script starts (torch_xla.launch, xmp.spawn) is not "
-                          "watched", f"  [{_ICON['note']}] ")
-    for note in [*watcher.notes, *watcher.rule_failures]:
+        if site and f"{site.file}:{site.line}" not in f.message:
+            label = f" ({site.label})" if site.label else ""
+            lines += _wrapped(shown(f"{site.file}:{site.line}{label}"), f"{_INDENT}at ")
+    severity, text = verdict(watcher, outcome)
+    if text:
+        lines += _wrapped(shown(text), f"  [{_ICON[severity]}] ")
+    for note in [*watcher.notes, *_pattern_notes(watcher), *watcher.rule_failures]:
         lines += _wrapped(shown(note), f"  [{_ICON['note']}] ")
     if written:
         lines.append(shown(f"  [{_ICON['note']}] wrote {', '.join(written)}"))
     return "\n".join(lines)
+
+
+def verdict(watcher: Watcher, outcome: Outcome) -> tuple[str, str]:
+    """How much of the run was judged, in one line: (severity, text); "ok" only where every check ran on every
+    step of a run that ended well and nothing was found. Empty text where the findings say it all."""
+    steps = watcher.steps + watcher.manual_steps
+    findings = watcher.findings
+    failed = outcome.ended_by is not None or outcome.exit_status != 0
+    if watcher.unavailable is not None:
+        name, why = watcher.unavailable
+        return "note", f"nothing was judged: the counters of {name} cannot be read here ({why})"
+    if not steps:
+        return "note", _no_steps(watcher)
+    if watcher.stopped is not None:
+        at, why = watcher.stopped
+        so_far = "the findings above are" if findings else "no finding was made"
+        return "note", (f"watching stopped at step {at} ({why}); {so_far} from the steps before it, and nothing "
+                        "after it was judged")
+    unjudged = watcher.unjudged
+    pending = "; not judged: " + ", ".join(f"{kind} ({why})" for kind, why in unjudged.items()) if unjudged else ""
+    if failed:
+        how = (f"was ended by {signal.Signals(outcome.ended_by).name}" if outcome.ended_by is not None
+               else f"ended with status {outcome.exit_status}")
+        so_far = "the findings above are from them" if findings else "no finding in them"
+        return "note", f"the script {how} after {steps} step(s): {so_far}{pending}"
+    if findings:
+        return ("note", f"the findings above cover {steps} step(s){pending}") if unjudged else ("ok", "")
+    if unjudged and len(unjudged) >= len(watcher.kinds):
+        return "note", f"too few steps to judge: {steps} step(s){pending}"
+    if unjudged:
+        return "note", f"no finding in {steps} step(s){pending}"
+    return "ok", f"no finding after {steps} step(s) with every check running"
+
+
+def _no_steps(watcher: Watcher) -> str:
+    """Why no step was judged: training in other processes, too few backward passes, or no step at all."""
+    if watcher.spawned:
+        launcher, site, nprocs = watcher.spawned[0]
+        many = f"{nprocs} processes" if nprocs else "a process per device"
+        at = f" at {site.file}:{site.line}" if site else ""
+        single = ("torch_xla.launch(fn, debug_single_process=True)" if launcher == "torch_xla.launch" else
+                  f"{launcher}(fn, nprocs=1)" if launcher == "xmp.spawn" else "the script's own one-process option")
+        return (f"nothing was judged: the script trains in {many} it starts with {launcher}{at}, and diagnose "
+                f"watches this process only. Run it in one process to have it diagnosed: {single}, or the "
+                "script's own option for one process")
+    if watcher.backwards:
+        return (f"nothing was judged: {watcher.backwards} backward pass(es) and no optimizer step; a loop that "
+                f"updates its weights by hand is taken as one after {watcher.MANUAL_AFTER} backward passes")
+    return ("no optimizer step ran in this process, so nothing was diagnosed: diagnose watches optimizer.step() of "
+            "torch.optim optimizers (also inside xm.optimizer_step) and, in a loop that updates its weights by "
+            "hand, its backward passes")
+
+
+def _pattern_notes(watcher: Watcher) -> list[str]:
+    """What the script does that changes what could be watched, and what to change."""
+    notes = []
+    if watcher.manual_steps:
+        notes.append(
+            f"this script updates its weights without a torch.optim optimizer ({watcher.backwards} backward passes, "
+            f"no optimizer.step()): from the {watcher.MANUAL_AFTER}th backward pass on, each was taken as a step, "
+            "so the checks of time, compilation, host reads and data ran; the checks of gradients and weights "
+            "(non-finite, precision) need an optimizer: torch.optim.SGD(model.parameters(), lr=lr) with "
+            "optimizer.step() computes the same update as p.data.add_(p.grad, alpha=-lr)")
+    if watcher.spawned and (watcher.steps or watcher.manual_steps):
+        launcher, site, nprocs = watcher.spawned[0]
+        at = f" at {site.file}:{site.line}" if site else ""
+        notes.append(f"the script also started {nprocs or 'one per device'} process(es) with {launcher}{at}: "
+                     "what they did was not watched, only this process")
+    return notes
 
 
 def _result(watcher: Watcher, outcome: Outcome) -> dict[str, Any]:
@@ -310,10 +381,17 @@ def _result(watcher: Watcher, outcome: Outcome) -> dict[str, Any]:
         item = f.to_dict()
         site = where(f, watcher.sites)
         if site:
-            item["evidence"]["where"] = f"{site[0]}:{site[1]}"
+            item["evidence"]["where"] = f"{site.file}:{site.line}"
+            if site.label:
+                item["evidence"]["where_is"] = site.label
         findings.append(item)
+    severity, text = verdict(watcher, outcome)
+    steps = watcher.steps + watcher.manual_steps
     return {"findings": findings, "metrics": watcher.metrics(), "steps": watcher.steps,
-            "backend": watcher.backend_name, "exit_status": outcome.exit_status}
+            "backend": watcher.backend_name, "exit_status": outcome.exit_status,
+            "verdict": {"judged_every_step": severity == "ok", "steps_judged": steps, "text": text,
+                        "not_judged": watcher.unjudged},
+            "notes": [*watcher.notes, *_pattern_notes(watcher), *watcher.rule_failures]}
 
 
 def _json(obj: Any, redactor: Redactor) -> bytes:

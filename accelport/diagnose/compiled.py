@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from accelport.diagnose import advice
 from accelport.diagnose.buckets import Suggestion, describe, suggest
 from accelport.observe.dynamo import FunctionCompiles, GraphBreak, LimitHit
 
@@ -50,26 +51,33 @@ def shape_cause(f: FunctionCompiles) -> str | None:
 
 
 def _fix(backend_name: str, dynamic: bool | None, suggestion: Suggestion | None, now: int | None,
-         f: FunctionCompiles | None) -> str:
-    if suggestion is not None and suggestion.compilations < (now or suggestion.shapes_seen):
-        bucket = f"pad to a few lengths: collate_fn={describe(suggestion, now)}"
-    else:
-        bucket = "pad to a few lengths: collate_fn=ap.data.BucketCollate(buckets=...) with the lengths your data needs"
-    bucket += " (with ap.data.LengthGroupedBatchSampler to keep padding low)"
+         f: FunctionCompiles | None, style: str = "accelport") -> str:
+    """What to change for a compiled function that sees new sizes: by the dimension that changes."""
     change = f.size_changes[0] if f is not None and f.size_changes else None
+    if change is not None and change.dim == 0:
+        # The batch dimension: a last short batch (or a sampler without drop_last), not lengths.
+        fixed = advice.varying_batch(style)
+        if dynamic is False:
+            return fixed
+        return (f"{fixed[:-1]}; or mark it dynamic: torch._dynamo.mark_dynamic({change.arg}, 0) before the call.")
+    if suggestion is not None and suggestion.compilations < (now or suggestion.shapes_seen):
+        bucket = advice.varying_length(style, describe(suggestion, now))
+    else:
+        bucket = advice.varying_length(style, None)
     if dynamic is False:
-        return (f"Bucketing is the fix: the {backend_name} compiler rejects dynamic shapes, so {bucket}")
+        return f"Bucketing is the fix: the {backend_name} compiler rejects dynamic shapes. {bucket}"
     mark = (f"torch._dynamo.mark_dynamic({change.arg}, {change.dim}) before the call"
             if change is not None else "torch._dynamo.mark_dynamic(tensor, dim) on the input that changes")
     where = f"{backend_name}'s compiler (inductor) accepts dynamic shapes" if dynamic else \
         "where the compiler accepts dynamic shapes (inductor on cpu and cuda)"
-    return (f"Fix: {bucket}; or, since {where}, mark that dimension dynamic: {mark}, or compile with "
-            "dynamic=None (the default), which does so after the second shape")
+    return (f"{bucket[:-1]}; or, since {where}, mark that dimension dynamic: {mark}, or compile with "
+            "dynamic=None (the default), which does so after the second shape.")
 
 
 def recompilation_cause(functions: Sequence[FunctionCompiles], backend_name: str, dynamic: bool | None,
-                        suggestion: Suggestion | None, distinct: int) -> tuple[str, FunctionCompiles] | None:
-    """The cause of eager recompilations in the user's terms, from dynamo's own reasons, and the function."""
+                        suggestion: Suggestion | None, distinct: int, style: str = "accelport"
+                        ) -> tuple[str, str, FunctionCompiles] | None:
+    """The cause of eager recompilations in the user's terms, from dynamo's own reasons: (cause, fix, function)."""
     candidates = [f for f in functions if f.compilations > 1 or f.guard_failures]
     if not candidates:
         return None
@@ -79,14 +87,14 @@ def recompilation_cause(functions: Sequence[FunctionCompiles], backend_name: str
         return None
     now = max(f.compilations, distinct)
     text = (f"the compiled function {f.label} was compiled {f.compilations} times: {cause}, and "
-            "torch.compile builds a graph for each. " + _fix(backend_name, dynamic, suggestion if f.size_changes
-                                                              else None, now, f))
-    return text, f
+            "torch.compile builds a graph for each")
+    return text, _fix(backend_name, dynamic, suggestion if f.size_changes else None, now, f, style), f
 
 
 def compile_limit_message(hit: LimitHit, functions: Sequence[FunctionCompiles], backend_name: str,
-                          dynamic: bool | None, suggestion: Suggestion | None, distinct: int) -> str:
-    """The recompile-limit cliff: which function, the limit, what it saw, the fix."""
+                          dynamic: bool | None, suggestion: Suggestion | None, distinct: int,
+                          style: str = "accelport") -> tuple[str, str]:
+    """The recompile-limit cliff: which function, the limit, what it saw; and the fix."""
     f = next((f for f in functions if f.where == hit.where or f.where.endswith(hit.where)), None)
     label = f.label if f is not None else f"{hit.function} ({hit.where})"
     cause = shape_cause(f) if f is not None else None
@@ -98,45 +106,62 @@ def compile_limit_message(hit: LimitHit, functions: Sequence[FunctionCompiles], 
     now = max(distinct, len(f.size_changes[0].sizes) if f is not None and f.size_changes else 0)
     return (f"the compiled function {label} reached torch._dynamo.config.{hit.limit_type} ({hit.limit}) "
             f"after {hit.limit} compilations{because}{shapes}: from now on every new shape runs it eagerly, "
-            "uncompiled and silently slower, for the rest of the run. Raising the limit only moves the cliff. "
-            + _fix(backend_name, dynamic, suggestion, now or None, f))
+            "uncompiled and silently slower, for the rest of the run. Raising the limit only moves the cliff.",
+            _fix(backend_name, dynamic, suggestion, now or None, f, style))
 
 
-_ON_DEVICE = ("Fix: keep the value on the device, torch.where(cond, a, b) instead of a Python branch on .item() or "
+_ON_DEVICE = ("keep the value on the device, torch.where(cond, a, b) instead of a Python branch on .item() or "
               ".tolist(); for boolean indexing, ap.data.masked_sum / masked_mean")
-_PRINT = "Fix: log outside the compiled region, ap.after_step(print, tensor) reads it once the step has run"
-_MOVE = ("Fix: move that call out of the compiled region (compile the parts before and after it), or replace it "
-         "with a torch op")
+_MOVE = ("move that call out of the compiled region (compile the parts before and after it), or replace it with a "
+         "torch op")
 
 
-def break_fix(reason: str, source: str) -> str:
-    """The fix for one graph break, by its cause."""
+def break_fix(reason: str, source: str, style: str = "accelport") -> str:
+    """The fix for one graph break in the user's code, by its cause."""
     text = f"{reason} {source}".lower()
     if "print(" in source.replace(" ", "") or "logging" in text or "logger." in text:
-        return _PRINT
+        if style == "accelport":
+            return "log outside the compiled region: ap.after_step(print, tensor) reads it once the step has run"
+        return "log outside the compiled region: print what the compiled call returns, after it returns"
     if any(k in text for k in (".item()", "item()", "tolist", "generic_jump", "data-dependent", "data dependent",
                                "dynamic shape operator", "nonzero", "local_scalar_dense", "jump", "__bool__")):
         return _ON_DEVICE
     return _MOVE
 
 
-def graph_break_message(breaks: Sequence[GraphBreak], total: int) -> str:
-    """The top graph breaks, each with dynamo's reason, the user's line and its fix."""
+def _library_fix(b: GraphBreak) -> str:
+    """A break in a library's own code: not the user's to move; what they can change instead."""
+    called = f" from {b.caller}" if b.caller else ""
+    return (f"it is {b.library}'s own code (called{called}), not a line of yours to change: a newer {b.library} may "
+            "not break there; meanwhile compile a region that does not run it (the model's forward rather than "
+            "the whole step), or leave it, since it costs one more graph per call")
+
+
+def graph_break_message(breaks: Sequence[GraphBreak], total: int, style: str = "accelport") -> tuple[str, str]:
+    """The top graph breaks, each with dynamo's reason and its line (the library's, when it is one's), and the fix."""
     cost = ("each call runs the graph before the break, then Python (on an accelerator, after a device-to-host "
             "read), then the graph after it, instead of one graph")
     if not breaks:
         many = "" if total <= 1 else f" ({total} compilations broke a graph)"
         return (f"a compiled function breaks its graph on every call{many}: {cost}. Where and why is read from "
-                "dynamo in the live process (ap.diagnostics() there); TORCH_LOGS=graph_breaks prints it too.")
+                "dynamo in the live process (ap.diagnostics() there); TORCH_LOGS=graph_breaks prints it too.", "")
 
     def one(b: GraphBreak) -> str:
         source = f" (`{b.source}`)" if b.source else ""
-        return f"at {b.where} in {b.function}{source}: {b.reason}. {break_fix(b.reason, b.source)}"
+        owner = f" (inside {b.library}{', called from ' + b.caller if b.caller else ''})" if b.library else ""
+        return f"at {b.where} in {b.function}{source}{owner}: {b.reason}"
+
+    def fix(b: GraphBreak) -> str:
+        return _library_fix(b) if b.library else break_fix(b.reason, b.source, style)
 
     if len(breaks) == 1:
-        return f"a compiled function breaks its graph on every call, {one(breaks[0])}. That costs: {cost}."
+        text = fix(breaks[0])
+        return (f"a compiled function breaks its graph on every call, {one(breaks[0])}. That costs: {cost}.",
+                f"{text[0].upper()}{text[1:]}.")
     listed = " ".join(f"{i + 1}) {one(b)}." for i, b in enumerate(breaks[:3]))
-    return f"compiled functions break their graphs on every call ({cost}); the top {len(breaks[:3])}: {listed}"
+    fixes = " ".join(f"{i + 1}) {fix(b)}." for i, b in enumerate(breaks[:3]))
+    return (f"compiled functions break their graphs on every call ({cost}); the top {len(breaks[:3])}: {listed}",
+            fixes)
 
 
 def breaks_explain_recompiles(functions: Sequence[FunctionCompiles]) -> bool:

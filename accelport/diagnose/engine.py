@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["Diagnostics", "SENSORS", "rules_from", "usable_rules", "rule_problem"]
 
 #: The live sensors a rule may ask for in ``Rule.needs``.
-SENSORS = frozenset({"numerics"})
+SENSORS = frozenset({"numerics", "shapes"})
 _NOTHING: tuple[Diagnosis, ...] = ()
 
 
@@ -107,6 +107,7 @@ class Diagnostics:
         self._plugins = {cls: plugin for plugin, cls in self._classes}
         self._broken: set[type[Rule]] = set()
         self._reported: set[str] = set()
+        self._by_kind: dict[str, Rule] = {}  # the rule instance that made each finding
         #: The live sensors the rules read (see Rule.needs).
         self.needs: frozenset[str] = frozenset().union(*(cls.needs for _, cls in self._classes))
         self.kinds = {cls.kind: cls for _, cls in self._classes}
@@ -169,13 +170,54 @@ class Diagnostics:
                 self._broke(type(rule), exc, self._step)
         return tuple(self.findings[before:])
 
+    # -- what was judged -------------------------------------------------------------------------
+    @property
+    def steps(self) -> int:
+        """The last step judged (0: none)."""
+        return self._step
+
+    def unjudged(self) -> dict[str, str]:
+        """kind -> why it did not judge this run so far ("needs 10 steps", "failed at step 5"); empty when every
+        rule judged every step it could."""
+        out = {}
+        for rule in list(self._rules):
+            try:
+                why = rule.unjudged(self._step)
+            except Exception as exc:
+                self._broke(type(rule), exc, self._step)
+                why = None
+            if why and rule.kind not in self._reported:
+                out[rule.kind] = why
+        for cls in self._broken:
+            out[getattr(cls, "kind", cls.__name__)] = "its rule failed"
+        return out
+
     # -- findings -------------------------------------------------------------------------------
+    def current(self) -> list[Diagnosis]:
+        """The findings as of now: each with its kind's totals over the run so far, and its fix as the whole
+        run would have it (the findings themselves say the moment each was made)."""
+        out = []
+        for finding in self.findings:
+            rule = self._by_kind.get(finding.kind)
+            if rule is None or type(rule) in self._broken:
+                out.append(finding)
+                continue
+            try:
+                totals = dict(rule.totals())
+                fix = rule.current_fix()
+            except Exception as exc:
+                self._broke(type(rule), exc, self._step)
+                out.append(finding)
+                continue
+            out.append(dataclasses.replace(finding, totals=totals, fix=fix if fix is not None else finding.fix))
+        return out
+
     def severity_of(self, kind: str, evidence: Mapping[str, Any], default: str = "warning") -> str:
         """A finding's severity by today's rule for its kind; ``default`` for a kind no rule here knows."""
         rule = self.kinds.get(kind)
         return rule.severity_of(evidence) if rule is not None else default
 
-    def _report(self, rule: Rule, message: str, step: int, evidence: dict[str, Any]) -> None:
+    def _report(self, rule: Rule, message: str, step: int, fix: str, evidence: dict[str, Any]) -> None:
         kind = rule.kind
         if kind in self._reported:
             return
@@ -183,9 +225,10 @@ class Diagnostics:
         if severity not in SEVERITIES:
             severity = rule.severity
         self._reported.add(kind)
-        diagnosis = Diagnosis(kind, str(message), int(step), evidence, severity)
+        diagnosis = Diagnosis(kind, str(message), int(step), evidence, severity, str(fix or ""))
         self.findings.append(diagnosis)
-        text = f"[{kind}] PROBLEM: {message}" if severity == "problem" else f"[{kind}] {message}"
+        self._by_kind[kind] = rule
+        text = f"[{kind}] PROBLEM: {diagnosis.text}" if severity == "problem" else f"[{kind}] {diagnosis.text}"
         try:
             warnings.warn(text, rule.warning, stacklevel=user_stacklevel(also=self.rule_files))
         except Warning:

@@ -220,13 +220,15 @@ def diagnose(records: Sequence[dict[str, Any]], rules: Sequence[tuple[str, type[
                 evidence = dict(d.get("evidence") or {})
                 said = d.get("severity")  # what a kind no rule here knows keeps (a plugin not installed here)
                 severity = engine.severity_of(d["kind"], evidence, default=said if said in SEVERITIES else "warning")
+                totals = d.get("totals")
                 found.append(Diagnosis(d["kind"], str(d.get("message", "")), int(d.get("step", r["step"])),
-                                       evidence, severity))
+                                       evidence, severity, str(d.get("fix") or ""),
+                                       dict(totals) if isinstance(totals, dict) else {}))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for r in records:
             engine.step_end(record_from_dict(r))
-    found += [d for d in engine.findings if all(x.kind != d.kind for x in found)]
+    found += [d for d in engine.current() if all(x.kind != d.kind for x in found)]
     return found
 
 
@@ -385,7 +387,10 @@ def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], tit
             f"<div class='diag{' problem' if getattr(d, 'severity', '') == 'problem' else ''}'>"
             f"<b>{safe(d.kind)}</b>"
             f"{'<span class=badge>problem</span>' if getattr(d, 'severity', '') == 'problem' else ''}"
-            f" (step {safe(d.step)})<br>{safe(d.message)}</div>"
+            f" (step {safe(d.step)})<br>{safe(d.message)}"
+            f"{'<br><i>fix:</i> ' + safe(d.fix) if getattr(d, 'fix', '') else ''}"
+            f"{'<br><span class=sub>over the run: ' + safe(d.totals_text) + '</span>' if d.totals_text else ''}"
+            "</div>"
             for d in ordered)
     else:
         diag_html = "<p class=ok>No diagnosis: nothing in this run looks slow or wrong.</p>"

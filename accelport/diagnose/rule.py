@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from accelport.diagnose.buckets import Suggestion
     from accelport.observe.dynamo import CompileEvents
     from accelport.observe.numerics import NumericsWatch
+    from accelport.observe.shapes import ShapeTrace
 
 __all__ = ["Diagnosis", "Rule", "RunView", "BatchShapes", "SEVERITIES", "KIND_PATTERN", "describe_shape_change"]
 
@@ -54,7 +55,12 @@ KIND_PATTERN = re.compile(r"^[a-z][a-z0-9]*(?:-[a-z0-9]+)*$")
 
 @dataclass(frozen=True)
 class Diagnosis:
-    """One finding: what was seen (``evidence``), and the cause and fix (``message``)."""
+    """One finding: what was seen and why (``message``), what to change (``fix``), and the numbers.
+
+    ``step`` and ``evidence`` are the moment the finding was made; ``totals`` are its kind's
+    numbers over the whole run so far (compilations, time spent compiling and its share, host
+    reads per step ...), as of when the finding was read.
+    """
 
     kind: str
     message: str
@@ -62,14 +68,39 @@ class Diagnosis:
     evidence: Mapping[str, Any] = field(default_factory=dict)
     #: "problem" (the run is wrong or crippled) or "warning" (slower than it needs to be).
     severity: str = "warning"
+    #: What to change, in the script's own terms (empty where the message says it).
+    fix: str = ""
+    totals: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        """The message and the fix, as a warning says them."""
+        return f"{self.message} {self.fix}" if self.fix else self.message
+
+    @property
+    def totals_text(self) -> str:
+        """The run totals in one line: 'compilations 26, compile seconds 147.1, compile share 86%'."""
+        parts = []
+        for key, value in dict(self.totals).items():
+            if value is None or value == {} or value == []:
+                continue
+            name = key.replace("_", " ")
+            if key.endswith("_share") and isinstance(value, (int, float)):
+                parts.append(f"{name} {value:.0%}")
+            elif isinstance(value, dict):
+                parts.append(f"{name} " + ", ".join(f"{k} {v}" for k, v in value.items()))
+            else:
+                parts.append(f"{name} {value}")
+        return ", ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "message": self.message, "step": self.step, "evidence": dict(self.evidence),
-                "severity": self.severity}
+        return {"kind": self.kind, "message": self.message, "fix": self.fix, "step": self.step,
+                "evidence": dict(self.evidence), "totals": dict(self.totals), "severity": self.severity}
 
 
 def describe_shape_change(before: Sequence[Any] | None, after: Sequence[Any] | None) -> str | None:
-    """'input 0 changed from (8, 128) to (8, 131)' for the first input whose shape differs."""
+    """'input 0 changed from (8, 128) to (8, 131) along dim 1 (a sequence or image dimension)' for the first
+    input whose shape differs; the batch dimension (dim 0) is named as such."""
     if before is None or after is None:
         return None
     for i, (a, b) in enumerate(zip(before, after, strict=False)):
@@ -80,11 +111,25 @@ def describe_shape_change(before: Sequence[Any] | None, after: Sequence[Any] | N
         except (TypeError, ValueError):  # a signature from a third-party loader
             return f"input {i} changed from {a!r} to {b!r}"
         if sa != sb:
-            return f"input {i} changed from {tuple(sa)} to {tuple(sb)}"
+            return f"input {i} changed from {tuple(sa)} to {tuple(sb)}{_dimension(tuple(sa), tuple(sb))}"
         return f"input {i} changed dtype from {da} to {db}"
     if len(before) != len(after):
         return f"the batch changed from {len(before)} to {len(after)} tensors"
     return None
+
+
+def _dimension(before: tuple[Any, ...], after: tuple[Any, ...]) -> str:
+    """Which dimension changed: ' along the batch dimension (dim 0)', ' along dim 1 (...)', or ''."""
+    if len(before) != len(after):
+        return f" (from {len(before)} to {len(after)} dimensions)"
+    changed = [d for d, (x, y) in enumerate(zip(before, after, strict=True)) if x != y]
+    if changed == [0]:
+        return " along the batch dimension (dim 0)"
+    if changed and 0 not in changed:
+        dims = ", ".join(map(str, changed))
+        return f" along dim {dims} (a sequence or image dimension)" if len(changed) == 1 else \
+            f" along dims {dims}"
+    return f" along dims {', '.join(map(str, changed))}" if changed else ""
 
 
 class BatchShapes:
@@ -164,10 +209,16 @@ class RunView:
     world_size: int = 1
     #: Whether the backend's compiler accepts ``dynamic=True`` (None: not known).
     compile_dynamic: bool | None = None
+    #: How the script trains, so a fix is spelled in its own terms (see accelport.diagnose.advice):
+    #: "accelport" (a ported loop), "torch", "torch_xla", "transformers" or "lightning".
+    style: str = "accelport"
     #: The step checks (non-finite gradients and their source, low-precision updates that round
     #: away): read ``numerics.nonfinite`` and ``numerics.stalled``. Present where a registered rule
     #: ``needs`` "numerics" and the run is live.
     numerics: NumericsWatch | None = None
+    #: Where a tensor made inside the step changes shape (``shape_trace.found``), on lazy backends for a rule
+    #: whose ``needs`` has "shapes": recorded for a few steps once a step compiled on a batch shape seen before.
+    shape_trace: ShapeTrace | None = None
     #: torch.compile's records since the run started (live runs on a process with dynamo).
     compile_events: CompileEvents | None = None
     #: Every counter of the backend since the run started (``ap.metrics()``'s fields), live runs only.
@@ -196,8 +247,11 @@ class Rule:
     warning: ClassVar[type[DiagnosticWarning]] = DiagnosticWarning
     #: The live sensors the rule reads through the view: "numerics" (the step checks).
     needs: ClassVar[frozenset[str]] = frozenset()
+    #: The first step at which the rule can have judged anything (a verdict of "no finding"
+    #: before it would be a guess; see :meth:`unjudged`).
+    judges_from: ClassVar[int] = 1
 
-    def __init__(self, run: RunView, report: Callable[[Rule, str, int, dict[str, Any]], None]) -> None:
+    def __init__(self, run: RunView, report: Callable[[Rule, str, int, str, dict[str, Any]], None]) -> None:
         self.run = run
         self._report = report
         self.start()
@@ -212,9 +266,27 @@ class Rule:
         """Whether this kind was already found in this run."""
         return self.run.found(self.kind)
 
-    def report(self, message: str, step: int, **evidence: Any) -> None:
-        """Make the finding: ``message`` says what was seen, its cause and the fix; ``evidence`` the numbers."""
-        self._report(self, message, step, evidence)
+    def report(self, message: str, step: int, *, fix: str = "", **evidence: Any) -> None:
+        """Make the finding: ``message`` says what was seen and its cause, ``fix`` what to change (in the
+        script's own terms: see ``run.style``), ``evidence`` the numbers of this moment."""
+        self._report(self, message, step, fix, evidence)
+
+    def unjudged(self, steps: int) -> str | None:
+        """Why this rule has not judged a run of ``steps`` steps ("needs 10 steps"), or None when it has (or
+        when it does not apply to this run: host reads on cpu, XLA graphs on an eager device)."""
+        return None if steps >= self.judges_from else f"needs {self.judges_from} steps"
+
+    def totals(self) -> Mapping[str, Any]:
+        """This kind's numbers over the whole run so far, shown beside the finding (read when it is shown).
+
+        A rule keeps counting after its finding for this; nothing by default.
+        """
+        return {}
+
+    def current_fix(self) -> str | None:
+        """The fix as the whole run so far would have it (buckets from every length seen), or None to keep
+        the one given when the finding was made."""
+        return None
 
     # -- the signals; override the ones the rule reads ---------------------------------------
     def start(self) -> None:

@@ -32,6 +32,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from accelport.observe.frames import library_of
+
 __all__ = ["CompileEvents", "CompileObserver", "FunctionCompiles", "GraphBreak", "LimitHit", "SizeChange", "Mark",
            "observer", "parse_reason"]
 
@@ -121,10 +123,14 @@ class GraphBreak:
     """Where dynamo broke a compiled function's graph, and why, with how many compilations hit it."""
 
     reason: str  # dynamo's reason, first line
-    where: str  # "file.py:15"
+    where: str  # "file.py:15": where the graph broke
     function: str
-    source: str  # the user's line
+    source: str  # the line's source text
     count: int
+    #: The library whose code broke the graph ("transformers"), None where it is the user's own.
+    library: str | None = None
+    #: Where the user's code called into that library ("train.py:40"), when the break is a library's.
+    caller: str | None = None
 
 
 @dataclass(frozen=True)
@@ -319,15 +325,19 @@ class CompileObserver:
         breaks = list(getattr(utils, "graph_break_reasons", ()) or ())
         base = since.breaks if since else 0
         new = breaks[base:] if len(breaks) >= base else breaks
-        counts: Counter[tuple[str, str, str, str]] = Counter()
+        counts: Counter[tuple[str, str, str, str, str | None, str | None]] = Counter()
         for b in new:
             stack = [f for f in getattr(b, "user_stack", None) or [] if not str(f.filename).startswith(_OWN_DIR)]
             frame = stack[-1] if stack else None
             reason = (str(getattr(b, "reason", "")) or "?").splitlines()[0].strip()
             where = _where(frame.filename, frame.lineno) if frame is not None else "?"
+            library = library_of(str(frame.filename)) if frame is not None else None
+            # A break inside a library's code: the innermost frame of the user's that led there.
+            mine = next((f for f in reversed(stack) if library_of(str(f.filename)) is None), None) if library else None
             counts[(reason, where, getattr(frame, "name", "?") if frame else "?",
-                    (getattr(frame, "line", "") or "").strip() if frame else "")] += 1
-        return [GraphBreak(r, w, f, s, n) for (r, w, f, s), n in counts.most_common(top)]
+                    (getattr(frame, "line", "") or "").strip() if frame else "", library,
+                    _where(mine.filename, mine.lineno) if mine is not None else None)] += 1
+        return [GraphBreak(r, w, f, s, n, lib, caller) for (r, w, f, s, lib, caller), n in counts.most_common(top)]
 
 
 def _add_reasons(f: FunctionCompiles, reasons: Iterable[str], resume: bool) -> None:

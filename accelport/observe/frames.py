@@ -10,12 +10,19 @@ import os
 import sys
 import types
 
-__all__ = ["LIBRARIES", "user_site", "library_file"]
+__all__ = ["LIBRARIES", "FRAMEWORKS", "user_site", "library_file", "library_of"]
 
+#: Top-level packages of the frameworks a training loop may live in: their frames are never "the user's
+#: line" either (a finding points at the user's dataset, collator or call instead), and a cause inside
+#: one of them is said to be that library's.
+FRAMEWORKS = frozenset({
+    "transformers", "accelerate", "lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities",
+    "torchmetrics", "datasets", "peft", "trl", "deepspeed", "torchvision", "torchaudio", "torchtext", "timm",
+})
 #: Top-level packages whose frames are never "the user's line".
 LIBRARIES = frozenset({
     "accelport", "torch", "torch_xla", "torch_neuronx", "torch_tpu", "typing_extensions", "runpy", "threading",
-    "warnings", "contextlib", "functools", "importlib", "_weakrefset",
+    "warnings", "contextlib", "functools", "importlib", "_weakrefset", *FRAMEWORKS,
 })
 
 
@@ -32,8 +39,12 @@ def user_site(frame: types.FrameType | None = None, also: frozenset[str] = froze
     return None
 
 
-def library_file(path: str) -> bool:
-    """Whether ``path`` is a file of torch, torch_xla, accelport or another library user_site skips."""
+def library_of(path: str) -> str | None:
+    """The library (top-level package: ``torch``, ``transformers``) that file ``path`` belongs to, or None.
+
+    Only libraries imported in this process are known (a file of one that is not imported is
+    not part of the run).
+    """
     path = os.path.abspath(path)
     for name in LIBRARIES:
         module = sys.modules.get(name)
@@ -41,8 +52,13 @@ def library_file(path: str) -> bool:
         # directory is the standard library's, and may hold site-packages, the script's too.
         for root in getattr(module, "__path__", None) or ():
             if path.startswith(os.path.abspath(root) + os.sep):
-                return True
+                return name
         origin = getattr(module, "__file__", None)
         if origin and path == os.path.abspath(origin):
-            return True
-    return False
+            return name
+    return None
+
+
+def library_file(path: str) -> bool:
+    """Whether ``path`` is a file of torch, torch_xla, accelport or another library user_site skips."""
+    return library_of(path) is not None

@@ -280,6 +280,10 @@ class NumericsWatch:
         self._inspected = 0
         self._inspected_read = 0
         self._batch: Any = None  # host mode: this step's batch; deferred: what check_batch said
+        # Host mode: the batch of this step and of the one before (a loader that reads ahead hands a step's
+        # batch over during the step before it).
+        self._current: Any = None
+        self._previous: Any = None
         self._step_batches = 0  # batches since the last step (more than one: gradient accumulation)
         self._accumulated = 0  # ...as the step that ended last had them
         self._low: list[Any] | None = None  # low-precision parameters (None: not looked yet)
@@ -289,6 +293,13 @@ class NumericsWatch:
         self._last_shares: dict[int, float] = {}
         #: Reads handed to after_step that have not run yet (lazy: they run after the next sync).
         self.pending = 0
+
+    @property
+    def low_precision_params(self) -> int | None:
+        """How many of the stepped parameters are bf16 or fp16 (None before the first step is seen)."""
+        if self._optimizer is None:
+            return None
+        return sum(1 for p in self._params if _dtype(p) in LOW_PRECISION)
 
     def _after(self, fn: Any, tensors: tuple[Any, ...]) -> None:
         def run(*values: Any) -> None:
@@ -315,6 +326,8 @@ class NumericsWatch:
     # -- each step ------------------------------------------------------------------------------
     def step_end(self, step: int, optimizer: Any) -> None:
         batch, self._batch = self._batch, None
+        if not self.deferred:
+            self._previous, self._current = self._current, batch
         self._accumulated, self._step_batches = self._step_batches, 0
         if self.nonfinite is not None:
             return
@@ -490,6 +503,12 @@ class NumericsWatch:
                                        found_in)
             return
         found, covered = _check_batch(batch) if batch is not None else (None, False)
+        if found is None and self._previous is not None:
+            # A loader that reads one batch ahead (accelerate's, which the HuggingFace Trainer uses) hands
+            # this step's batch over during the step before: it is the one kept from there.
+            earlier, _ = _check_batch(self._previous)
+            if earlier is not None:
+                found = f"{earlier}, in the batch handed over just before this step's (the loader reads ahead)"
         if found is not None:
             self.nonfinite = NonFinite(step, "input", found)
             return

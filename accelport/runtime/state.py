@@ -36,11 +36,14 @@ class Runtime:
     ``environ`` is the environment it reads (default: the process's, read when used).
     ``tracker`` is a step tracker that has already seen this run's first batches (``accelport
     diagnose`` selects the backend at the script's first step); ``compile_events`` the point
-    torch.compile's records count from (default: when the rules are first set up).
+    torch.compile's records count from (default: when the rules are first set up);
+    ``from_process_start``: the counters (``ap.metrics()``) count from the process's start, not
+    from the backend's selection (``accelport diagnose``: the script compiled before its first step).
     """
 
     def __init__(self, environ: Mapping[str, str] | None = None, plugin_timeout: float | None = None, *,
-                 tracker: StepTracker | None = None, compile_events: CompileEvents | None = None) -> None:
+                 tracker: StepTracker | None = None, compile_events: CompileEvents | None = None,
+                 from_process_start: bool = False) -> None:
         self._lock = threading.RLock()
         self._environ = environ
         self._plugin_timeout = plugin_timeout
@@ -52,6 +55,8 @@ class Runtime:
         self.tracker = StepTracker()
         self._first_tracker = tracker
         self._compile_events = compile_events
+        self._from_process_start = from_process_start
+        self._style = "accelport"
         self._engine: Diagnostics | None = None
         self._engine_built = False
         self._baseline: dict[str, Any] = {}
@@ -111,7 +116,8 @@ class Runtime:
                     self._warn_unmet_pjrt(backend)
                     backend.prepare()
                     backend.reason = reason
-                    self._baseline = backend.counters()
+                    # The backends' counters are process-wide: from its start, every one is 0.
+                    self._baseline = {} if self._from_process_start else backend.counters()
                     backend.step_delta()  # per-step changes count from here, not from the process start
                     tracker, self._first_tracker = self._first_tracker or StepTracker(), None
                     self._start_run(backend, tracker)
@@ -122,7 +128,7 @@ class Runtime:
     def _start_run(self, backend: Backend, tracker: StepTracker) -> None:
         """Set up the rules for a run on ``backend``, and the sensors they read, and bind the tracker to them."""
         engine = self.diagnostics()
-        numerics = None
+        numerics = shapes = None
         if engine is not None:
             from accelport.diagnose.rule import RunView
 
@@ -130,13 +136,26 @@ class Runtime:
                 from accelport.observe.numerics import NumericsWatch
 
                 numerics = NumericsWatch(backend)
+            if "shapes" in engine.needs and backend.lazy:
+                # (On eager devices torch.compile's own records say which tensor changed, and a function mode
+                # would change what dynamo compiles.)
+                from accelport.observe.shapes import ShapeTrace
+
+                shapes = ShapeTrace()
             dynamic = getattr(backend, "compile_dynamic", None)
             engine.start(RunView(
                 backend=backend.name, lazy=backend.lazy, environ=self.environ,
                 device_type=getattr(backend, "device_type", None), world_size=backend.world_size(),
-                compile_dynamic=dynamic if isinstance(dynamic, bool) else None, numerics=numerics,
-                compile_events=self._compile_events, counters=self.since_selected))
-        tracker.bind(backend, self.host(), engine, numerics)
+                compile_dynamic=dynamic if isinstance(dynamic, bool) else None, style=self._style,
+                numerics=numerics, shape_trace=shapes, compile_events=self._compile_events,
+                counters=self.since_selected))
+        tracker.bind(backend, self.host(), engine, numerics, shapes)
+
+    def trains_as(self, style: str) -> None:
+        """How the script trains (``RunView.style``: "torch", "torch_xla", "transformers", ...), so the rules
+        spell their fixes in its terms; before the backend is selected. A ported script is "accelport"."""
+        with self._lock:
+            self._style = style
 
     def diagnostics(self) -> Diagnostics | None:
         """The engine that runs the registered rules (None: ``ACCELPORT_DIAGNOSTICS=0``, or no rule registered)."""
@@ -166,7 +185,7 @@ class Runtime:
         """What the rules found so far in this run (every finished step judged first)."""
         self.tracker.flush()  # steps not yet handed over (see StepRecord)
         engine = self._engine
-        return list(engine.findings) if engine is not None else []
+        return engine.current() if engine is not None else []
 
     def first_time(self, key: str) -> bool:
         """True the first time ``key`` is asked in this runtime: a warning keyed so is given once."""
@@ -262,7 +281,7 @@ class Runtime:
             steps=t.steps,
             data_wait_seconds=t.data_wait,
             step_seconds=t.step_seconds,
-            batch_signatures=len(t.signatures),
+            batch_signatures=len(t.signatures) if t.signatures else None,
             compile_cache_dir=backend.compile_cache_dir(),
             **values,
         )

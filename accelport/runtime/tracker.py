@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from accelport.diagnose.engine import Diagnostics
     from accelport.diagnose.rule import Diagnosis
     from accelport.observe.numerics import NumericsWatch
+    from accelport.observe.shapes import ShapeTrace
     from accelport.plugins.host import PluginHost
 
 __all__ = ["StepTracker"]
@@ -67,11 +68,14 @@ class StepTracker:
         self._wall_offset = time.time() - time.perf_counter()
         #: The step checks the rules asked for (None: none did, or no run is bound yet).
         self.numerics: NumericsWatch | None = None
+        self._shapes: ShapeTrace | None = None
+        self._fresh = False  # a batch of a shape not seen before arrived since the counters were last read
 
     def bind(self, backend: Backend, host: PluginHost, engine: Diagnostics | None,
-             numerics: NumericsWatch | None) -> None:
+             numerics: NumericsWatch | None, shapes: ShapeTrace | None = None) -> None:
         """Record the steps of a run on ``backend`` (the runtime calls this when it selects one)."""
         self._backend, self._host, self._engine, self.numerics = backend, host, engine, numerics
+        self._shapes = shapes
         self._recording = engine is not None or host.has_step_observers
 
     def inspector(self) -> Any:
@@ -95,7 +99,9 @@ class StepTracker:
         self.data_wait += wait
         self._pending_wait += wait
         if sig is not self._last_signature:  # ap.loader hands equal signatures as one object
-            self.signatures.add(sig)
+            if sig not in self.signatures:
+                self._fresh = True
+                self.signatures.add(sig)
             self._last_signature = sig
 
     def step_end(self, optimizer: Any = None) -> None:
@@ -106,6 +112,8 @@ class StepTracker:
         watch = self.numerics
         if optimizer is not None and watch is not None:
             watch.step_end(self.steps, optimizer)
+        if self._shapes is not None:
+            self._shapes.step_end()
         backend = self._backend
         if backend is not None and backend.step_deferred():
             # Its graph runs when the loop asks for the next batch: finish the record then
@@ -144,6 +152,8 @@ class StepTracker:
         backend = self._backend
         if backend is None or not self._recording:
             return
+        if self._shapes is not None:
+            self._shapes.pause()
         watch = self.numerics
         if watch is not None and watch.deferred:
             watch.read()
@@ -193,6 +203,9 @@ class StepTracker:
             # Only then: these cost more than the counters, and a graph that grew is a
             # new graph, which compiles first.
             delta.update(backend.compile_facts())
+            if self._shapes is not None and last > 1 and not self._fresh:
+                self._shapes.arm()  # it compiled on batch shapes seen before: which tensor changed?
+        self._fresh = False
         self._every = 1 if last < self._close_until else self.QUIET_EVERY
         name, lazy, loader = backend.name, backend.lazy, self.loader_info
         # Steps read together: the change is known only for all of them, so it goes on

@@ -32,6 +32,7 @@ import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import inspect
 import io
 import linecache
 import marshal
@@ -48,7 +49,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from accelport.device_loader import describe_loader, signature
 from accelport.errors import AccelportError, DiagnosticWarning
@@ -65,31 +66,51 @@ if TYPE_CHECKING:
     from accelport.plugins.host import PluginHost
     from accelport.redact import Redactor
 
-__all__ = ["Watcher", "Outcome", "run_watched", "entry_spec", "where"]
+__all__ = ["Watcher", "Outcome", "Site", "run_watched", "entry_spec", "where"]
 
-#: Which place a finding of each kind is best shown at: the loop over the data (where
-#: batches come from) or the optimizer step (where a sync belongs).
+#: Which place a finding of each kind is best shown at, best first: where the batches are built (a
+#: user's collate_fn or dataset), the loop over the data (where batches come from) or the optimizer
+#: step (where a sync belongs).
 #: "file:12" or "file:12: reason" (a file name never holds ": ", which starts the reason).
 _SITE = re.compile(r"^(?P<file>(?:(?!: ).)+?):(?P<line>\d+)(?=: |$)")
 _FUNCTION_SITE = re.compile(r"\((?P<file>.+):(?P<line>\d+)\)$")
-_PLACE = {"recompilation": "loop", "input-bound": "loop", "graph-growth": "step"}
+_PLACES = {"recompilation": ("data", "loop"), "compile-limit": ("data", "loop"), "input-bound": ("data", "loop"),
+           "graph-growth": ("step",)}
 
 
-def where(finding: Any, sites: Mapping[str, tuple[str, int]]) -> tuple[str, int] | None:
-    """The script's line a finding is best shown at: the host read itself, else the loop or the step."""
+def where(finding: Any, sites: Mapping[str, Site]) -> Site | None:
+    """The script's line a finding is best shown at: the host read itself, else where the batches are built, the
+    loop or the step (each labelled: the line a finding points at is always the user's, never a library's)."""
     evidence = getattr(finding, "evidence", None) or {}
     # A host read's or a graph break's line ("file:12" or "file:12: reason"), then the
     # compiled function that recompiled ("forward (file:3)").
     for site in evidence.get("sites") or ():
         m = _SITE.match(str(site))
         if m and not library_file(m.group("file")):
-            return m.group("file"), int(m.group("line"))
+            return Site(m.group("file"), int(m.group("line")))
     m = _FUNCTION_SITE.search(str(evidence.get("function") or ""))
     if m and not library_file(m.group("file")):  # (torch's Sequential.forward says nothing of the script)
-        return m.group("file"), int(m.group("line"))
+        return Site(m.group("file"), int(m.group("line")), "the compiled function")
     kind = getattr(finding, "kind", "")
-    place = _PLACE.get(kind)
-    return (sites.get(place) if place else None) or sites.get(kind) or sites.get("step")
+    places = _PLACES.get(kind, ())
+    if kind in ("recompilation", "compile-limit") and (evidence.get("distinct_signatures") or 0) < 2:
+        places = ("loop",)  # the batches kept their shape: where they are built says nothing
+    for place in places:
+        if place in sites:
+            return sites[place]
+    return sites.get(kind) or sites.get("step")
+
+
+#: A lazy step that waits for its sync and has no optimizer (a loop that updates its weights by hand).
+_NO_OPTIMIZER = object()
+
+
+class Site(NamedTuple):
+    """A line of the script's, and what it is ("the training loop"); empty where the finding itself says it."""
+
+    file: str
+    line: int
+    label: str = ""
 
 
 class _Overlay(Mapping[str, str]):
@@ -193,8 +214,21 @@ class Watcher:
         #: Every optimizer step the script took (also those after the watching stopped).
         self.steps = 0
         #: "step" (the first optimizer step's line), "loop" (the line that asked for the first
-        #: step's batch) and each kind reported (the line it was reported at) -> (file, line).
-        self.sites: dict[str, tuple[str, int]] = {}
+        #: step's batch), "data" (the user's collate_fn or dataset that builds the batches) and each
+        #: kind reported (the line it was reported at) -> the Site.
+        self.sites: dict[str, Site] = {}
+        #: How the script trains ("torch", "torch_xla", "transformers", "lightning"): the rules spell
+        #: their fixes in its terms. Told at its first step.
+        self.style = "torch"
+        #: Where watching stopped: (step, why), or None while it goes on.
+        self.stopped: tuple[int, str] | None = None
+        #: The backend whose counters were wanted but cannot be read here, and why (None: read, or none wanted).
+        self.unavailable: tuple[str, str] | None = None
+        #: Backward passes seen, and those with no optimizer step ever (a hand-written update).
+        self.backwards = 0
+        self._manual = False
+        #: Processes the script started to train in: (launcher, where, process count or None for "every device").
+        self.spawned: list[tuple[str, Site | None, int | None]] = []
         #: The script's syncs and the host reads of its step closures (lazy backends), running totals.
         self.syncs = 0
         self.closure_reads = 0
@@ -219,9 +253,12 @@ class Watcher:
         callbacks: dict[str, Callable[[types.ModuleType], None]] = {
             "torch.optim.optimizer": self._on_optimizer,
             "torch.utils.data.dataloader": self._on_dataloader,
+            "torch.autograd": self._on_autograd,
+            "torch.multiprocessing": self._on_multiprocessing,
             "torch_xla": self._on_torch_xla,
             "torch_xla.core.xla_model": self._on_xla_model,
             "torch_xla.distributed.parallel_loader": self._on_parallel_loader,
+            "torch_xla.distributed.xla_multiprocessing": self._on_xla_multiprocessing,
         }
         self._active = self._feeding = True
         if hasattr(os, "register_at_fork"):  # (weakly: the registration outlives the watcher)
@@ -277,7 +314,7 @@ class Watcher:
     def _stop(self, exc: BaseException) -> None:
         if self._feeding:
             self._feeding = False
-            self.notes.append(f"watching stopped at step {self.steps}: {type(exc).__name__}: {exc}")
+            self.stopped = (self.steps, f"{type(exc).__name__}: {exc}")
 
     # -- torch ----------------------------------------------------------------------------
     def _on_optimizer(self, module: types.ModuleType) -> None:
@@ -296,6 +333,10 @@ class Watcher:
             def __iter__(loader: Any) -> Any:
                 if watcher._feeding:
                     watcher.tracker.loader_info = describe_loader(loader)
+                    if "data" not in watcher.sites:
+                        site = _data_site(loader)
+                        if site is not None:
+                            watcher.sites["data"] = site
                 return original(loader)
             return __iter__
 
@@ -324,7 +365,7 @@ class Watcher:
             if not self.steps:  # the batch of the first step: its line is the training loop's
                 site = user_site()
                 if site:
-                    self.sites["loop"] = site
+                    self.sites["loop"] = Site(*site, "the training loop")
             # As ap.loader hands them over: a host batch is looked at for NaN and Inf now where
             # the device is not the host, and goes with the step where it is (from the first
             # step on: the backend, and with it the checks, is chosen there).
@@ -344,7 +385,8 @@ class Watcher:
             if self.steps == 1:
                 site = user_site()
                 if site:
-                    self.sites["step"] = site
+                    self.sites["step"] = Site(*site, "the optimizer step")
+                self.style = _style(sys._getframe(), self.style)
             backend = self.backend or self._select(optimizer)
             if backend is None:
                 return
@@ -362,7 +404,7 @@ class Watcher:
     def _close(self) -> None:
         optimizer, self._open = self._open, None
         if self.backend is not None:
-            self.tracker.step_end(optimizer)
+            self.tracker.step_end(None if optimizer is _NO_OPTIMIZER else optimizer)
 
     def _runtime(self, on_host: bool) -> Runtime:
         """A runtime of the watcher's own (not the process's ``ap.*`` one), reading the watcher's settings."""
@@ -372,7 +414,8 @@ class Watcher:
         if self._metrics_file:
             overrides["ACCELPORT_METRICS_FILE"] = self._metrics_file
         # The batches before the first step belong to it, and so do the compilations since install().
-        return Runtime(_Overlay(overrides, self._environ), tracker=self.tracker, compile_events=self._compile_events)
+        return Runtime(_Overlay(overrides, self._environ), tracker=self.tracker, compile_events=self._compile_events,
+                       from_process_start=True)
 
     def _prebuild(self) -> Runtime | None:
         """The plugin host and matrix for a run on the host CPU, built before the script starts.
@@ -394,7 +437,9 @@ class Watcher:
 
     def _select(self, optimizer: Any) -> Backend | None:
         """The backend whose counters describe this run, chosen at its first step; None (said why) if none."""
-        device_type = _device_type(optimizer)
+        return self._select_for(_device_type(optimizer))
+
+    def _select_for(self, device_type: str | None) -> Backend | None:
         on_host = device_type in (None, "cpu") and self._backend_name in (None, "cpu")
         runtime = self._prebuilt if on_host and self._prebuilt is not None else self._runtime(on_host)
         self._prebuilt = None
@@ -402,9 +447,12 @@ class Watcher:
         name = self._backend_name or _backend_for(host, device_type)
         if name is None:
             self._feeding = False
-            self.notes.append(f"no accelport backend drives the parameters' device type {device_type!r}, so "
-                              "nothing was diagnosed; --backend NAME reads the counters of the backend named")
+            self.unavailable = (str(device_type), f"no accelport backend drives the parameters' device type "
+                                f"{device_type!r}; --backend NAME reads the counters of the backend named")
             return None
+        if self.style == "torch" and host.backends[name].lazy:
+            self.style = "torch_xla"  # a raw torch_xla loop: torch_xla's spelling of each fix first
+        runtime.trains_as(self.style)
         backend = host.backends[name]
         if backend.lazy:
             self._count_syncs(backend)
@@ -414,9 +462,9 @@ class Watcher:
                 runtime.use(name)
         except AccelportError as exc:
             self._feeding = False
-            self.notes.append(f"the {name} backend's counters cannot be read here, so nothing was diagnosed: {exc}")
+            self.unavailable = (name, str(exc))
             return None
-        why = f"--backend {name}" if self._backend_name else f"the parameters being stepped are on {device_type}"
+        why = f"--backend {name}" if self._backend_name else f"the parameters being trained are on {device_type}"
         self.notes.append(f"counters from the {name} backend ({why})")
         # Said at the end with the findings: in the middle of the first step they would be lost.
         self.notes += [str(w.message) for w in caught]
@@ -441,10 +489,89 @@ class Watcher:
     # -- torch_xla -------------------------------------------------------------------------
     def _on_torch_xla(self, module: types.ModuleType) -> None:
         self._patch(module, "sync", self._sync_wrapper)
+        self._patch(module, "launch", self._spawn_wrapper("torch_xla.launch", None, "debug_single_process", None))
         counter = getattr(getattr(module, "_XLAC", None), "_xla_counter_value", None)
         if counter is not None:
             # Every host read of an XLA tensor goes through one of these two ops (see accelport.lazy).
             self._copies = lambda: (counter("xla::_to_cpu") or 0) + (counter("xla::_to_copy") or 0)
+
+    def _on_xla_multiprocessing(self, module: types.ModuleType) -> None:
+        self._patch(module, "spawn", self._spawn_wrapper("xmp.spawn", None))
+
+    def _on_multiprocessing(self, module: types.ModuleType) -> None:
+        self._patch(module, "spawn", self._spawn_wrapper("torch.multiprocessing.spawn", 1))
+        self._patch(module, "start_processes", self._spawn_wrapper("torch.multiprocessing.start_processes", 1))
+
+    def _spawn_wrapper(self, launcher: str, default: int | None, single: str | None = None,
+                       position: int | None = 2) -> Callable[[Any], Any]:
+        """A wrapper of a launcher that trains in processes of its own (nprocs: argument ``position`` or the keyword,
+        ``default`` when not given, None meaning every device; ``single``: the flag that keeps it in this process)."""
+        watcher = self
+
+        def make(original: Any) -> Any:
+            def launch(*args: Any, **kwargs: Any) -> Any:
+                if watcher._active:
+                    given = args[position] if position is not None and len(args) > position else default
+                    nprocs = kwargs.get("nprocs", given)
+                    if single is not None and (kwargs.get(single) or (len(args) > 3 and args[3] is True)):
+                        nprocs = 1
+                    if nprocs != 1:
+                        site = user_site()
+                        watcher.spawned.append((launcher, Site(*site) if site else None,
+                                                nprocs if isinstance(nprocs, int) else None))
+                return original(*args, **kwargs)
+            return launch
+
+        return make
+
+    def _on_autograd(self, module: types.ModuleType) -> None:
+        watcher = self
+
+        def make(original: Any) -> Any:
+            def backward(*args: Any, **kwargs: Any) -> Any:
+                result = original(*args, **kwargs)
+                if watcher._feeding and threading.get_ident() == watcher._main:
+                    watcher._backward(args[0] if args else kwargs.get("tensors"))
+                return result
+            return backward
+
+        self._patch(module, "backward", make)
+
+    #: Backward passes with no optimizer step ever that make a loop one that updates its weights by hand
+    #: (gradient accumulation over this many micro-batches before a first step is rare).
+    MANUAL_AFTER = 32
+
+    def _backward(self, tensors: Any) -> None:
+        """A backward pass ended. A loop with no optimizer step after many of them updates its weights by hand
+        (``p.data.add_(p.grad, alpha=-lr)``): from then on, each backward pass ends a step."""
+        self.backwards += 1
+        if self.steps:
+            return
+        try:
+            if not self._manual:
+                if self.backwards < self.MANUAL_AFTER:
+                    return
+                self._manual = True
+                site = user_site()
+                if site:
+                    self.sites.setdefault("step", Site(*site, "the backward pass"))
+            device = getattr(tensors[0] if isinstance(tensors, (list, tuple)) and tensors else tensors, "device", None)
+            backend = self.backend or self._select_for(getattr(device, "type", None))
+            if backend is None:
+                return
+            if self._open is not None:
+                self._close()
+            if backend.lazy:
+                self._open = _NO_OPTIMIZER
+            else:
+                self.tracker.step_end(None)
+        except Exception as exc:  # never into the script's backward()
+            self._stop(exc)
+
+    @property
+    def manual_steps(self) -> int:
+        """The backward passes taken as steps (a loop that updates its weights by hand), 0 otherwise."""
+        return self.backwards - self.MANUAL_AFTER + 1 if self._manual and not self.steps else 0
 
     def _on_xla_model(self, module: types.ModuleType) -> None:
         mark_step = getattr(module, "mark_step", None)
@@ -537,13 +664,12 @@ class Watcher:
             text = str(message)
             kind = text[1:text.find("]")] if text.startswith("[") and "]" in text else ""
             engine = self.runtime.diagnostics() if self.runtime is not None else None
-            here = user_site(also=engine.rule_files if engine is not None else frozenset())
-            if kind and here:
-                self.sites.setdefault(kind, here)
-            finding = next((f for f in reversed(self.findings) if f.kind == kind), None)
-            site = (where(finding, self.sites) if finding is not None else None) or here
-            if site is not None:
-                filename, lineno, line = site[0], site[1], None
+            if kind and engine is not None and kind in engine.kinds:
+                # A finding: said once, in the summary at the end, with the run's totals. Only its line is kept.
+                here = user_site(also=engine.rule_files)
+                if here:
+                    self.sites.setdefault(kind, Site(*here, "where it was found"))
+                return
             if self._redactor is not None:  # accelport's own message: no credential, no control character
                 message, filename, line = _redacted(self._redactor, message, category, filename, lineno, line)
         self._showwarning(message, category, filename, lineno, file, line)
@@ -565,7 +691,19 @@ class Watcher:
     def findings(self) -> list[Diagnosis]:
         """The diagnoses so far (as ``ap.diagnostics()`` gives them), without judging the steps not yet handed over."""
         engine = self.runtime.diagnostics() if self.runtime is not None else None
-        return list(engine.findings) if engine is not None else []
+        return engine.current() if engine is not None else []
+
+    @property
+    def kinds(self) -> list[str]:
+        """The kinds the rules of this run look for (none before the backend is chosen)."""
+        engine = self.runtime.diagnostics() if self.runtime is not None else None
+        return list(engine.kinds) if engine is not None else []
+
+    @property
+    def unjudged(self) -> dict[str, str]:
+        """kind -> why its rule did not judge this run ("needs 10 steps"); empty when every rule judged it."""
+        engine = self.runtime.diagnostics() if self.runtime is not None else None
+        return engine.unjudged() if engine is not None else {}
 
     @property
     def rule_failures(self) -> list[str]:
@@ -603,6 +741,50 @@ def _stop_in_child(ref: weakref.ReferenceType[Watcher]) -> None:
     watcher = ref()
     if watcher is not None:
         watcher._active = watcher._feeding = False
+
+
+#: Which framework a loop lives in, by the top-level package of a frame that runs the optimizer step.
+_FRAMEWORK_STYLES = {"transformers": "transformers", "accelerate": "transformers", "trl": "transformers",
+                     "lightning": "lightning", "pytorch_lightning": "lightning", "lightning_fabric": "lightning"}
+
+
+def _style(frame: types.FrameType | None, default: str) -> str:
+    """How the script trains, from the frames that run its first optimizer step: a framework's loop
+    (HuggingFace Trainer or Accelerate, Lightning), else ``default``."""
+    while frame is not None:
+        package = (frame.f_globals.get("__name__") or "").partition(".")[0]
+        if package in _FRAMEWORK_STYLES:
+            return _FRAMEWORK_STYLES[package]
+        frame = frame.f_back
+    return default
+
+
+def _data_site(loader: Any) -> Site | None:
+    """Where the user's code builds a DataLoader's batches: its collate_fn, else its dataset's __getitem__
+    (None where both are a library's: default_collate, a HuggingFace collator or dataset)."""
+    collate = getattr(loader, "collate_fn", None)
+    getitem = getattr(type(getattr(loader, "dataset", None)), "__getitem__", None)
+    for what, fn in (("collate_fn", collate), ("the dataset's __getitem__", getitem)):
+        code = _code_of(fn)
+        if code is None or library_file(code.co_filename) or code.co_filename.startswith("<"):
+            continue
+        name = f" {code.co_qualname if hasattr(code, 'co_qualname') else code.co_name}" if what == "collate_fn" else ""
+        return Site(code.co_filename, code.co_firstlineno, f"{what}{name}, where the batches are built")
+    return None
+
+
+def _code_of(fn: Any) -> types.CodeType | None:
+    """The code object a callable runs: a function or method, a functools.partial's, a callable object's."""
+    for _ in range(4):
+        if fn is None:
+            return None
+        code = getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
+        if isinstance(code, types.CodeType):
+            return code
+        # A functools.partial's function, else the __call__ of a callable object's class (or a base's).
+        fn = getattr(fn, "func", None) or next(
+            (vars(c)["__call__"] for c in type(fn).__mro__ if "__call__" in vars(c)), None)
+    return None
 
 
 def _device_type(optimizer: Any) -> str | None:

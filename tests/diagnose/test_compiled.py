@@ -87,13 +87,13 @@ def test_the_recompile_limit_is_a_problem_naming_the_function_the_shapes_and_buc
     (found,) = ap.diagnostics()
     assert found.severity == "problem" and found.step == 4  # the fourth shape found the limit
     line = Pool.forward.__code__.co_firstlineno
-    assert f"Pool.forward ({HERE}:{line}) reached torch._dynamo.config.recompile_limit (3)" in found.message
-    assert "its input 'x' changed size along dim 1 (5, 6, 7, 8)" in found.message
-    assert "runs it eagerly" in found.message
+    assert f"Pool.forward ({HERE}:{line}) reached torch._dynamo.config.recompile_limit (3)" in found.text
+    assert "its input 'x' changed size along dim 1 (5, 6, 7, 8)" in found.text
+    assert "runs it eagerly" in found.text
     # Buckets for the lengths this run saw, and the dynamic-shape fix inductor allows.
-    assert "ap.data.BucketCollate(buckets=(" in found.message and "compilations instead of" in found.message
+    assert "ap.data.BucketCollate(buckets=(" in found.text and "compilations instead of" in found.text
     assert found.evidence["buckets"][-1] == 8  # the longest length seen by then
-    assert "torch._dynamo.mark_dynamic(x, 1)" in found.message and "dynamic=None" in found.message
+    assert "torch._dynamo.mark_dynamic(x, 1)" in found.text and "dynamic=None" in found.text
     assert ap.metrics().compilations == 3  # and then it silently ran eagerly
 
 
@@ -105,8 +105,8 @@ def test_a_graph_break_on_every_call_is_named_with_its_line_and_fix_not_as_recom
     assert kinds() == ["graph-break"]
     (found,) = ap.diagnostics()
     line = Branchy.forward.__code__.co_firstlineno + 2
-    assert f"at {HERE}:{line} in forward (`if h.sum().item() > 0:`)" in found.message
-    assert "Tensor.item()" in found.message and "torch.where" in found.message
+    assert f"at {HERE}:{line} in forward (`if h.sum().item() > 0:`)" in found.text
+    assert "Tensor.item()" in found.text and "torch.where" in found.text
     assert found.evidence["graph_breaks"] >= 1 and found.severity == "warning"
 
 
@@ -121,10 +121,10 @@ def test_recompilation_of_a_compiled_function_names_the_argument_the_dim_and_the
     assert kinds() == ["recompilation"]
     (found,) = ap.diagnostics()
     line = Pool.forward.__code__.co_firstlineno
-    assert f"the compiled function Pool.forward ({HERE}:{line}) was compiled" in found.message
-    assert "its input 'x' changed size along dim 1 (10, 12, 17, " in found.message
-    assert "collate_fn=ap.data.BucketCollate(buckets=(" in found.message
-    assert "torch._dynamo.mark_dynamic(x, 1)" in found.message
+    assert f"the compiled function Pool.forward ({HERE}:{line}) was compiled" in found.text
+    assert "its input 'x' changed size along dim 1 (10, 12, 17, " in found.text
+    assert "collate_fn=ap.data.BucketCollate(buckets=(" in found.text
+    assert "torch._dynamo.mark_dynamic(x, 1)" in found.text
     assert 2 <= len(found.evidence["buckets"]) <= 6
 
 
@@ -156,10 +156,11 @@ def test_static_only_compilers_get_bucketing_as_the_fix() -> None:
     hit = LimitHit("recompile_limit", 8, "forward", "model.py:12", "0/7: tensor 'x' size mismatch at index 1")
     buckets = suggest({n: 1 for n in range(100, 109)})
     for backend in ("tpu", "neuron"):
-        text = compiled.compile_limit_message(hit, [f], backend, compiled.accepts_dynamic(backend), buckets, 9)
+        dynamic = compiled.accepts_dynamic(backend)
+        text = " ".join(compiled.compile_limit_message(hit, [f], backend, dynamic, buckets, 9))
         assert f"Bucketing is the fix: the {backend} compiler rejects dynamic shapes" in text
         assert "mark_dynamic" not in text and "BucketCollate(buckets=(112,)): 1 compilation instead of 9" in text
-    text = compiled.compile_limit_message(hit, [f], "cuda", compiled.accepts_dynamic("cuda"), buckets, 9)
+    text = " ".join(compiled.compile_limit_message(hit, [f], "cuda", compiled.accepts_dynamic("cuda"), buckets, 9))
     assert "mark_dynamic(x, 1)" in text and "cuda's compiler (inductor) accepts dynamic shapes" in text
     assert compiled.accepts_dynamic("somebody-elses") is None
 
@@ -212,6 +213,6 @@ def test_replayed_records_carry_the_limit_and_the_breaks() -> None:
     d = feed(records)
     assert rule_kinds(d) == ["graph-break", "compile-limit"]
     limit = d.findings[1]
-    assert limit.severity == "problem" and limit.step == 5 and "runs it eagerly" in limit.message
-    assert "BucketCollate(buckets=(" in limit.message  # from the batch shapes the records carry
-    assert "2 compilations broke a graph" in d.findings[0].message
+    assert limit.severity == "problem" and limit.step == 5 and "runs it eagerly" in limit.text
+    assert "BucketCollate(buckets=(" in limit.text  # from the batch shapes the records carry
+    assert "2 compilations broke a graph" in d.findings[0].text

@@ -14,7 +14,7 @@ import pytest
 import accelport as ap
 from accelport.contract import StepRecord
 from accelport.diagnose.engine import Diagnostics
-from accelport.diagnose.rules import describe_shape_change
+from accelport.diagnose.rules import BUILTIN_RULES, describe_shape_change
 from accelport.diagnose.rules.cpu_fallback import CpuFallbackRule
 from tests.diagnoses import engine
 
@@ -50,7 +50,10 @@ def kinds(d: Diagnostics) -> list[str]:
 
 
 def test_shape_change_is_described() -> None:
-    assert describe_shape_change(sig(128), sig(131)) == "input 0 changed from (8, 128, 16) to (8, 131, 16)"
+    assert describe_shape_change(sig(128), sig(131)) == (
+        "input 0 changed from (8, 128, 16) to (8, 131, 16) along dim 1 (a sequence or image dimension)")
+    assert describe_shape_change(sig(4), (((5, 4, 16), "float32"), ((8,), "int64"))) == (
+        "input 0 changed from (8, 4, 16) to (5, 4, 16) along the batch dimension (dim 0)")
     assert describe_shape_change(sig(4), sig(4)) is None
     assert describe_shape_change(None, sig(4)) is None
 
@@ -61,8 +64,8 @@ def test_growing_compilations_flagged_within_30_steps_naming_the_shape_change() 
     assert kinds(d) == ["recompilation"]
     found = d.findings[0]
     assert found.step <= 30
-    assert "input 0 changed from (8, 109, 16) to (8, 110, 16)" in found.message
-    assert "BucketCollate" in found.message
+    assert "input 0 changed from (8, 109, 16) to (8, 110, 16)" in found.text
+    assert "BucketCollate" in found.text
 
 
 def test_bucketing_plus_first_step_and_final_batch_is_silent() -> None:
@@ -94,11 +97,11 @@ def test_a_loop_recompiling_every_third_step_is_flagged_within_30_steps() -> Non
     d = feed([rec(s, compiles=int(s % 3 == 0), sig=sig(64)) for s in range(1, 100)])
     assert kinds(d) == ["recompilation"]
     assert d.findings[0].step <= 30
-    assert "recompiled in 6 of the last" in d.findings[0].message
+    assert "recompiled in 6 of the last" in d.findings[0].text
     # ... and on a new shape each time.
     d = feed([rec(s, compiles=int(s % 3 == 0), sig=sig(64 + s // 3)) for s in range(1, 100)])
     assert kinds(d) == ["recompilation"] and d.findings[0].step <= 30
-    assert "changed from (8, 73, 16) to (8, 74, 16)" in d.findings[0].message
+    assert "changed from (8, 73, 16) to (8, 74, 16)" in d.findings[0].text
 
 
 def test_an_old_shape_change_is_not_blamed_for_later_recompilation() -> None:
@@ -107,14 +110,14 @@ def test_an_old_shape_change_is_not_blamed_for_later_recompilation() -> None:
     records += [rec(s, compiles=1, sig=sig(256)) for s in range(40, 70)]
     d = feed(records)
     assert kinds(d) == ["recompilation"]
-    assert "changed from" not in d.findings[0].message
-    assert "input shapes did not change" in d.findings[0].message
+    assert "changed from" not in d.findings[0].text
+    assert "input shapes did not change" in d.findings[0].text
 
 
 def test_without_ap_loader_the_shapes_are_unknown_not_unchanged() -> None:
     d = feed([rec(s, compiles=1, sig=None) for s in range(1, 30)])
     assert kinds(d) == ["recompilation"]
-    message = d.findings[0].message
+    message = d.findings[0].text
     assert "did not come through ap.loader" in message and "did not change" not in message
     assert "BucketCollate" in message and "masked_sum" in message
 
@@ -122,14 +125,14 @@ def test_without_ap_loader_the_shapes_are_unknown_not_unchanged() -> None:
 def test_recompiling_with_unchanged_shapes_points_at_data_dependent_ops() -> None:
     d = feed([rec(s, compiles=1, sig=sig(64)) for s in range(1, 25)])
     assert kinds(d) == ["recompilation"]
-    assert "input shapes did not change" in d.findings[0].message
-    assert "masked_sum" in d.findings[0].message
+    assert "input shapes did not change" in d.findings[0].text
+    assert "masked_sum" in d.findings[0].text
 
 
 def test_host_sync_needs_transfers_in_most_steps() -> None:
     d = feed([rec(s, d2h=1, sig=sig(8)) for s in range(1, 15)])
     assert kinds(d) == ["host-sync"]
-    assert "ap.after_step" in d.findings[0].message and d.findings[0].evidence["transfers_per_step"] == 1.0
+    assert "ap.after_step" in d.findings[0].text and d.findings[0].evidence["transfers_per_step"] == 1.0
     # Logging every 10 steps (through after_step or not) is fine.
     assert feed([rec(s, d2h=int(s % 10 == 0), sig=sig(8)) for s in range(1, 60)]).findings == []
     # An eager backend cannot count transfers: no key, no finding.
@@ -146,7 +149,7 @@ def test_host_reads_counted_for_many_steps_at_once_are_not_overstated() -> None:
     d = feed(records)
     assert kinds(d) == ["host-sync"]
     assert d.findings[0].evidence["transfers_per_step"] == 1.0
-    assert "1.0 device-to-host transfers per step in 10 of the last 10 steps" in d.findings[0].message
+    assert "1.0 device-to-host transfers per step in 10 of the last 10 steps" in d.findings[0].text
     # Many reads in a block may all be one step's (a checkpoint, an eval): alone, silent.
     block = [rec(s, d2h=0, sig=sig(8)) for s in range(1, 41)]
     block += [rec(s, sig=sig(8), counted=0) for s in range(41, 56)] + [rec(56, d2h=300, sig=sig(8), counted=16)]
@@ -169,7 +172,7 @@ def test_cpu_fallbacks_are_looked_for_early_and_then_every_1000_steps(monkeypatc
 def test_input_bound_reports_share_workers_and_cores() -> None:
     d = feed([rec(s, seconds=0.1, wait=0.06, loader={"num_workers": 0}) for s in range(1, 15)])
     assert kinds(d) == ["input-bound"]
-    msg = d.findings[0].message
+    msg = d.findings[0].text
     assert "60%" in msg and "num_workers=0" in msg and "CPU cores" in msg
     assert feed([rec(s, seconds=0.1, wait=0.01) for s in range(1, 40)]).findings == []
 
@@ -179,7 +182,7 @@ def test_graph_growth_against_the_usual_step() -> None:
     records.append(rec(10, graph=120 + 800, sig=sig(8)))
     d = feed(records)
     assert kinds(d) == ["graph-growth"]
-    assert "920 nodes (usually 120)" in d.findings[0].message and "ap.sync()" in d.findings[0].message
+    assert "920 nodes (usually 120)" in d.findings[0].text and "ap.sync()" in d.findings[0].text
     # Normal jitter in graph size is not growth.
     assert feed([rec(s, graph=120 + (s % 3) * 10, sig=sig(8)) for s in range(1, 40)]).findings == []
 
@@ -199,7 +202,7 @@ def test_deprecated_config_is_reported_on_the_first_step() -> None:
     d = engine({"XLA_USE_BF16": "1"})
     with pytest.warns(ap.DiagnosticWarning, match="XLA_USE_BF16 is deprecated"):
         d.step_end(rec(1))
-    assert kinds(d) == ["deprecated-config"] and "autocast" in d.findings[0].message
+    assert kinds(d) == ["deprecated-config"] and "autocast" in d.findings[0].text
     quiet = engine({"XLA_USE_BF16": "0"})
     quiet.step_end(rec(1))
     assert quiet.findings == []
@@ -250,7 +253,7 @@ def test_input_bound_on_cpu_with_a_slow_dataset() -> None:
     (found,) = ap.diagnostics()
     assert found.kind == "input-bound"
     assert found.evidence["num_workers"] == 0 and found.evidence["data_wait_share"] > 0.3
-    assert "Set num_workers to " in found.message and "in parallel" in found.message
+    assert "Set num_workers to " in found.text and "in parallel" in found.text
 
 
 def test_healthy_cpu_loop_is_silent_and_nothing_lazy_fires() -> None:
@@ -381,3 +384,36 @@ def test_host_read_traces_are_per_listener_and_a_new_one_clears_nothing() -> Non
     first, second = out.stdout.strip().rsplit("} {", 1)
     assert "'<string>:5': 1" in first and "'<string>:7': 1" in first  # the first listener kept its count
     assert "'<string>:7': 1" in second and "<string>:5" not in second
+
+
+def test_a_finding_carries_the_runs_totals_and_buckets_for_every_length_seen() -> None:
+    # Recompiling on a new length every step: found by step 10, when the longest length so far is 110;
+    # the run goes on to 140. What is read at the end says the run, next to the moment it fired.
+    d = feed([rec(s, compiles=1, sig=sig(100 + s), seconds=0.5) for s in range(1, 41)])
+    [found] = d.current()
+    assert found.kind == "recompilation" and found.step <= 10
+    assert max(found.evidence["buckets"]) < 140  # the moment it fired
+    buckets = [int(b) for b in found.fix.split("buckets=(")[1].split(")")[0].split(",")]
+    assert max(buckets) >= 140  # the fix: from every length the run saw
+    assert found.totals["compilations"] == 40 and found.totals["compiling_steps"] == 40  # every step compiled
+    assert found.totals["steps"] == 40 and found.totals["distinct_batch_shapes"] == 40
+    assert "compilations 40" in found.totals_text and "compile share" not in found.totals_text
+
+
+def test_the_fix_is_in_the_scripts_own_terms() -> None:
+    from accelport.diagnose.rule import RunView
+
+    records = [rec(s, d2h=1, sig=sig(8)) for s in range(1, 20)]
+    fixes = {}
+    for style in ("accelport", "torch", "torch_xla", "transformers", "lightning"):
+        d = Diagnostics([("diagnostics", r) for r in BUILTIN_RULES], RunView(style=style))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for r in records:
+                d.step_end(r)
+        [found] = d.findings
+        fixes[style] = found.fix
+    assert fixes["accelport"].startswith("Log with ap.after_step(fn, loss)")
+    assert fixes["torch_xla"].startswith("Read them in a step closure instead: xm.add_step_closure(")
+    assert "logging_steps" in fixes["transformers"] and "self.log(" in fixes["lightning"]
+    assert "loss.detach()" in fixes["torch"]

@@ -47,8 +47,8 @@ def test_item_in_every_step_is_a_host_sync_on_an_accelerator(standin: EagerBacke
         train(20, inside=lambda loss: loss.item())
     assert [d.kind for d in ap.diagnostics()] == ["host-sync"]
     (found,) = ap.diagnostics()
-    assert "makes the host wait there until the device has run everything queued" in found.message
-    assert "ap.after_step(fn, loss)" in found.message and "cuts the graph" not in found.message
+    assert "makes the host wait there until the device has run everything queued" in found.text
+    assert "ap.after_step(fn, loss)" in found.text and "cuts the graph" not in found.text
     assert ap.metrics().device_to_host == 20  # counted, where the backend itself has no counter
 
 
@@ -66,7 +66,7 @@ def test_trace_mode_names_the_line(standin: EagerBackend, monkeypatch: pytest.Mo
         train(20, inside=read)
     (found,) = ap.diagnostics()
     line = read.__code__.co_firstlineno + 1
-    assert found.evidence["sites"] == [f"{HERE}:{line}"] and f"It happens at {HERE}:{line}" in found.message
+    assert found.evidence["sites"] == [f"{HERE}:{line}"] and f"It happens at {HERE}:{line}" in found.text
     assert found.evidence["transfers_per_step"] == 1.0
 
 

@@ -106,8 +106,8 @@ def test_a_nan_in_one_input_batch_names_that_step_and_the_input() -> None:
     assert kinds() == ["non-finite"]
     (found,) = ap.diagnostics()
     assert found.evidence["first_step"] == 7 and found.evidence["source"] == "input" and found.step == 7
-    assert "at step 7: it came from the input batch (input 0: 1 of 256 values are NaN or Inf)" in found.message
-    assert "Bad data" in found.message and found.severity == "problem"
+    assert "at step 7: it came from the input batch (input 0: 1 of 256 values are NaN or Inf)" in found.text
+    assert "Bad data" in found.text and found.severity == "problem"
 
 
 def test_a_learning_rate_that_diverges_names_the_loss_and_the_fixes() -> None:
@@ -116,9 +116,9 @@ def test_a_learning_rate_that_diverges_names_the_loss_and_the_fixes() -> None:
         train(Net(), data(30, scale=10.0), lr=5.0)
     (found,) = ap.diagnostics()
     assert found.evidence["source"] == "loss" and 2 <= found.evidence["first_step"] <= 10
-    assert "it came from the loss (every gradient is NaN or Inf" in found.message
-    assert "learning rate too high" in found.message and "clip_grad_norm_" in found.message
-    assert "without a Python branch on the returned norm" in found.message and "fp32" in found.message
+    assert "it came from the loss (every gradient is NaN or Inf" in found.text
+    assert "learning rate too high" in found.text and "clip_grad_norm_" in found.text
+    assert "without a Python branch on the returned norm" in found.text and "fp32" in found.text
 
 
 def test_one_parameters_gradient_is_named_by_its_module_path() -> None:
@@ -131,7 +131,7 @@ def test_one_parameters_gradient_is_named_by_its_module_path() -> None:
         train(RootBias(), data(20), inside=heat)
     (found,) = ap.diagnostics()
     assert found.evidence["source"] == "gradient" and found.evidence["first_step"] == 6
-    assert "the gradient of tail.root" in found.message and found.evidence["names"] == ["tail.root"]
+    assert "the gradient of tail.root" in found.text and found.evidence["names"] == ["tail.root"]
 
 
 def test_bf16_weights_with_a_tiny_learning_rate_stall_and_are_named() -> None:
@@ -144,9 +144,9 @@ def test_bf16_weights_with_a_tiny_learning_rate_stall_and_are_named() -> None:
     assert found.step == PRECISION_FIRST + PRECISION_EVERY + 1  # the second sample in a row
     assert set(found.evidence["params"]) >= {"hidden.weight", "out.weight"}
     assert all(share >= 0.5 for share in found.evidence["unchanged_share"].values())
-    assert "of hidden.weight (bfloat16)" in found.message
-    assert "ap.autocast" in found.message and "NEURON_RT_STOCHASTIC_ROUNDING_EN=1" in found.message
-    assert "Kahan" in found.message
+    assert "of hidden.weight (bfloat16)" in found.text
+    assert "ap.autocast" in found.text and "NEURON_RT_STOCHASTIC_ROUNDING_EN=1" in found.text
+    assert "Kahan" in found.text
 
 
 @pytest.mark.parametrize("case", ["bf16 autocast, fp32 weights", "fp32, a small learning rate",
@@ -206,7 +206,7 @@ def test_on_accelerators_a_nan_batch_is_found_late_but_named_exactly(standin: Ea
     (found,) = ap.diagnostics()
     # Read CHECK_EVERY steps later, but the first bad step and its input are exact.
     assert found.evidence["first_step"] == 5 and found.evidence["source"] == "input"
-    assert "input 0: 1 of 256 values" in found.message
+    assert "input 0: 1 of 256 values" in found.text
     # No host read inside the steps: the checks read through after_step's path, not the user's.
     assert watch_reads == [0] * len(watch_reads) and "host-sync" not in kinds()
 
@@ -216,7 +216,7 @@ def test_on_accelerators_a_diverging_loss_is_reported_from_the_gradients(standin
         train(Net(), data(CHECK_EVERY + 4, scale=10.0), lr=5.0)
     (found,) = ap.diagnostics()
     assert found.evidence["source"] == "gradients" and found.evidence["first_step"] <= 10
-    assert "the inputs were finite" in found.message.lower() and "(seen in out.bias)" in found.message
+    assert "the inputs were finite" in found.text.lower() and "(seen in out.bias)" in found.text
 
 
 def test_on_accelerators_healthy_training_is_silent(standin: EagerBackend) -> None:
@@ -252,7 +252,7 @@ def test_a_nan_in_an_earlier_accumulated_batch_is_not_blamed_on_the_loss_alone()
                 opt.zero_grad()
     (found,) = ap.diagnostics()
     assert found.evidence["first_step"] == 3 and found.evidence["source"] == "loss"
-    assert "or an earlier one of the 2 batches accumulated into this step held NaN or Inf" in found.message
+    assert "or an earlier one of the 2 batches accumulated into this step held NaN or Inf" in found.text
 
 
 def test_only_host_tensors_of_a_batch_are_looked_at() -> None:
@@ -289,7 +289,7 @@ def test_a_loss_linear_in_the_output_still_names_a_nan_batch_at_its_step() -> No
         train(Net(), data(30, nan_at=7), loss_fn=linear)
     (found,) = ap.diagnostics()
     assert found.evidence["first_step"] == 7 and found.evidence["source"] == "input"
-    assert "it came from the input batch (input 0: 1 of 256 values are NaN or Inf)" in found.message
+    assert "it came from the input batch (input 0: 1 of 256 values are NaN or Inf)" in found.text
 
 
 def test_a_loss_linear_in_the_output_that_diverges_is_found_at_the_step_the_weights_turn() -> None:
@@ -299,7 +299,7 @@ def test_a_loss_linear_in_the_output_that_diverges_is_found_at_the_step_the_weig
     turned = first_bad_update(data(60), 0.2, linear)
     (found,) = ap.diagnostics()
     assert found.evidence["first_step"] == turned and found.evidence["source"] == "gradient"
-    assert "the gradients became NaN or Inf at step" in found.message
+    assert "the gradients became NaN or Inf at step" in found.text
     assert found.evidence["names"] and "out.bias" not in found.evidence["names"]  # its gradient stays finite
 
 
@@ -309,8 +309,8 @@ def test_weights_that_overflow_in_the_update_with_finite_gradients_name_the_upda
         train(Net(), data(5, scale=100.0), lr=1e37)  # finite gradients of hundreds: lr * grad > 3.4e38
     (found,) = ap.diagnostics()
     assert (found.evidence["first_step"], found.evidence["source"]) == (1, "update")
-    assert found.message.startswith("the weights became NaN or Inf at step 1: it came from the optimizer's update")
-    assert "turned NaN or Inf in the update, its gradient finite" in found.message
+    assert found.text.startswith("the weights became NaN or Inf at step 1: it came from the optimizer's update")
+    assert "turned NaN or Inf in the update, its gradient finite" in found.text
 
 
 @pytest.mark.parametrize("loss_fn", [torch.nn.functional.mse_loss, linear], ids=["mse", "linear"])
@@ -320,11 +320,11 @@ def test_a_nan_input_that_no_loader_brought_is_not_blamed_on_the_loss(loss_fn: C
         train(Net(), data(30, nan_at=7), loss_fn=loss_fn, loader=False)
     (found,) = ap.diagnostics()
     assert found.evidence["first_step"] == 7 and found.evidence["source"] == "unknown"
-    assert "from an unknown source" in found.message
+    assert "from an unknown source" in found.text
     assert "the inputs of this step were not seen: they came neither through ap.loader nor through a DataLoader" \
-        in found.message
-    assert "Check the inputs first: torch.isfinite(x).all() on each batch" in found.message
-    assert "it came from the loss" not in found.message and "A learning rate too high" not in found.message
+        in found.text
+    assert "Check the inputs first: torch.isfinite(x).all() on each batch" in found.text
+    assert "it came from the loss" not in found.text and "A learning rate too high" not in found.text
 
 
 def test_a_batch_of_token_ids_counts_as_seen_its_nan_loss_is_the_loss() -> None:
@@ -341,7 +341,7 @@ def test_a_batch_of_token_ids_counts_as_seen_its_nan_loss_is_the_loss() -> None:
             opt.zero_grad()
     (found,) = ap.diagnostics()
     assert (found.evidence["first_step"], found.evidence["source"]) == (3, "loss")
-    assert "were not seen" not in found.message
+    assert "were not seen" not in found.text
 
 
 def test_healthy_loops_with_a_loss_linear_in_the_output_are_silent() -> None:
@@ -370,8 +370,8 @@ def test_on_accelerators_a_loss_linear_in_the_output_that_diverges_shows_in_the_
     assert ev["names"] == ["out.weight"]
     assert (f"the weights became NaN or Inf after step {ev['finite_at_step']} and by step {ev['found_by_step']} "
             f"(on {standin.name} they are read every {CHECK_EVERY} steps and at the end of each loop): "
-            "it showed in the weights (the weights (seen in out.weight))") in found.message
-    assert "The inputs were finite" in found.message
+            "it showed in the weights (the weights (seen in out.weight))") in found.text
+    assert "The inputs were finite" in found.text
 
 
 def test_on_accelerators_a_nan_input_that_no_loader_brought_is_not_called_finite(standin: EagerBackend) -> None:
@@ -379,8 +379,8 @@ def test_on_accelerators_a_nan_input_that_no_loader_brought_is_not_called_finite
         train(Net(), data(CHECK_EVERY + 10, nan_at=5), loader=False)
     (found,) = ap.diagnostics()
     assert found.evidence["first_step"] == 5 and found.evidence["source"] == "unknown"
-    assert "the inputs of these steps were not seen" in found.message
-    assert "The inputs were finite" not in found.message and "Check the inputs first" in found.message
+    assert "the inputs of these steps were not seen" in found.text
+    assert "The inputs were finite" not in found.text and "Check the inputs first" in found.text
 
 
 CRITIC = Path(__file__).resolve().parent / "critic_script.py"
@@ -424,7 +424,7 @@ def test_on_xla_a_loss_linear_in_the_output_that_diverges_shows_in_the_weights()
     ev = found.evidence
     assert (ev["source"], ev["found_by_step"], ev["finite_at_step"]) == ("gradients", 60, 0)
     assert ev["names"] == ["out.weight"]
-    assert found.message.startswith("the weights became NaN or Inf after step 0 and by step 60 (on xla they are "
+    assert found.text.startswith("the weights became NaN or Inf after step 0 and by step 60 (on xla they are "
                                     "read every few hundred steps")
 
 

@@ -129,3 +129,49 @@ def test_accelports_own_step_closures_are_not_counted_again_as_the_scripts() -> 
         watcher.uninstall()
     assert got == [6.0, 6.0]
     assert watcher.closure_reads == 1
+
+
+# -- in the script's own terms (raw torch_xla) ------------------------------------------------------
+
+
+def test_a_host_read_in_a_raw_torch_xla_loop_is_fixed_with_torch_xlas_step_closure(tmp_path, capfd) -> None:  # type: ignore[no-untyped-def]
+    script = SCRIPTS / "xla_mnist.py"
+    result, out, err = diagnose(script, tmp_path, capfd)
+    assert "step 5 loss " in out and out.rstrip().splitlines()[-1].startswith("accuracy ")
+    [found] = result["findings"]
+    assert found["kind"] == "host-sync"
+    assert found["evidence"]["where"] == f"{script}:{line_of(script, 'correct += ')}"
+    # torch_xla's own spelling first (the script already is torch_xla), accelport's as the portable one.
+    assert found["fix"].startswith("Read them in a step closure instead: xm.add_step_closure(fn, args=(loss,))")
+    assert "ap.after_step(fn, loss) is the portable spelling" in found["fix"]
+    assert found["totals"]["reads_per_step"] >= 1 and found["totals"]["steps"] >= 10
+    said = " ".join(err.split())
+    assert said.count("host-sync at step") == 1 and "HostSyncWarning" not in err  # said once, at the end
+
+
+def test_a_tensor_made_inside_the_step_that_changes_shape_is_named_with_its_line(tmp_path, capfd) -> None:  # type: ignore[no-untyped-def]
+    script = SCRIPTS / "xla_device_pad.py"
+    result, _, err = diagnose(script, tmp_path, capfd)
+    [found] = [f for f in result["findings"] if f["kind"] == "recompilation"]
+    cut = f"{script}:{line_of(script, 'h = x[:, : lengths[step]]')}"
+    # Not "look for x[mask], nonzero, .item()", none of which the script has: the tensor, its line, its shapes.
+    assert "the input shapes did not change, but a tensor made inside the step does" in found["message"]
+    assert f"at {cut} gave (8, " in found["message"], found["message"]
+    assert found["evidence"]["where"] == cut
+
+
+def test_training_in_processes_it_spawns_is_named_with_the_one_process_option(tmp_path: pathlib.Path) -> None:
+    from tests.diagnose_cli.runs import child_env, default_signals
+
+    script = SCRIPTS / "xla_spawn.py"
+    out = tmp_path / "f.json"
+    done = subprocess.run([sys.executable, "-m", "accelport", "diagnose", "--output", str(out), str(script)],
+                          capture_output=True, text=True, timeout=600, preexec_fn=default_signals,
+                          env=child_env({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"}))
+    assert done.returncode == 0 and done.stdout.endswith("done\n"), done.stderr
+    result = json.loads(out.read_text())
+    spawn = f"{script}:{line_of(script, 'xmp.spawn(train')}"
+    said = " ".join(done.stderr.split())
+    assert f"the script trains in a process per device it starts with xmp.spawn at {spawn}" in said, said
+    assert "xmp.spawn(fn, nprocs=1)" in said and "[ok ]" not in said
+    assert result["verdict"]["judged_every_step"] is False

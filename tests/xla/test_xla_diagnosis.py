@@ -108,8 +108,8 @@ def test_padding_to_the_batch_maximum_is_a_recompilation_naming_the_changed_shap
     m = ap.metrics()
     assert m.compilations - start.compilations >= 25 and m.batch_signatures == 30
     # The loader's batch signatures name what changed: input 0, along the sequence.
-    assert "input 0 changed from (4, " in found.message and ", 5) to (4, " in found.message
-    assert "BucketCollate" in found.message
+    assert "input 0 changed from (4, " in found.text and ", 5) to (4, " in found.text
+    assert "BucketCollate" in found.text
     assert found.evidence["distinct_signatures"] >= 8
 
 
@@ -142,9 +142,9 @@ def test_boolean_indexing_falls_back_to_the_cpu_reads_the_host_and_recompiles() 
     found = {d.kind: d for d in ap.diagnostics()}
     assert set(found) == {"cpu-fallback", "host-sync", "recompilation"}
     assert "aten::nonzero" in found["cpu-fallback"].evidence["ops"]
-    assert "input shapes did not change" in found["recompilation"].message
-    assert "masked_sum" in found["recompilation"].message
-    assert "cpu-fallback" in found["host-sync"].message  # the host reads are the fallbacks' own
+    assert "input shapes did not change" in found["recompilation"].text
+    assert "masked_sum" in found["recompilation"].text
+    assert "cpu-fallback" in found["host-sync"].text  # the host reads are the fallbacks' own
     assert ap.metrics().cpu_fallback["aten::nonzero"] >= 30
 
 
@@ -157,7 +157,7 @@ def test_item_every_step_is_a_host_sync() -> None:
     assert kinds() == ["host-sync"]
     found = ap.diagnostics()[0]
     assert found.evidence["transfers_per_step"] == 1.0
-    assert "ap.after_step" in found.message
+    assert "ap.after_step" in found.text
 
 
 class SlowDataset:
@@ -187,7 +187,7 @@ def test_a_slow_dataset_without_workers_is_input_bound() -> None:
     assert kinds() == ["input-bound"]
     found = ap.diagnostics()[0]
     assert found.evidence["num_workers"] == 0 and found.evidence["data_wait_share"] >= 0.3
-    assert "num_workers=0" in found.message and f"{os.cpu_count()} CPU cores" in found.message
+    assert "num_workers=0" in found.text and f"{os.cpu_count()} CPU cores" in found.text
 
 
 def test_400_ops_without_a_sync_inside_a_step_is_graph_growth() -> None:
@@ -210,7 +210,7 @@ def test_400_ops_without_a_sync_inside_a_step_is_graph_growth() -> None:
     usual, grown = found.evidence["usual_graph_nodes"], found.evidence["graph_nodes"]
     assert grown >= 800 and grown >= 4 * usual
     assert found.step in (12, 13)  # the grown graph compiles at the sync after its step
-    assert "ap.sync()" in found.message
+    assert "ap.sync()" in found.text
 
 
 def test_a_large_graph_every_step_after_a_small_start_up_graph_is_silent() -> None:
@@ -290,7 +290,7 @@ def test_without_ap_loader_a_recompilation_says_the_shapes_are_unknown() -> None
             ap.optimizer_step(opt)
             opt.zero_grad()
     (found,) = ap.diagnostics()
-    assert "did not come through ap.loader" in found.message and "did not change" not in found.message
+    assert "did not come through ap.loader" in found.text and "did not change" not in found.text
 
 
 TRACE_RUN = """

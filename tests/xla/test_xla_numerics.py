@@ -55,7 +55,7 @@ def test_a_nan_input_batch_is_named_exactly_without_an_extra_graph_or_transfer()
     assert kinds() == ["non-finite"]
     (found,) = ap.diagnostics()
     assert found.evidence["first_step"] == 6 and found.evidence["source"] == "input"
-    assert "input 0: 1 of 176 values are NaN or Inf" in found.message
+    assert "input 0: 1 of 176 values are NaN or Inf" in found.text
     m = ap.metrics()
     # The step's graph and the optimizer's start-up, as without the check; the gradients
     # kept were read after the loop's syncs, and those reads are not the user's.
@@ -71,8 +71,8 @@ def test_a_diverging_loss_is_reported_from_the_gradients() -> None:
     # Read at the loop's end: the step it was found by, and the last one known finite.
     assert found.evidence["source"] == "gradients" and found.evidence["found_by_step"] == 20
     assert found.evidence["first_step"] is None and found.evidence["finite_at_step"] == 0
-    assert "after step 0 and by step 20 (on xla they are read every few hundred steps" in found.message
-    assert "The inputs were finite" in found.message and "clip_grad_norm_" in found.message
+    assert "after step 0 and by step 20 (on xla they are read every few hundred steps" in found.text
+    assert "The inputs were finite" in found.text and "clip_grad_norm_" in found.text
 
 
 def test_bf16_weights_with_a_tiny_learning_rate_stall() -> None:
@@ -126,8 +126,8 @@ def test_a_loop_that_accumulates_without_a_sync_is_flagged_at_its_sync() -> None
     (found,) = ap.diagnostics()
     assert found.evidence["where"] == "ap.sync()"
     assert found.evidence["graph_nodes"] >= 4 * found.evidence["usual_graph_nodes"]
-    assert "with no training step since the previous sync" in found.message
-    assert "ap.sync() once per iteration" in found.message
+    assert "with no training step since the previous sync" in found.text
+    assert "ap.sync() once per iteration" in found.text
 
 
 def test_a_loop_that_syncs_each_iteration_is_silent() -> None:

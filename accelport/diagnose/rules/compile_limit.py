@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from accelport.contract import StepRecord
-from accelport.diagnose import compiled
+from accelport.diagnose import advice, compiled
 from accelport.diagnose.rule import Rule
 from accelport.errors import DiagnosticWarning
 
@@ -53,21 +53,47 @@ class CompileLimitRule(Rule):
         shapes = self.run.shapes
         distinct = len(shapes.distinct)
         suggestion = shapes.suggestion() or compiled.dynamo_suggestion(functions)
+        style = self.run.style
         if hits:
             hit = hits[0]
             declared = self.run.compile_dynamic if self.run.backend == record.backend else None
-            message = compiled.compile_limit_message(hit, functions, record.backend,
-                                                     compiled.accepts_dynamic(record.backend, declared),
-                                                     suggestion, distinct)
+            dynamic = compiled.accepts_dynamic(record.backend, declared)
+
+            def fix_for(suggestion: Any, distinct: int) -> str:
+                return compiled.compile_limit_message(hit, functions, record.backend, dynamic, suggestion, distinct,
+                                                      style)[1]
+
+            message, _ = compiled.compile_limit_message(hit, functions, record.backend, dynamic, suggestion,
+                                                        distinct, style)
             evidence: dict[str, Any] = {"function": f"{hit.function} ({hit.where})", "limit": hit.limit,
                                         "limit_type": hit.limit_type}
         else:  # replayed from a metrics file: the count, not dynamo's record
-            fix = f" Pad to a few lengths: collate_fn={compiled.describe(suggestion, distinct)}." \
-                if suggestion else " Pad or bucket the inputs (ap.data.BucketCollate) so it sees only a few shapes."
+
+            def fix_for(suggestion: Any, distinct: int) -> str:
+                return advice.varying_length(style, compiled.describe(suggestion, distinct) if suggestion else None)
+
             message = ("a compiled function reached torch._dynamo's recompile limit: from now on every new shape "
                        "runs it eagerly, uncompiled and silently slower, for the rest of the run "
-                       f"({distinct} distinct batch shapes so far).{fix}")
+                       f"({distinct} distinct batch shapes so far).")
             evidence = {}
         evidence["distinct_signatures"] = distinct
         evidence["buckets"] = list(suggestion.buckets) if suggestion else None
-        self.report(message, record.step, **evidence)
+        self._fix_for = fix_for
+        self.report(message, record.step, fix=fix_for(suggestion, distinct), **evidence)
+
+    def current_fix(self) -> str | None:
+        """The fix with buckets from every length the run saw (the finding is made early, before the longest came)."""
+        fix_for = getattr(self, "_fix_for", None)
+        suggestion = self.run.shapes.suggestion()
+        if fix_for is None or suggestion is None:
+            return None
+        return str(fix_for(suggestion, len(self.run.shapes.distinct)))
+
+    def totals(self) -> dict[str, Any]:
+        events = self.run.compile_events
+        counters = self.run.counters() if self.run.counters is not None else {}
+        return {"compilations": counters.get("compilations"),
+                "distinct_batch_shapes": len(self.run.shapes.distinct) or None,
+                "functions_at_the_limit": len({(h.function, h.where) for h in events.limit_hits()})
+                if events is not None else None,
+                "compile_seconds": round(events.compile_seconds(), 3) if events is not None else None}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from accelport.contract import StepRecord
 from accelport.diagnose.rule import Rule
 from accelport.errors import DiagnosticWarning
@@ -26,6 +28,11 @@ class CpuFallbackRule(Rule):
                 record.step in self.CHECK_STEPS or record.step % self.CHECK_EVERY == 0):
             self._judge(record)
 
+    def totals(self) -> dict[str, Any]:
+        counters = self.run.counters
+        ops = (counters().get("cpu_fallback") or {}) if counters is not None else {}
+        return {"ops": {op: n for op, n in ops.items() if op != "aten::_local_scalar_dense"}}
+
     def _judge(self, record: StepRecord) -> None:
         counters = self.run.counters
         if counters is None or self.run.backend != record.backend:
@@ -38,8 +45,9 @@ class CpuFallbackRule(Rule):
         listed = ", ".join(f"{op} ({n}x)" for op, n in sorted(ops.items(), key=lambda kv: -kv[1])[:5])
         self.report(
             f"ops with no {record.backend} lowering ran on the host CPU: {listed}. Each one copies data to "
-            "the host and back and cuts the graph. Replace them with fixed-shape equivalents (torch.nonzero -> "
-            "a mask with torch.where; boolean indexing -> ap.data.masked_sum) or move them out of the step.",
+            "the host and back and cuts the graph.",
             record.step,
+            fix=("Replace them with fixed-shape equivalents (torch.nonzero -> a mask with torch.where; boolean "
+                 "indexing -> ap.data.masked_sum) or move them out of the step."),
             ops=dict(ops),
         )

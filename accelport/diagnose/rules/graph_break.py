@@ -3,6 +3,8 @@ read, between two graphs)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from accelport.contract import StepRecord
 from accelport.diagnose import compiled
 from accelport.diagnose.rule import Rule
@@ -22,6 +24,8 @@ class GraphBreakRule(Rule):
     warning = GraphBreakWarning
     MIN_STEP = 3  # graph breaks are judged from this step (they are recorded at compile time)
 
+    judges_from = MIN_STEP
+
     def start(self) -> None:
         self._counted = 0  # from the records (replay); live runs read dynamo
 
@@ -40,5 +44,13 @@ class GraphBreakRule(Rule):
             return
         breaks = events.graph_breaks() if events is not None and live else []
         total = live or self._counted
-        self.report(compiled.graph_break_message(breaks, total), record.step, graph_breaks=total,
-                    sites=[f"{b.where}: {b.reason}" for b in breaks])
+        message, fix = compiled.graph_break_message(breaks, total, self.run.style)
+        # The user's lines only: a break in a library's own code is shown where the user called into it.
+        sites = [f"{b.caller or b.where}: {b.reason}" if b.library else f"{b.where}: {b.reason}" for b in breaks]
+        self.report(message, record.step, fix=fix, graph_breaks=total, sites=sites,
+                    libraries=sorted({b.library for b in breaks if b.library}))
+
+    def totals(self) -> dict[str, Any]:
+        events = self.run.compile_events
+        live = events.graph_break_count() if events is not None else 0
+        return {"graph_breaks": live or self._counted}

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from accelport.contract import StepRecord
+from accelport.diagnose import advice
 from accelport.diagnose.rule import Rule
 from accelport.errors import DiagnosticWarning
 
@@ -37,9 +38,13 @@ class GraphGrowthRule(Rule):
     def severity_of(cls, evidence: Mapping[str, Any]) -> str:
         return "problem" if evidence.get("steps_without_sync") else "warning"
 
+    def unjudged(self, steps: int) -> str | None:
+        return None  # judged on every graph that runs (and only on lazy backends)
+
     def start(self) -> None:
         self._sizes: deque[float] = deque(maxlen=50)
         self._unsynced = 0  # steps in a row whose records say the script did not sync
+        self._most_unsynced = 0
         self._step = 0
 
     def step(self, record: StepRecord) -> None:
@@ -52,11 +57,16 @@ class GraphGrowthRule(Rule):
         syncs = delta.get("syncs")
         if syncs is not None and record.counted_steps and not self.reported:
             self._unsynced = 0 if syncs else self._unsynced + record.counted_steps
+            self._most_unsynced = max(self._most_unsynced, self._unsynced)
             if self._unsynced >= self.UNSYNCED_STEPS:
                 self._never_synced(record)
         size = delta.get("graph_nodes")
         if size:  # (the largest graph run since the last read: a small start-up graph hides behind it)
             self._grown(record, size)
+
+    def totals(self) -> dict[str, Any]:
+        return {"largest_graph_nodes": int(max(self._sizes)) if self._sizes else None,
+                "steps_in_a_row_without_a_sync": self._most_unsynced or None}
 
     def graph_ran(self, nodes: int, where: str) -> None:
         """Compared with the usual graph of the steps and syncs before it; with none, flagged past FIRST nodes."""
@@ -75,9 +85,9 @@ class GraphGrowthRule(Rule):
         self.report(
             f"a graph of {int(nodes)} nodes ran at {where}{usual_text} with no training step since the previous "
             "sync: a loop ran many iterations without a sync (a hand-written accumulation or evaluation loop), "
-            "so they compile and run as one huge graph (slow to compile, memory hungry). Call ap.sync() once per "
-            "iteration of that loop, or iterate it with ap.loader, which syncs once per batch.",
+            "so they compile and run as one huge graph (slow to compile, memory hungry).",
             self._step,
+            fix=advice.sync_long_loops(self.run.style),
             graph_nodes=int(nodes),
             usual_graph_nodes=int(usual) if usual else None,
             where=where,
@@ -98,10 +108,9 @@ class GraphGrowthRule(Rule):
         usual_text = f" (usually {int(usual)})" if usual else ""
         self.report(
             f"step {record.step} executed a graph of {int(size)} nodes{usual_text}: work accumulated without a "
-            "sync, so it compiles and runs as one huge graph (slow to compile, memory hungry). Call ap.sync() "
-            "inside long loops that are not training steps (evaluation, generation, metric accumulation), "
-            "e.g. once per iteration.",
+            "sync, so it compiles and runs as one huge graph (slow to compile, memory hungry).",
             record.step,
+            fix=advice.sync_long_loops(self.run.style),
             graph_nodes=int(size),
             usual_graph_nodes=int(usual) if usual else None,
         )
@@ -113,10 +122,8 @@ class GraphGrowthRule(Rule):
             "the loop never syncs (no torch_xla.sync() or xm.mark_step() after optimizer.step(), and the batches "
             "do not come through MpDeviceLoader), so on XLA nothing runs and one graph grows by a whole training "
             "step every step: each value read compiles a larger graph, memory grows, and the weights on the "
-            "device are not updated until it finally runs. Add torch_xla.sync() (xm.mark_step() on older "
-            "torch_xla) right after optimizer.step(), or iterate the batches through "
-            "torch_xla.distributed.parallel_loader.MpDeviceLoader, which syncs once per batch; a ported loop "
-            "(ap.loader, ap.optimizer_step) syncs by itself.",
+            "device are not updated until it finally runs.",
             record.step,
+            fix=advice.never_synced(self.run.style),
             steps_without_sync=n,
         )

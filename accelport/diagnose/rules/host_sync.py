@@ -6,8 +6,10 @@ Silent on ``cpu``, where the host is the device: no backend there counts such re
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 from accelport.contract import StepRecord
+from accelport.diagnose import advice
 from accelport.diagnose.rule import Rule
 from accelport.errors import DiagnosticWarning
 from accelport.observe.tracer import HostSyncSites
@@ -28,6 +30,13 @@ class HostSyncRule(Rule):
     WINDOW = 10  # steps looked back over
     STEPS = 8  # of the last WINDOW steps, this many read device values on the host
 
+    judges_from = 1 + WINDOW  # the first step holds the set-up; then a whole window
+
+    def unjudged(self, steps: int) -> str | None:
+        if not self._counted:
+            return None  # no backend counts host reads here (cpu: the host is the device)
+        return super().unjudged(steps)
+
     def start(self) -> None:
         # Host reads of the records whose counters were read, after the first step:
         # (reads, steps they cover), most recent last.
@@ -37,6 +46,11 @@ class HostSyncRule(Rule):
         self._trace = (self.run.environ.get("ACCELPORT_DIAGNOSTICS") or "").strip().lower() == "trace"
         self._sites = HostSyncSites()
         self._listen = self._trace  # from the first record on, as the reads it ranks
+        # The whole run's (after the first step, which holds the set-up): reads, steps, steps that read.
+        self._counted = False  # the records carry host reads (not on cpu)
+        self._all_reads = 0.0
+        self._all_steps = 0
+        self._all_reading = 0
 
 
     def step(self, record: StepRecord) -> None:
@@ -47,10 +61,18 @@ class HostSyncRule(Rule):
             self._listen = False
             self._sites.listen()
         delta = record.delta
-        if record.step <= 1 or "device_to_host" not in delta or self.reported:
+        if "device_to_host" not in delta:
+            return
+        self._counted = True
+        if record.step <= 1:
             return
         reads = delta["device_to_host"] - delta.get("after_step_reads", 0)
         span = max(record.counted_steps, 1)
+        self._all_reads += reads
+        self._all_steps += span
+        self._all_reading += reads > 0
+        if self.reported:
+            return
         self._reads.append((reads, span))
         self._read_steps += span
         while self._read_steps - self._reads[0][1] >= self.WINDOW:
@@ -86,10 +108,14 @@ class HostSyncRule(Rule):
         self.report(
             f"{per_step:.1f} device-to-host transfers per step in {syncing} of the last {covered} "
             "steps: something reads device values inside the step (.item(), print(tensor), .tolist(), "
-            f"if tensor:), which {stall}. Log with "
-            "ap.after_step(fn, loss) instead: it runs fn with host values once the step has run, "
-            f"without an extra round trip.{where}",
+            f"if tensor:), which {stall}.{where}",
             record.step,
+            fix=advice.host_reads(self.run.style),
             transfers_per_step=round(per_step, 2),
             sites=sites,
         )
+
+    def totals(self) -> dict[str, Any]:
+        steps = self._all_steps
+        return {"host_reads": int(self._all_reads), "steps": steps, "steps_that_read": self._all_reading,
+                "reads_per_step": round(self._all_reads / steps, 2) if steps else None}

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from typing import Any
 
 from accelport.contract import StepRecord
+from accelport.diagnose import advice
 from accelport.diagnose.rule import Rule
 from accelport.errors import DiagnosticWarning
 
@@ -26,13 +28,21 @@ class InputBoundRule(Rule):
     SHARE = 0.3  # share of step time spent waiting for data...
     MIN_WAIT = 0.005  # ...and at least this many seconds per step (below it, nothing to win)
 
+    judges_from = MIN_STEP
+
     def start(self) -> None:
         self._timing: deque[tuple[float, float]] = deque(maxlen=self.WINDOW)  # (seconds, wait), step > 1
         self._seconds_sum = 0.0
         self._wait_sum = 0.0
+        self._all_wait = 0.0  # over the whole run, after the first step (which holds start-up)
+        self._all_seconds = 0.0
 
     def step(self, record: StepRecord) -> None:
-        if record.step <= 1 or self.reported:
+        if record.step <= 1:
+            return
+        self._all_wait += record.data_wait_seconds
+        self._all_seconds += record.seconds
+        if self.reported:
             return
         # Running sums over the window; they only pick the steps worth an exact look (with
         # some slack for rounding), so the exact sums run rarely.
@@ -57,29 +67,18 @@ class InputBoundRule(Rule):
             return
         workers = (record.loader or {}).get("num_workers")
         cpus = os.cpu_count() or 1
-        if workers is None:
-            advice = ("wrap a torch DataLoader with num_workers > 0 (at most the number of CPU cores), "
-                      "and move decoding and augmentation out of the training loop")
-            worker_text = "a plain iterable"
-        elif workers == 0:
-            n = f"{max(1, cpus - 1)}" if cpus <= 3 else f"between 2 and {cpus - 1}"
-            advice = f"set num_workers to {n} so batches are prepared in parallel while the device computes"
-            worker_text = "num_workers=0"
-        elif workers >= cpus:
-            advice = (f"num_workers={workers} already uses every CPU core ({cpus}): make each sample "
-                      "cheaper (pre-tokenise, cache decoded data) or use a machine with more cores")
-            worker_text = f"num_workers={workers}"
-        else:
-            advice = (f"raise num_workers towards {cpus} (the CPU cores), raise prefetch in "
-                      "ap.loader(..., prefetch=N), or make each sample cheaper")
-            worker_text = f"num_workers={workers}"
+        worker_text = "a plain iterable" if workers is None else f"num_workers={workers}"
         share = wait / total
         self.report(
             f"the training loop waited for data {share:.0%} of the time over the last {len(recent)} steps "
-            f"({worker_text}, {cpus} CPU cores): the device is idle while the loader works. "
-            f"{advice[0].upper()}{advice[1:]}.",
+            f"({worker_text}, {cpus} CPU cores): the device is idle while the loader works.",
             record.step,
+            fix=advice.data_workers(self.run.style, workers, cpus),
             data_wait_share=round(share, 3),
             num_workers=workers,
             cpu_count=cpus,
         )
+
+    def totals(self) -> dict[str, Any]:
+        return {"data_wait_seconds": round(self._all_wait, 3), "step_seconds": round(self._all_seconds, 3),
+                "data_wait_share": round(self._all_wait / self._all_seconds, 3) if self._all_seconds > 0 else None}

@@ -6,42 +6,37 @@ this rule says it, with the fix for its source.
 
 from __future__ import annotations
 
+from typing import Any
+
 from accelport.contract import StepRecord
+from accelport.diagnose import advice
 from accelport.diagnose.rule import Rule
 from accelport.errors import DiagnosticWarning
 
-__all__ = ["NonFiniteRule", "NonFiniteWarning"]
+__all__ = ["NonFiniteRule", "NonFiniteWarning", "fix"]
 
 
 class NonFiniteWarning(DiagnosticWarning):
     """The loss or the gradients became NaN or Inf."""
 
 
-_OVERFLOW = ("a learning rate too high (lower it or warm it up), gradient clipping with "
-             "torch.nn.utils.clip_grad_norm_ (without a Python branch on the norm, which "
-             "recompiles on XLA), the loss computed in fp32.")
-
-#: The fix for each source the step checks can name.
-FIXES = {
-    "input": ("Bad data: check the dataset for NaN/Inf (torch.isfinite(x).all() per sample) and "
-              "drop or repair those samples."),
-    "loss": ("A learning rate too high (lower it, or warm it up), or a loss that overflows: clip "
-             "gradients with torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) before "
-             "ap.optimizer_step (without a Python branch on the returned norm, which recompiles on "
-             "XLA), and compute the loss in fp32 (loss_fn(logits.float(), y)) under autocast."),
-    "gradient": ("An op whose backward is not finite at these values (sqrt, log or a division at 0: "
-                 "add an eps), or a learning rate too high: clip gradients with "
-                 "torch.nn.utils.clip_grad_norm_ (without a Python branch on the norm, which "
-                 "recompiles on XLA), and compute the loss in fp32."),
-    "gradients": f"The inputs were finite, so the loss or a gradient overflowed: {_OVERFLOW}",
-    # The inputs were not looked at (neither ap.loader nor a DataLoader brought them):
-    # they come first, as likely as the loss and far cheaper to rule out.
-    "unknown": ("Check the inputs first: torch.isfinite(x).all() on each batch (or iterate them "
-                f"with ap.loader, which checks them); if they are finite, {_OVERFLOW}"),
-    "update": ("The update overflowed the weight's dtype: lower the learning rate, keep the weights "
-               "in fp32 (ap.autocast for the forward pass), and clip gradients with "
-               "torch.nn.utils.clip_grad_norm_."),
-}
+def fix(source: str, style: str) -> str:
+    """The fix for a non-finite value from ``source`` (see NonFinite.source), in the script's terms."""
+    overflow = advice.overflow(style)
+    return {
+        "input": ("Bad data: check the dataset for NaN/Inf (torch.isfinite(x).all() per sample) and "
+                  "drop or repair those samples."),
+        "loss": f"A learning rate too high, or a loss that overflows. {overflow}",
+        "gradient": ("An op whose backward is not finite at these values (sqrt, log or a division at 0: add an "
+                     f"eps), or a learning rate too high. {overflow}"),
+        "gradients": f"The inputs were finite, so the loss or a gradient overflowed. {overflow}",
+        # The inputs were not looked at (no loader accelport sees brought them): they come first,
+        # as likely as the loss and far cheaper to rule out.
+        "unknown": ("Check the inputs first: torch.isfinite(x).all() on each batch (or load them through a "
+                    f"DataLoader, or ap.loader, which accelport checks); if they are finite: {overflow}"),
+        "update": ("The update overflowed the weight's dtype: lower the learning rate, keep the weights in fp32 "
+                   "(autocast for the forward pass), and clip gradients."),
+    }[source]
 
 
 class NonFiniteRule(Rule):
@@ -52,9 +47,26 @@ class NonFiniteRule(Rule):
     warning = NonFiniteWarning
     needs = frozenset({"numerics"})
 
+    def start(self) -> None:
+        self._last_step = 0
+
+    def unjudged(self, steps: int) -> str | None:
+        watch = self.run.numerics
+        if watch is not None and steps and watch.low_precision_params is None:
+            return "no optimizer step: the gradients were not checked"
+        return None
+
     def step(self, record: StepRecord) -> None:
+        self._last_step = record.step
         if record.delta:
             self.settle()
+
+    def totals(self) -> dict[str, Any]:
+        watch = self.run.numerics
+        found = watch.nonfinite if watch is not None else None
+        if found is None:
+            return {}
+        return {"steps": self._last_step, "steps_after_it": max(self._last_step - found.step, 0)}
 
     def settle(self) -> None:
         watch = self.run.numerics
@@ -76,7 +88,8 @@ class NonFiniteRule(Rule):
                     f"are read {every} and at the end of each loop)")
         self.report(
             f"the {found.found_in} became NaN or Inf {when}: {source} ({found.detail}). Every step "
-            f"after it trains on NaN. {FIXES[found.source]}",
-            found.step, first_step=found.step if found.finite_at is None else None, source=found.source,
+            "after it trains on NaN.",
+            found.step, fix=fix(found.source, self.run.style),
+            first_step=found.step if found.finite_at is None else None, source=found.source,
             names=list(found.names), finite_at_step=found.finite_at, found_by_step=found.step,
         )

@@ -8,9 +8,10 @@ flagged within 30 steps.
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 from accelport.contract import StepRecord
-from accelport.diagnose import compiled
+from accelport.diagnose import advice, compiled
 from accelport.diagnose.rule import Rule
 from accelport.errors import DiagnosticWarning
 
@@ -26,6 +27,7 @@ class RecompilationRule(Rule):
 
     kind = "recompilation"
     warning = RecompilationWarning
+    needs = frozenset({"shapes"})
     WINDOW = 20  # steps the rolling window looks back over
     MIN_STEP = 10  # first step at which recompilation is judged
     STEPS_IN_WINDOW = 8  # compiling steps within WINDOW that mean "keeps compiling"...
@@ -33,16 +35,32 @@ class RecompilationRule(Rule):
     REPEATS_IN_LONG_WINDOW = 6  # this many compiling steps whose batch shape was seen before,
     STEPS_IN_LONG_WINDOW = 10  # or this many in all (new shapes: more than a few buckets)
 
+    judges_from = MIN_STEP
+
     def start(self) -> None:
         self._seen = 0  # records since the run started: the windows count records, not step numbers
         # (record, step, compilations, came with a new batch shape), for steps > 1 that compiled
         self._compiling: deque[tuple[int, int, float, bool]] = deque()
         self._last_change: str | None = None  # what changed at the last new batch shape that compiled
+        self._inside: str | None = None  # "file:line: op changes shape": a tensor made inside the step
+        # The whole run: compilations, steps that compiled, seconds spent compiling, step seconds.
+        self._all_compilations = 0.0
+        self._all_compiling = 0
+        self._all_compile_seconds = 0.0
+        self._timed = False  # some record said how long it compiled (a replay of an old file may not)
+        self._all_seconds = 0.0
 
     def step(self, record: StepRecord) -> None:
         self._seen += 1
         step = record.step
         compiles = record.delta.get("compilations", 0)
+        self._all_seconds += record.seconds
+        if compiles:
+            self._all_compilations += compiles
+            self._all_compiling += 1
+            if "compile_seconds" in record.delta:
+                self._timed = True
+                self._all_compile_seconds += record.delta["compile_seconds"]
         if self.reported:
             return
         if compiles > 0 and step > 1:
@@ -83,36 +101,72 @@ class RecompilationRule(Rule):
         if compiled_cause == "graph-break":
             return  # the recompilations are the graph break's: the graph-break rule reports them
         distinct = len(shapes.distinct)
-        if compiled_cause:
-            cause = compiled_cause
+        style = self.run.style
+        if isinstance(compiled_cause, tuple):
+            cause, fix = compiled_cause
         elif change:
-            buckets = (f"collate_fn={compiled.describe(suggestion, distinct)}" if suggestion else
-                       "collate_fn=ap.data.BucketCollate(buckets=(128, 256, 512))")
-            cause = (f"{change}; {distinct} distinct batch shapes so far. "
-                     f"Pad to a fixed length, or bucket: {buckets}"
-                     " with ap.data.LengthGroupedBatchSampler to keep padding low")
+            cause = f"{change}; {distinct} distinct batch shapes so far"
+            fix = self._shape_fix(change, suggestion)
         elif record.signature is None:
-            cause = ("the batches did not come through ap.loader, so their shapes are unknown: iterate with "
-                     "`for batch in ap.loader(data):` to have the input whose shape changes named. The usual "
-                     "causes are batches of varying shape (pad to a fixed length or use ap.data.BucketCollate) "
-                     "and data-dependent ops (boolean indexing x[mask], torch.nonzero; use ap.data.masked_sum / "
-                     "masked_mean, torch.where)")
+            cause, fix = advice.unseen_shapes(style)
         else:
-            cause = ("the input shapes did not change, so the graph itself does: look for data-dependent ops "
-                     "(boolean indexing x[mask], torch.nonzero, .item() feeding Python control flow) and "
-                     "replace them with fixed-shape ops (ap.data.masked_sum / masked_mean, torch.where)")
+            trace = self.run.shape_trace
+            changed = trace.found if trace is not None else None
+            if changed is not None:
+                cause = (f"the input shapes did not change, but a tensor made inside the step does: {changed.op} at "
+                         f"{changed.where} gave {changed.before} in one step and {changed.after} in the next")
+                self._inside = f"{changed.where}: {changed.op} changes shape"
+            else:
+                cause = ("the input shapes did not change, so the graph itself does: a data-dependent op, or a "
+                         "tensor made inside the step whose shape changes")
+            fix = advice.data_dependent()
+        self._change = change if not compiled_cause else None
         self.report(
             f"the graph was recompiled in {len(recent)} of the last {lookback} steps ({total} compilations): "
             f"{cause}.",
             record.step,
+            fix=fix,
             compiling_steps=[c[1] for c in recent],
+            sites=[self._inside] if self._inside else [],
             distinct_signatures=distinct,
             last_change=change,
             buckets=list(suggestion.buckets) if suggestion else None,
         )
 
-    def _compiled_cause(self, record: StepRecord, suggestion: compiled.Suggestion | None) -> str | None:
-        """dynamo's reasons for the recompilations, in the user's terms; "graph-break" when a break explains them."""
+    def _shape_fix(self, change: str, suggestion: compiled.Suggestion | None) -> str:
+        """The fix for a batch shape that changes: a fixed batch size for the batch dimension, buckets else."""
+        if " along the batch dimension" in change:
+            return advice.varying_batch(self.run.style)
+        distinct = len(self.run.shapes.distinct)
+        return advice.varying_length(self.run.style, compiled.describe(suggestion, distinct) if suggestion else None)
+
+    def current_fix(self) -> str | None:
+        """Buckets from every length the run saw, not only those seen when the finding was made."""
+        change = getattr(self, "_change", None)
+        if change is None or " along the batch dimension" in change:
+            return None
+        return self._shape_fix(change, self.run.shapes.suggestion())
+
+    def totals(self) -> dict[str, Any]:
+        compilations, compile_seconds = self._all_compilations, self._all_compile_seconds
+        counters = self.run.counters() if self.run.counters is not None else {}
+        # The backend's own counters where the run is live: they count what the records cannot (under accelport
+        # diagnose, the script's compilations before its first step).
+        if counters.get("compilations") is not None:
+            compilations = counters["compilations"]
+        timed = self._timed
+        if counters.get("compile_seconds") is not None:
+            compile_seconds, timed = counters["compile_seconds"], True
+        seconds = self._all_seconds
+        return {"compilations": int(compilations), "compiling_steps": self._all_compiling,
+                "steps": self._seen, "distinct_batch_shapes": len(self.run.shapes.distinct) or None,
+                "compile_seconds": round(compile_seconds, 3) if timed else None,
+                "compile_share": round(min(compile_seconds / seconds, 1.0), 3) if timed and seconds > 0 else None}
+
+    def _compiled_cause(self, record: StepRecord, suggestion: compiled.Suggestion | None
+                        ) -> tuple[str, str] | str | None:
+        """dynamo's reasons for the recompilations in the user's terms, with the fix; "graph-break" when a break
+        explains them."""
         events = self.run.compile_events
         functions = events.functions() if events is not None else []
         if not functions:
@@ -124,5 +178,5 @@ class RecompilationRule(Rule):
         declared = self.run.compile_dynamic if self.run.backend == record.backend else None
         found = compiled.recompilation_cause(functions, record.backend,
                                              compiled.accepts_dynamic(record.backend, declared), suggestion,
-                                             len(self.run.shapes.distinct))
-        return found[0] if found else None
+                                             len(self.run.shapes.distinct), self.run.style)
+        return (found[0], found[1]) if found else None

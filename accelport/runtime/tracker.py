@@ -10,6 +10,7 @@ from accelport.contract import Backend, StepRecord
 if TYPE_CHECKING:
     from accelport.diagnose.engine import Diagnostics
     from accelport.diagnose.rule import Diagnosis
+    from accelport.observe.nan_search import NanSearch
     from accelport.observe.numerics import NumericsWatch
     from accelport.plugins.host import PluginHost
 
@@ -67,6 +68,8 @@ class StepTracker:
         self._wall_offset = time.time() - time.perf_counter()
         #: The step checks the rules asked for (None: none did, or no run is bound yet).
         self.numerics: NumericsWatch | None = None
+        #: The search for the op that made the first NaN (``--find-nan``; None: not asked for), shown each batch.
+        self.nan_search: NanSearch | None = None
 
     def bind(self, backend: Backend, host: PluginHost, engine: Diagnostics | None,
              numerics: NumericsWatch | None) -> None:
@@ -83,6 +86,9 @@ class StepTracker:
 
     def batch_arrived(self, wait: float, sig: Any, batch: Any = None) -> None:
         """The loop got a batch after ``wait`` seconds; ``batch`` itself where the host is the device."""
+        search = self.nan_search
+        if search is not None:  # (what the loader's thread found in a host batch, else the batch)
+            search.batch(sig.info if type(sig) is not tuple else batch)
         watch = self.numerics
         if watch is not None:
             if type(sig) is not tuple:  # what the loader's thread found in the host batch (Inspected)

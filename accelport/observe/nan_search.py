@@ -653,7 +653,7 @@ class NanSearch:
                 return func(*args, **kwargs)
         if info.skip:
             return func(*args, **kwargs)
-        before: list[tuple[Any, bool, Any]] | None = None
+        before: list[tuple[Any, Any, Any]] | None = None
         if info.reads_written:
             try:
                 before = self._before(info, args, kwargs)
@@ -682,24 +682,26 @@ class NanSearch:
             out += _leaves(args[i] if i < len(args) else kwargs.get(name))
         return out
 
-    def _before(self, info: _OpInfo, args: Any, kwargs: Mapping[str, Any]) -> list[tuple[Any, bool, Any]]:
-        """What an in-place op is about to overwrite: (tensor, finite, a host copy where it is finite and small)."""
+    def _before(self, info: _OpInfo, args: Any, kwargs: Mapping[str, Any]) -> list[tuple[Any, Any, Any]]:
+        """What an in-place op is about to overwrite: (tensor, (NaN, Inf) it holds or None where finite, a host
+        copy where it is small enough)."""
         written = [t for i, name in info.writes if name not in info.out_args
                    for t in _leaves(args[i] if i < len(args) else kwargs.get(name))]
         total = sum(t.numel() for t in written)
         out = []
         for t in written:
             ok = _finite(t)
-            out.append((t, ok, _host_copy(t) if ok and total <= COPY_MAX and _checked(t) else None))
+            out.append((t, None if ok else _counts(t),
+                        _host_copy(t) if total <= COPY_MAX and _checked(t) else None))
         return out
 
     def _event(self, func: Any, info: _OpInfo, args: Any, kwargs: Mapping[str, Any], outs: list[Any],
-               bad: list[Any], before: list[tuple[Any, bool, Any]] | None) -> None:
+               bad: list[Any], before: list[tuple[Any, Any, Any]] | None) -> None:
         """An op's output holds a NaN or Inf: made here, followed from an input, or come from outside."""
         part = running_in(sys._getframe(1), skip=_HERE)
         if part == "accelport":
             return  # accelport's own reads (the step checks): not the script's
-        overwritten = {id(t): ok for t, ok, _ in before or ()}
+        overwritten = {id(t): held for t, held, _ in before or ()}
         # What an op overwrites whole (copy_, fill_, an out= tensor) is none of its inputs.
         replaced = set() if info.reads_written else {id(t) for t in self._written(info, args, kwargs)}
         inputs = [t for t in self._inputs(info, args, kwargs) if id(t) not in replaced]
@@ -707,9 +709,10 @@ class NanSearch:
         taints = []
         for t in inputs:
             if id(t) in overwritten:
-                if overwritten[id(t)]:
+                held = overwritten[id(t)]
+                if held is None:
                     continue  # it was finite before the op wrote it
-                has_nan, has_inf = True, True  # (not finite before: counted as holding both)
+                has_nan, has_inf = held
             elif _finite(t):
                 continue
             else:
@@ -753,7 +756,7 @@ class NanSearch:
         return out
 
     def _candidate(self, kind: str, func: Any, info: _OpInfo, args: Any, kwargs: Mapping[str, Any],
-                   bad: list[Any], before: list[tuple[Any, bool, Any]] | None, made: str, part: str,
+                   bad: list[Any], before: list[tuple[Any, Any, Any]] | None, made: str, part: str,
                    inputs: Sequence[Any] = ()) -> int:
         """Keep an op that made (or first met) a NaN or Inf; its index among this step's candidates."""
         if len(self._candidates) >= MAX_CANDIDATES:
@@ -823,7 +826,7 @@ class NanSearch:
         return value
 
     def _facts(self, info: _OpInfo, args: Any, kwargs: Mapping[str, Any],
-               before: list[tuple[Any, bool, Any]] | None, index: int | None) -> tuple[TensorFacts, ...]:
+               before: list[tuple[Any, Any, Any]] | None, index: int | None) -> tuple[TensorFacts, ...]:
         """Its tensor inputs as they were when it ran (an overwritten one from its copy)."""
         import torch
 
@@ -850,9 +853,9 @@ class NanSearch:
         return max(lengths) if lengths else None
 
     def _keep_inputs(self, candidate: _Candidate, func: Any, info: _OpInfo, args: Any, kwargs: Mapping[str, Any],
-                     before: list[tuple[Any, bool, Any]] | None, index: int | None) -> None:
+                     before: list[tuple[Any, Any, Any]] | None, index: int | None) -> None:
         """The repro's call and its tensors, copied to the host as they were when the op ran."""
-        copies = {id(t): copy for t, ok, copy in before or () if copy is not None or _checked(t)}
+        copies = {id(t): copy for t, _, copy in before or () if copy is not None or _checked(t)}
         length = self._list_length(args, kwargs, index)
         refs: dict[int, int] = {}
         tensors: list[Any] = []

@@ -209,3 +209,12 @@ def test_a_rerun_is_said_unreliable_without_a_seed_or_with_nondeterministic_kern
     torch.manual_seed(3)
     (reason,) = reproducibility("cuda", ["index_add_"])
     assert "on cuda some kernels (index_add_)" in reason and "torch.use_deterministic_algorithms(True)" in reason
+
+
+def test_a_ported_script_with_a_setting_that_is_no_step_is_warned_once_and_not_searched(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACCELPORT_FIND_NAN", "later")
+    with pytest.warns(ap.DiagnosticWarning, match="ACCELPORT_FIND_NAN=later: not a step number") as caught:
+        ap.use("cpu")
+    assert len([w for w in caught if "ACCELPORT_FIND_NAN" in str(w.message)]) == 1
+    assert RUNTIME.tracker.nan_search is None

@@ -133,6 +133,15 @@ def test_a_healthy_run_with_find_nan_has_no_finding_and_prints_what_python_print
     assert not list((tmp_path / "out").glob("accelport-nan-*")), "a repro was written for nothing"
 
 
+def test_a_healthy_ported_run_has_no_finding_and_says_what_was_checked_at_its_end(tmp_path: pathlib.Path) -> None:
+    done, findings = ported(tmp_path, "healthy", ACCELPORT_FIND_NAN="1", ACCELPORT_FIND_NAN_DIR=str(tmp_path))
+    plain = run(str(SCRIPT), "--case", "healthy", diagnose=False, cwd=tmp_path)
+    assert findings == [] and done.stdout.splitlines()[:-1] == plain.stdout.splitlines()
+    assert ("DiagnosticWarning: accelport ACCELPORT_FIND_NAN: steps 1 to 10 were checked op by op: no operation "
+            "made a NaN or Inf that reached the weights") in done.stderr
+    assert not list(tmp_path.glob("accelport-nan-*"))
+
+
 def test_a_nan_already_in_the_input_batch_is_named_with_its_sample_and_no_op_is_searched(
         tmp_path: pathlib.Path) -> None:
     done, result = unported(tmp_path, "--find-nan", str(SCRIPT), "--case", "input")

@@ -52,7 +52,8 @@ def register(sub: Any) -> None:
         "diagnose",
         help="run an unmodified training script and say why it is slow (diagnose first, then port)",
         usage="accelport diagnose [--output FILE.json] [--report FILE.html] [--metrics-file FILE.jsonl] "
-              "[--backend NAME] [--] SCRIPT [ARGS ...] | -m MODULE [ARGS ...]",
+              "[--backend NAME] [--find-nan] [--find-nan-from STEP] [--find-nan-dir DIR] "
+              "[--] SCRIPT [ARGS ...] | -m MODULE [ARGS ...]",
         description="Run a PyTorch or torch_xla training script as `python SCRIPT ARGS` would (same process, "
                     "argv, working directory, streams and exit status), watch its optimizer steps, syncs and "
                     "data loading, and print the same diagnoses a ported script gets, with the fix and the "
@@ -67,6 +68,15 @@ def register(sub: Any) -> None:
                         "file when the run ends")
     p.add_argument("--backend", metavar="NAME",
                    help="read this backend's counters (default: the one for the device being trained on)")
+    p.add_argument("--find-nan", action="store_true",
+                   help="find the operation that made the first NaN or Inf (op, forward/backward/optimizer, module, "
+                        "line) and write a minimal repro of it: every op of the checked steps is checked as it "
+                        "runs, about 10 times slower (on XLA op by op, a sync each); from step 1")
+    p.add_argument("--find-nan-from", metavar="STEP",
+                   help="check from STEP on (the step the non-finite finding named); implies --find-nan")
+    p.add_argument("--find-nan-dir", metavar="DIR",
+                   help="where --find-nan writes the repro (default: --output's directory, else the working "
+                        "directory); one that cannot be written is said, and the run goes on")
     p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE",
                    help="run a module as `python -m MODULE ARGS` would")
@@ -92,6 +102,9 @@ class _Plan:
     output: str | None
     report: str | None
     metrics_file: str | None
+    #: --find-nan: the first step checked (None: no search), and where the repro goes.
+    find_nan: int | None = None
+    find_nan_dir: str | None = None
 
 
 def _plan(args: argparse.Namespace) -> _Plan:
@@ -129,8 +142,38 @@ def _plan(args: argparse.Namespace) -> _Plan:
         _check_backend(args.backend)
         backend = args.backend.strip().lower()
     paths = {option: path for option, _, path in outputs}
+    find_nan = _find_nan(args)
+    find_nan_dir = None
+    if find_nan is not None:
+        where = args.find_nan_dir or (os.path.dirname(paths["--output"]) if "--output" in paths else os.getcwd())
+        find_nan_dir = os.path.abspath(where)
     return _Plan(target, script, module, list(script_args), backend, paths.get("--output"), paths.get("--report"),
-                 paths.get("--metrics-file"))
+                 paths.get("--metrics-file"), find_nan, find_nan_dir)
+
+
+def _find_nan(args: argparse.Namespace) -> int | None:
+    """The first step --find-nan checks (None: no search): --find-nan-from, --find-nan, else ACCELPORT_FIND_NAN."""
+    from accelport.observe.nan_search import ENV, parse_first_step
+
+    if args.find_nan_from is not None:
+        value = args.find_nan_from.strip()
+        if not value.lstrip("+-").isdigit():
+            raise UsageError(f"diagnose: --find-nan-from {args.find_nan_from}: not a step number; give the step the "
+                             "non-finite finding named (e.g. --find-nan-from 1230), or --find-nan to check from the "
+                             "first step")
+        if int(value) < 1:
+            raise UsageError(f"diagnose: --find-nan-from {args.find_nan_from}: steps count from 1 (the first "
+                             "optimizer step is step 1); give the step the non-finite finding named, or --find-nan")
+        return int(value)
+    if args.find_nan:
+        return 1
+    if args.find_nan_dir is not None:
+        raise UsageError("diagnose: --find-nan-dir says where --find-nan writes its repro; add --find-nan (or "
+                         "--find-nan-from STEP)")
+    try:
+        return parse_first_step(os.environ.get(ENV))
+    except ValueError as exc:
+        raise UsageError(f"diagnose: {ENV}={os.environ.get(ENV)}: {exc}") from None
 
 
 def _script_file(script: str) -> str:
@@ -471,7 +514,9 @@ def run(args: argparse.Namespace) -> int:
         import accelport.diagnose.report  # noqa: F401
     stderr = sys.stderr  # accelport's messages go where stderr was, whatever the script makes of sys.stderr
     saved_builtins = dict(vars(builtins))
-    watcher = Watcher(backend=plan.backend, metrics_file=records, redactor=redactor)
+    command = ("--", plan.script) if plan.script is not None else ("-m", str(plan.module))
+    watcher = Watcher(backend=plan.backend, metrics_file=records, redactor=redactor, find_nan=plan.find_nan,
+                      find_nan_dir=plan.find_nan_dir, command=(*command, *plan.args))
 
     def conclude(outcome: Outcome) -> bool:
         try:

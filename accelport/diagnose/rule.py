@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from accelport.contract import StepRecord
     from accelport.diagnose.buckets import Suggestion
     from accelport.observe.dynamo import CompileEvents
+    from accelport.observe.nan_search import NanSearch
     from accelport.observe.numerics import NumericsWatch
     from accelport.observe.shapes import ShapeTrace
 
@@ -227,6 +228,13 @@ class RunView:
     shapes: BatchShapes = field(default_factory=BatchShapes)
     #: Whether a finding of a kind was already made in this run.
     found: Callable[[str], bool] = _never
+    #: The search for the operation that made the first NaN or Inf (``accelport diagnose --find-nan``,
+    #: ``ACCELPORT_FIND_NAN``): read ``nan_search.found``. Present where a registered rule ``needs``
+    #: "nan-search" and the run asked for the search.
+    nan_search: NanSearch | None = None
+    #: How ``accelport diagnose`` ran the script: the arguments after ``accelport diagnose`` (``("--",
+    #: "train.py", "--epochs", "1")``, ``("-m", "pkg.train")``); None for a ported script.
+    command: tuple[str, ...] | None = None
 
 
 class Rule:
@@ -245,7 +253,8 @@ class Rule:
     severity: ClassVar[str] = "warning"
     #: The warning category a finding is given as (a subclass of DiagnosticWarning).
     warning: ClassVar[type[DiagnosticWarning]] = DiagnosticWarning
-    #: The live sensors the rule reads through the view: "numerics" (the step checks).
+    #: The live sensors the rule reads through the view: "numerics" (the step checks), "nan-search" (the
+    #: op that made the first NaN, built only where the run asks for it).
     needs: ClassVar[frozenset[str]] = frozenset()
     #: The first step at which the rule can have judged anything (a verdict of "no finding"
     #: before it would be a guess; see :meth:`unjudged`).

@@ -10,7 +10,7 @@ import os
 import sys
 import types
 
-__all__ = ["LIBRARIES", "FRAMEWORKS", "user_site", "library_file", "library_of"]
+__all__ = ["LIBRARIES", "FRAMEWORKS", "user_site", "library_file", "library_of", "running_in"]
 
 #: Top-level packages of the frameworks a training loop may live in: their frames are never "the user's
 #: line" either (a finding points at the user's dataset, collator or call instead), and a cause inside
@@ -37,6 +37,31 @@ def user_site(frame: types.FrameType | None = None, also: frozenset[str] = froze
             return filename, frame.f_lineno
         frame = frame.f_back
     return None
+
+
+#: Packages of torch's whose frames say what a running op is part of, for :func:`running_in`.
+_PARTS = (("torch.utils.data", "data"), ("torch.optim", "optimizer"), ("torch.nn.utils.clip_grad", "clipping"))
+
+
+def running_in(frame: types.FrameType | None = None, skip: frozenset[str] = frozenset()) -> str:
+    """What the code running at ``frame`` (and the frames that called it) is part of: "data" (torch's data
+    loading), "optimizer" (a torch.optim optimizer's step), "clipping" (torch.nn.utils' gradient clipping),
+    "accelport" (accelport's own code, as a step check) or "user" (the user's code: the first frame outside
+    torch and accelport is reached first). ``skip``: modules passed over (the caller's own)."""
+    frame = frame or sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__") or ""
+        if module not in skip:
+            for prefix, part in _PARTS:
+                if module == prefix or module.startswith(prefix + "."):
+                    return part
+            top = module.partition(".")[0]
+            if top == "accelport":
+                return "accelport"
+            if top not in LIBRARIES and not frame.f_code.co_filename.startswith("<frozen "):
+                return "user"
+        frame = frame.f_back
+    return "user"
 
 
 def library_of(path: str) -> str | None:

@@ -50,7 +50,7 @@ from typing import Any
 
 from accelport.sharding import is_dtensor, local_shard
 
-__all__ = ["NumericsWatch", "NonFinite", "Stalled", "Inspected", "check_batch", "param_names",
+__all__ = ["NumericsWatch", "NonFinite", "Stalled", "Inspected", "check_batch", "batch_tensors", "param_names",
            "CHECK_EVERY", "PRECISION_FIRST", "PRECISION_EVERY", "PRECISION_STALLED"]
 
 #: Steps between reads of the kept gradients on eager accelerators, and on lazy backends:
@@ -118,7 +118,7 @@ class Inspected:
     info: Any  # a description of the batch's non-finite inputs
 
 
-def _tensors(batch: Any) -> Iterable[tuple[str, Any]]:
+def batch_tensors(batch: Any) -> Iterable[tuple[str, Any]]:
     """(name, tensor) of every tensor in a nested batch: "input 0", "input 'x'", ..."""
     import torch
 
@@ -156,7 +156,7 @@ def _check_batch(batch: Any) -> tuple[str | None, bool]:
     tensor, strided = torch.Tensor, torch.strided
     items = enumerate(batch) if type(batch) in (tuple, list) and all(type(t) is tensor for t in batch) else None
     covered = None  # no tensor yet
-    for name, t in ((f"input {i}", t) for i, t in items) if items is not None else _tensors(batch):
+    for name, t in ((f"input {i}", t) for i, t in items) if items is not None else batch_tensors(batch):
         if not (t.is_floating_point() or t.is_complex()):
             covered = covered is not False  # integer ids hold no NaN
             continue

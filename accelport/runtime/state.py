@@ -12,7 +12,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import sys
 import threading
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     from accelport.diagnose.engine import Diagnostics
     from accelport.diagnose.rule import Diagnosis
     from accelport.observe.dynamo import CompileEvents
+    from accelport.observe.nan_search import NanSearch
     from accelport.plugins.host import PluginHost
 
 __all__ = ["Runtime", "RUNTIME"]
@@ -38,12 +41,13 @@ class Runtime:
     diagnose`` selects the backend at the script's first step); ``compile_events`` the point
     torch.compile's records count from (default: when the rules are first set up);
     ``from_process_start``: the counters (``ap.metrics()``) count from the process's start, not
-    from the backend's selection (``accelport diagnose``: the script compiled before its first step).
+    from the backend's selection (``accelport diagnose``: the script compiled before its first step);
+    ``command``: how ``accelport diagnose`` ran the script (its arguments), which the rules may say.
     """
 
     def __init__(self, environ: Mapping[str, str] | None = None, plugin_timeout: float | None = None, *,
                  tracker: StepTracker | None = None, compile_events: CompileEvents | None = None,
-                 from_process_start: bool = False) -> None:
+                 from_process_start: bool = False, command: tuple[str, ...] | None = None) -> None:
         self._lock = threading.RLock()
         self._environ = environ
         self._plugin_timeout = plugin_timeout
@@ -59,6 +63,7 @@ class Runtime:
         self._style = "accelport"
         self._engine: Diagnostics | None = None
         self._engine_built = False
+        self._command = command
         self._baseline: dict[str, Any] = {}
         #: Keys of the warnings already given in this process (each is given once).
         self._warned: set[str] = set()
@@ -142,13 +147,14 @@ class Runtime:
                 from accelport.observe.shapes import ShapeTrace
 
                 shapes = ShapeTrace()
+            search = self._nan_search(tracker, backend) if "nan-search" in engine.needs else None
             dynamic = getattr(backend, "compile_dynamic", None)
             engine.start(RunView(
                 backend=backend.name, lazy=backend.lazy, environ=self.environ,
                 device_type=getattr(backend, "device_type", None), world_size=backend.world_size(),
                 compile_dynamic=dynamic if isinstance(dynamic, bool) else None, style=self._style,
                 numerics=numerics, shape_trace=shapes, compile_events=self._compile_events,
-                counters=self.since_selected))
+                counters=self.since_selected, nan_search=search, command=self._command))
         tracker.bind(backend, self.host(), engine, numerics, shapes)
 
     def trains_as(self, style: str) -> None:
@@ -156,6 +162,37 @@ class Runtime:
         spell their fixes in its terms; before the backend is selected. A ported script is "accelport"."""
         with self._lock:
             self._style = style
+
+    def _nan_search(self, tracker: StepTracker, backend: Backend) -> NanSearch | None:
+        """The search for the op that made the first NaN, where the run asks for it: the one ``accelport
+        diagnose`` started with the script, else one ``ACCELPORT_FIND_NAN`` asks for (started here)."""
+        search = tracker.nan_search
+        before = self.tracker.nan_search
+        if before is not None and before is not search:
+            before.finish()  # the run before this one (ap.use): its steps are counted no more
+        if search is None:
+            from accelport.observe.nan_search import ENV, ENV_DIR, NanSearch, parse_first_step
+
+            value = self.environ.get(ENV)
+            try:
+                first = parse_first_step(value)
+            except ValueError as exc:
+                from accelport.errors import DiagnosticWarning, warn_user
+                from accelport.redact import Redactor
+
+                warn_user(Redactor(self.environ).text(f"accelport: {ENV}={value}: {exc}; no operation is searched "
+                                                      "for a NaN in this run."), DiagnosticWarning)
+                return None
+            if first is None:
+                return None
+            metrics = self.environ.get("ACCELPORT_METRICS_FILE")
+            directory = self.environ.get(ENV_DIR) or (os.path.dirname(os.path.abspath(metrics)) if metrics
+                                                      else os.getcwd())
+            search = NanSearch(first, os.path.abspath(directory), option=ENV_DIR, steps_before=tracker.steps)
+            tracker.nan_search = search
+        search.bind(backend)
+        search.attach()
+        return search
 
     def diagnostics(self) -> Diagnostics | None:
         """The engine that runs the registered rules (None: ``ACCELPORT_DIAGNOSTICS=0``, or no rule registered)."""
@@ -230,6 +267,8 @@ class Runtime:
 
     def reset(self) -> None:
         """Forget plugins, selection and counters (tests; a fresh start after env changes)."""
+        if self.tracker.nan_search is not None:
+            self.tracker.nan_search.finish()  # its hooks come out with the run
         self.tracker.flush()  # the observers get every step of the run that ends here
         with self._lock:
             self.__init__(self._environ, self._plugin_timeout)  # type: ignore[misc]
@@ -246,6 +285,9 @@ class Runtime:
         try:
             yield self
         finally:
+            search = self.tracker.nan_search
+            if search is not None and search is not saved["tracker"].nan_search:
+                search.finish()  # the block's own search ends with it
             self.tracker.flush()
             with self._lock:
                 vars(self).update(saved)
@@ -294,6 +336,18 @@ RUNTIME = Runtime()
 def _flush_at_exit() -> None:
     # Steps a loop without ap.loader left unread (ap.loader hands them over as it ends).
     try:
+        search = RUNTIME.tracker.nan_search
+        if search is not None:
+            search.finish()  # an op found in a step whose update never came: the rules see it now
         RUNTIME.tracker.flush()
+        if search is not None:
+            from accelport.errors import DiagnosticWarning
+            from accelport.observe.nan_search import ENV
+
+            # What was checked: a ported script has no summary to say it in. (Shown at the script, whose
+            # run it is; there is no line of it to point at any more.)
+            script = getattr(sys.modules.get("__main__"), "__file__", None) or "accelport"
+            for note in search.notes():
+                warnings.warn_explicit(f"accelport {ENV}: {note}", DiagnosticWarning, script, 0)
     except Exception:  # noqa: BLE001 - the interpreter is going away; never fail there
         pass

@@ -10,6 +10,7 @@ from accelport.contract import Backend, StepRecord
 if TYPE_CHECKING:
     from accelport.diagnose.engine import Diagnostics
     from accelport.diagnose.rule import Diagnosis
+    from accelport.observe.nan_search import NanSearch
     from accelport.observe.numerics import NumericsWatch
     from accelport.observe.shapes import ShapeTrace
     from accelport.plugins.host import PluginHost
@@ -70,6 +71,8 @@ class StepTracker:
         self.numerics: NumericsWatch | None = None
         self._shapes: ShapeTrace | None = None
         self._fresh = False  # a batch of a shape not seen before arrived since the counters were last read
+        #: The search for the op that made the first NaN (``--find-nan``; None: not asked for), shown each batch.
+        self.nan_search: NanSearch | None = None
 
     def bind(self, backend: Backend, host: PluginHost, engine: Diagnostics | None,
              numerics: NumericsWatch | None, shapes: ShapeTrace | None = None) -> None:
@@ -87,6 +90,9 @@ class StepTracker:
 
     def batch_arrived(self, wait: float, sig: Any, batch: Any = None) -> None:
         """The loop got a batch after ``wait`` seconds; ``batch`` itself where the host is the device."""
+        search = self.nan_search
+        if search is not None:  # (what the loader's thread found in a host batch, else the batch)
+            search.batch(sig.info if type(sig) is not tuple else batch)
         watch = self.numerics
         if watch is not None:
             if type(sig) is not tuple:  # what the loader's thread found in the host batch (Inspected)

@@ -194,14 +194,21 @@ class Watcher:
     ``backend`` names the backend whose counters are read (default: the one that drives
     the device of the first parameter being stepped); ``metrics_file`` gets one JSON line
     per step, as ``ACCELPORT_METRICS_FILE`` would; ``redactor``, where given, is the pass
-    the diagnoses shown while the script runs go through.
+    the diagnoses shown while the script runs go through. ``find_nan``: the first step to
+    check op by op for the operation that made the first NaN (``--find-nan``; None: no
+    search), its repro written in ``find_nan_dir``; ``command``: the arguments diagnose ran
+    the script with, for the findings that say how to run it again.
 
     A process the script forks is not watched: its copy of the watcher stops at the fork.
     """
 
     def __init__(self, environ: Mapping[str, str] | None = None, *, backend: str | None = None,
-                 metrics_file: str | None = None, redactor: Redactor | None = None) -> None:
+                 metrics_file: str | None = None, redactor: Redactor | None = None, find_nan: int | None = None,
+                 find_nan_dir: str | None = None, command: Sequence[str] | None = None) -> None:
         self._environ = os.environ if environ is None else environ
+        self._find_nan = find_nan
+        self._find_nan_dir = find_nan_dir
+        self._command = tuple(command) if command is not None else None
         self._backend_name = backend
         self._metrics_file = metrics_file
         self._redactor = redactor
@@ -260,6 +267,8 @@ class Watcher:
             "torch_xla.distributed.parallel_loader": self._on_parallel_loader,
             "torch_xla.distributed.xla_multiprocessing": self._on_xla_multiprocessing,
         }
+        if self._find_nan is not None:
+            self._start_search(callbacks)
         self._active = self._feeding = True
         if hasattr(os, "register_at_fork"):  # (weakly: the registration outlives the watcher)
             os.register_at_fork(after_in_child=functools.partial(_stop_in_child, weakref.ref(self)))
@@ -278,6 +287,8 @@ class Watcher:
     def uninstall(self) -> None:
         """Take every hook and wrapper out again (where nothing replaced them since)."""
         self._active = self._feeding = False
+        if self.tracker.nan_search is not None:
+            self.tracker.nan_search.finish()
         if self._finder is not None and self._finder in sys.meta_path:
             sys.meta_path.remove(self._finder)
         if self._hook is not None:
@@ -317,6 +328,24 @@ class Watcher:
             self.stopped = (self.steps, f"{type(exc).__name__}: {exc}")
 
     # -- torch ----------------------------------------------------------------------------
+    def _start_search(self, callbacks: dict[str, Callable[[types.ModuleType], None]]) -> None:
+        """--find-nan: the search counts steps from the script's start, and checks from torch's import if step 1
+        is to be checked (the ops before the first optimizer step are step 1's)."""
+        from accelport.observe.nan_search import NanSearch
+
+        # The wrappers here pass the script's calls on (its backward pass runs under one): not accelport's ops.
+        search = NanSearch(int(self._find_nan or 1), self._find_nan_dir or os.getcwd(), option="--find-nan-dir",
+                           forwarding=frozenset({__name__}))
+        self.tracker.nan_search = search
+
+        def on_torch(module: types.ModuleType) -> None:
+            try:
+                search.attach()
+            except Exception as exc:  # the script runs on, unsearched
+                search.problem = f"the search for the operation that made a NaN could not start: {exc}"
+
+        callbacks["torch"] = on_torch
+
     def _on_optimizer(self, module: types.ModuleType) -> None:
         register = getattr(module, "register_optimizer_step_post_hook", None)
         if register is None:
@@ -415,7 +444,7 @@ class Watcher:
             overrides["ACCELPORT_METRICS_FILE"] = self._metrics_file
         # The batches before the first step belong to it, and so do the compilations since install().
         return Runtime(_Overlay(overrides, self._environ), tracker=self.tracker, compile_events=self._compile_events,
-                       from_process_start=True)
+                       from_process_start=True, command=self._command)
 
     def _prebuild(self) -> Runtime | None:
         """The plugin host and matrix for a run on the host CPU, built before the script starts.
@@ -677,7 +706,10 @@ class Watcher:
     # -- results -----------------------------------------------------------------------------
     def finish(self) -> None:
         """End the last step and hand every step to the observers: the script is done."""
+        search = self.tracker.nan_search
         try:
+            if search is not None:
+                search.finish()  # (before the last flush: the rules judge what it found)
             if self._feeding:
                 if self._open is not None:
                     self._close()
@@ -686,6 +718,8 @@ class Watcher:
             self._stop(exc)
         finally:
             self._active = self._feeding = False
+            if search is not None:
+                self.notes += search.notes()
 
     @property
     def findings(self) -> list[Diagnosis]:

@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,12 +133,17 @@ _END = object()
 
 
 class _Skipped:
-    """A sampler (or batch sampler) less its first ``skip`` items: indices only, no sample is loaded."""
+    """A sampler (or batch sampler) less its first ``skip`` items: indices only, no sample is loaded.
 
-    def __init__(self, sampler: Any, skip: int) -> None:
-        self.sampler, self.skip = sampler, skip
+    ``before``: run as the order is drawn (after the DataLoader's iterator has drawn its workers' seed),
+    to give the sampler the RNG states the original pass drew its order from."""
+
+    def __init__(self, sampler: Any, skip: int, before: Callable[[], None] | None = None) -> None:
+        self.sampler, self.skip, self.before = sampler, skip, before
 
     def __iter__(self) -> Iterator[Any]:
+        if self.before is not None:
+            self.before()
         it = iter(self.sampler)  # the order is drawn here, as the original pass drew it
         for _ in range(self.skip):
             if next(it, _END) is _END:
@@ -197,6 +202,11 @@ def _generators(loader: Any) -> dict[str, Any]:
     return found
 
 
+def _persistent(loader: Any) -> bool:
+    """Whether ``loader`` keeps its iterator (and workers) from pass to pass (``persistent_workers=True``)."""
+    return bool(getattr(loader, "persistent_workers", False)) and int(getattr(loader, "num_workers", 0) or 0) > 0
+
+
 def _epoch_owner(loader: Any) -> Any:
     """The sampler whose ``set_epoch`` picks the order (DistributedSampler), or None."""
     for owner in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
@@ -237,6 +247,9 @@ class _Position:
         self._live = True  # stateful: read in the loop's own thread, so its state_dict() is the loop's position
         self._consumer: int | None = None
         self._resume: dict[str, Any] | None = None
+        #: map, resumed: the passes after the resumed one reuse the loader's iterator, as they did in the
+        #: run that was stopped (its first pass made it); made, without a draw, before the next pass.
+        self._warm = False
 
     # -- ap.loader's side -----------------------------------------------------------------------
     def begin(self, iterable: Iterable[Any], per_batch: int) -> Iterable[Any]:
@@ -270,6 +283,9 @@ class _Position:
         if resume is None or not resume.get("consumed"):
             self.epoch = resume["next"] if resume is not None else self.epoch + 1
             self.consumed = 0
+            if self._warm:
+                self._warm = False
+                _keep_iterator(loader, lambda: self._capture(loader), lambda states: self._apply(loader, states))
             self._start = self._capture(loader)
             yield from loader
             return
@@ -277,8 +293,12 @@ class _Position:
         # same RNG states, its first batches skipped as indices, never loaded.
         self.epoch, self.consumed, self._start = resume["epoch"], resume["consumed"], resume["start"]
         training = torch.get_rng_state()  # restored at restore(): what the loop draws from next
-        self._apply(loader, self._start)
-        it = iter(_remaining(loader, self.consumed))
+        start = self._start
+        if start.get("fresh", True):
+            self._apply(loader, start)
+            it = iter(_remaining(loader, self.consumed))
+        else:  # a persistent iterator's later pass: the order alone was drawn from these states
+            it = iter(_remaining(loader, self.consumed, before=lambda: self._apply(loader, start)))
         try:
             first = next(it, _END)  # the pass's own draws (its order, the workers' seed) happen here
         finally:
@@ -292,9 +312,13 @@ class _Position:
         import torch
 
         owner = _epoch_owner(loader)
+        # A DataLoader's new iterator draws its workers' base seed before the sampler draws the order; a
+        # persistent one's later passes reuse the iterator (DataLoader.__iter__: _iterator._reset) and draw
+        # the order alone. Which of the two this pass was decides how a resumed pass draws it again.
+        fresh = not (_persistent(loader) and getattr(loader, "_iterator", None) is not None)
         return {"torch": torch.get_rng_state(),
                 "generators": {k: g.get_state() for k, g in _generators(loader).items()},
-                "sampler_epoch": owner.epoch if owner is not None else None}
+                "sampler_epoch": owner.epoch if owner is not None else None, "fresh": fresh}
 
     def _apply(self, loader: Any, states: Mapping[str, Any]) -> None:
         import torch
@@ -395,6 +419,7 @@ class _Position:
                     "the pass in progress starts again from its first batch")
         if self.kind == "map":
             self._apply(self.loader, dict(saved.get("now") or {}))
+            self._warm = _persistent(self.loader)
         if self.kind == "stateful" and saved.get("state") is not None:
             # The loader's own state, even at the end of a pass: its order for the next one depends on it.
             self._resume = {"epoch": epoch, "next": epoch + 1 if ended else epoch, "consumed": consumed,
@@ -418,8 +443,22 @@ class _Position:
         return self.epoch + 1
 
 
-def _remaining(loader: Any, skip: int) -> Any:
-    """A DataLoader like ``loader`` whose sampler leaves out the first ``skip`` batches (as indices)."""
+def _keep_iterator(loader: Any, capture: Callable[[], Any], apply: Callable[[Any], None]) -> None:
+    """Give a persistent ``loader`` the iterator the stopped run's later passes reused, leaving every RNG as
+    it was: its next pass then draws its order alone, as the stopped run's did. (Its workers start here;
+    the few batches they read ahead are dropped by that pass's reset.)"""
+    if not _persistent(loader) or getattr(loader, "_iterator", None) is not None:
+        return
+    states = capture()
+    try:
+        iter(loader)
+    finally:
+        apply(states)
+
+
+def _remaining(loader: Any, skip: int, before: Callable[[], None] | None = None) -> Any:
+    """A DataLoader like ``loader`` whose sampler leaves out the first ``skip`` batches (as indices);
+    ``before`` runs as the sampler draws its order (see :class:`_Skipped`)."""
     import inspect
 
     from torch.utils.data import DataLoader
@@ -436,8 +475,8 @@ def _remaining(loader: Any, skip: int) -> Any:
     if "in_order" in accepted and hasattr(loader, "in_order"):
         kwargs["in_order"] = loader.in_order
     if loader.batch_sampler is not None:
-        return DataLoader(loader.dataset, batch_sampler=_Skipped(loader.batch_sampler, skip), **kwargs)
-    return DataLoader(loader.dataset, sampler=_Skipped(loader.sampler, skip), batch_size=None, **kwargs)
+        return DataLoader(loader.dataset, batch_sampler=_Skipped(loader.batch_sampler, skip, before), **kwargs)
+    return DataLoader(loader.dataset, sampler=_Skipped(loader.sampler, skip, before), batch_size=None, **kwargs)
 
 
 def _attach(loader: Any, signals: tuple[int, ...]) -> _Position:

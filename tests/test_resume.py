@@ -79,7 +79,10 @@ def seen(out: Path, rank: int = 0) -> dict[int, list[int]]:
 #: The loaders a resumed run is tested with: a DataLoader (read in the loop's thread; with 2 workers and read
 #: ahead by a prefetch thread) and torchdata's StatefulDataLoader (the same two ways).
 LOADERS = {"plain": (), "workers": ("--workers", "2", "--prefetch", "2"), "stateful": ("--stateful",),
-           "stateful-prefetch": ("--stateful", "--prefetch", "2")}
+           "stateful-prefetch": ("--stateful", "--prefetch", "2"),
+           # persistent_workers: the passes after the first reuse the iterator, which draws no workers' seed
+           "persistent": ("--workers", "2", "--persistent"),
+           "persistent-generator": ("--workers", "2", "--persistent", "--generator")}
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +113,22 @@ def test_a_run_killed_at_step_23_resumes_bit_identical(reference: dict[str, Path
     full, part = seen(reference[kind]), seen(tmp_path)
     assert [part[s] for s in range(21, 61)] == [full[s] for s in range(21, 61)]
     assert part[21] != part[1]  # (the control: not the start of a pass)
+
+
+@pytest.mark.parametrize("kind", ["persistent", "persistent-generator", "plain"])
+def test_a_run_killed_in_its_second_pass_resumes_the_same_order(reference: dict[str, Path], tmp_path: Path,
+                                                                kind: str) -> None:
+    # Step 35 is in the second pass (24 batches a pass), which a persistent loader drew without a new iterator.
+    ckpt = tmp_path / "ckpt"
+    killed = job(str(tmp_path), str(ckpt), "--kill-at", "35", *LOADERS[kind])
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert [f.step for f in find_checkpoints(ckpt) if f.complete] == [10, 20, 30]
+    resumed = job(str(tmp_path), str(ckpt), *LOADERS[kind], TORCHELASTIC_RESTART_COUNT="1")
+    assert resumed.returncode == 0, resumed.stderr
+    full, part = seen(reference[kind]), seen(tmp_path)
+    assert [part[s] for s in range(31, 61)] == [full[s] for s in range(31, 61)]
+    assert part[31] != full[7]  # (the control: pass 2's order is not pass 1's)
+    assert_identical(final(reference[kind]), final(tmp_path))
 
 
 @pytest.mark.parametrize("kind", ["plain", "workers"])

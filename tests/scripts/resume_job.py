@@ -1,7 +1,8 @@
 """A training job that checkpoints itself with ap.Checkpointer (tests/test_resume.py, tests/launch/).
 
     python resume_job.py OUT CKPT [--steps 60] [--every 10] [--kill-at STEP --kill-rank R]
-                         [--pause-at STEP] [--shard] [--workers N] [--stateful] [--background] [--prefetch N]
+                         [--pause-at STEP] [--shard] [--workers N [--persistent]] [--generator] [--stateful]
+                         [--background] [--prefetch N]
 
 A seeded, shuffled DataLoader (a DistributedSampler with several ranks), dropout, AdamW,
 a learning-rate schedule, and draws from Python's and numpy's global generators every
@@ -49,6 +50,8 @@ def main() -> None:
     parser.add_argument("--stateful", action="store_true")
     parser.add_argument("--background", action="store_true")
     parser.add_argument("--prefetch", type=int, default=None)
+    parser.add_argument("--persistent", action="store_true", help="persistent_workers=True (with --workers)")
+    parser.add_argument("--generator", action="store_true", help="the loader draws its order from a generator")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rank, world = ap.rank(), ap.world_size()
@@ -73,8 +76,10 @@ def main() -> None:
         loader: torch.utils.data.DataLoader = StatefulDataLoader(data, batch_size=BATCH, shuffle=sampler is None,
                                                                  sampler=sampler, num_workers=args.workers)
     else:
+        order = torch.Generator().manual_seed(5) if args.generator else None
         loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=sampler is None, sampler=sampler,
-                                             num_workers=args.workers)
+                                             num_workers=args.workers, persistent_workers=args.persistent,
+                                             generator=order)
 
     ckpt = ap.Checkpointer(args.ckpt, every_steps=args.every, background=args.background)
     step = ckpt.restore(model=model, optimizer=opt, scheduler=sched, loader=loader)

@@ -21,6 +21,9 @@ SCRIPT = pathlib.Path(REPO) / "tests" / "diagnose_cli" / "scripts" / "xla_find_n
 
 def test_a_log_of_zero_in_the_forward_pass_is_found_op_by_op(tmp_path: pathlib.Path,
                                                              capfd: pytest.CaptureFixture[str]) -> None:
+    import torch_xla.debug.metrics as met
+
+    met.clear_all()  # (counted from the process's start, as in the script's own process)
     out = tmp_path / "findings.json"
     assert main(["diagnose", "--find-nan", "--output", str(out), str(SCRIPT)]) == 0
     captured = capfd.readouterr()

@@ -354,11 +354,12 @@ def memory_of(models: Iterable[Any], optimizers: Iterable[Any]) -> dict[str, int
     for _, p in stepped:
         params.setdefault(id(p), p)
     totals = {"parameter_bytes": 0, "gradient_bytes": 0, "optimizer_state_bytes": 0, "float32_bytes": 0}
+    float32 = getattr(sys.modules.get("torch"), "float32", None)
 
     def add(key: str, t: Any) -> None:
         n = local_nbytes(t)
         totals[key] += n
-        if t.dim() > 0 and str(t.dtype) == "torch.float32":
+        if t.dtype is float32 and t.dim() > 0:
             totals["float32_bytes"] += n
 
     for p in params.values():

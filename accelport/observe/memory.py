@@ -211,20 +211,18 @@ def _statm() -> int | None:
 
 
 def process_memory() -> dict[str, int]:
-    """The process's resident memory (``memory_bytes``), its peak so far (``peak_memory_bytes``, the
-    kernel's high-water mark) and the host's memory (``capacity_bytes``), with ``resident`` = 1; {} where
-    /proc cannot say (not Linux). About 5 microseconds: a descriptor kept open is read again."""
+    """The process's resident memory (``memory_bytes``) and the host's memory (``capacity_bytes``), with
+    ``resident`` = 1; {} where /proc cannot say (not Linux). About 5 microseconds: a descriptor kept open is
+    read again. (Not ``getrusage``'s high-water mark: in a process with many threads, torch's, it costs
+    hundreds of microseconds; the sensor keeps the highest reading instead.)"""
     fd = _statm()
     if fd is None:
         return {}
     try:
         resident = int(os.pread(fd, 128, 0).split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
     except (OSError, ValueError, IndexError):
         return {}
-    out = {"memory_bytes": resident, "peak_memory_bytes": max(peak, resident), "resident": 1}
+    out = {"memory_bytes": resident, "resident": 1}
     capacity = host_capacity()
     if capacity:
         out["capacity_bytes"] = capacity

@@ -57,7 +57,7 @@ class MemoryGrowthRule(Rule):
 
     def step(self, record: StepRecord) -> None:
         memory = record.memory
-        if self.reported or not memory or record.step <= self.WARMUP:
+        if not memory or record.step <= self.WARMUP or self.reported:
             return
         value = memory.get("memory_bytes")
         if value is None:

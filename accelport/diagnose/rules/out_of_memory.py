@@ -11,6 +11,8 @@ it, and the fixes in the order of what they save, each with its number (:func:`a
 
 from __future__ import annotations
 
+from typing import Any
+
 from accelport.contract import StepRecord
 from accelport.diagnose.memory import Budget, blocks_of, fixes, human_bytes
 from accelport.diagnose.rule import Rule
@@ -33,18 +35,21 @@ class OutOfMemoryRule(Rule):
 
     def start(self) -> None:
         self._batch: int | None = None
+        self._signature: object = None
 
     def step(self, record: StepRecord) -> None:
         signature = record.signature
-        if signature:  # the first dimension of the first input: the batch size
-            try:
-                shape = signature[0][0]
+        if signature is not self._signature:  # (ap.loader hands equal shapes as one object)
+            self._signature = signature
+            try:  # the first dimension of the first input: the batch size
+                shape: Any = signature[0][0] if signature else ()
                 self._batch = int(shape[0]) if len(shape) else self._batch
             except (TypeError, ValueError, IndexError):
                 pass
-        elif record.loader.get("batch_size"):
+        if not self._batch and record.loader.get("batch_size"):
             self._batch = int(record.loader["batch_size"])
-        if self.run.memory is not None and self.run.memory.oom is not None:
+        sensor = self.run.memory
+        if sensor is not None and sensor.oom is not None:
             self.settle()
 
     def settle(self) -> None:

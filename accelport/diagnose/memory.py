@@ -231,6 +231,15 @@ class DeviceVerdict:
     devices: int | None
     bytes_per_device: int
     devices_per_chip: int = 1
+    #: Where it fits on none: the fewest with activation checkpointing on the model's blocks too (None: not even).
+    checkpointed_devices: int | None = None
+    blocks: int | None = None
+
+    def _count(self, n: int) -> str:
+        if self.devices_per_chip == 1:
+            return f"{n} device{'s' if n != 1 else ''}"
+        chips = math.ceil(n / self.devices_per_chip)
+        return f"{n} device{'s' if n != 1 else ''} ({chips} chip{'s' if chips != 1 else ''})"
 
     def text(self) -> str:
         cap = human_bytes(self.capacity_bytes)
@@ -238,31 +247,46 @@ class DeviceVerdict:
             fits = "fits" if self.devices == 1 else "does not fit"
             return f"{fits} this host's memory ({human_bytes(self.bytes_per_device)} of {cap})"
         if self.devices is None:
-            return (f"does not fit {self.title} devices ({cap} each) at this batch, even with ap.shard over "
-                    f"{MAX_DEVICES}: the activations alone need more; a smaller batch or activation "
-                    "checkpointing first")
+            said = (f"does not fit {self.title} devices ({cap} each) at this batch, even with ap.shard over "
+                    f"{MAX_DEVICES}: the activations alone need more")
+            n = self.checkpointed_devices
+            if n is not None:
+                how = "alone" if n == 1 else f"with ap.shard over {self._count(n)}"
+                return f"{said}; with activation checkpointing on the model's {self.blocks} blocks it fits {how}"
+            return f"{said}; a smaller batch first"
         per = human_bytes(self.bytes_per_device)
         if self.devices == 1:
             return f"fits one {self.title} device ({per} of {cap})"
-        chips = (f" ({math.ceil(self.devices / self.devices_per_chip)} chips)"
-                 if self.devices_per_chip > 1 else "")
-        return f"fits {self.title} with ap.shard over {self.devices} devices{chips} ({per} each of {cap})"
+        return f"fits {self.title} with ap.shard over {self._count(self.devices)} ({per} each of {cap})"
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "text": self.text()}
 
 
-def verdict_for(b: Budget, device: str, title: str, capacity: int, devices_per_chip: int = 1) -> DeviceVerdict:
-    """The fewest devices of ``capacity`` bytes each that hold ``b`` (sharded over them past one)."""
-    usable = capacity * USABLE
-    activation = b.activation_bytes or 0
-    if b.total_bytes <= usable:
-        return DeviceVerdict(device, title, capacity, 1, b.total_bytes, devices_per_chip)
+def _fewest(b: Budget, usable: float, activation: int) -> tuple[int, int] | None:
+    """(devices, bytes per device) for the fewest devices with ``usable`` bytes each that hold ``b``."""
+    if b.static_bytes + activation <= usable:
+        return 1, b.static_bytes + activation
     for n in _powers():
         per = math.ceil(b.static_bytes / n) + b.largest_block_bytes + activation
         if per <= usable:
-            return DeviceVerdict(device, title, capacity, n, per, devices_per_chip)
-    return DeviceVerdict(device, title, capacity, None, b.total_bytes, devices_per_chip)
+            return n, per
+    return None
+
+
+def verdict_for(b: Budget, device: str, title: str, capacity: int, devices_per_chip: int = 1) -> DeviceVerdict:
+    """The fewest devices of ``capacity`` bytes each that hold ``b`` (sharded over them past one); where none
+    does, the fewest with activation checkpointing on the model's blocks (about one block's activations)."""
+    usable = capacity * USABLE
+    activation = b.activation_bytes or 0
+    found = _fewest(b, usable, activation)
+    if found is not None:
+        return DeviceVerdict(device, title, capacity, found[0], found[1], devices_per_chip)
+    checkpointed = None
+    if b.blocks and b.blocks >= 2 and activation:
+        with_checkpoints = _fewest(b, usable, math.ceil(activation / b.blocks))
+        checkpointed = with_checkpoints[0] if with_checkpoints is not None else None
+    return DeviceVerdict(device, title, capacity, None, b.total_bytes, devices_per_chip, checkpointed, b.blocks)
 
 
 # -- the model's blocks ------------------------------------------------------------------------------

@@ -134,3 +134,18 @@ def test_an_unknown_chip_lists_the_known_ones() -> None:
     model = mlp()
     with pytest.raises(ValueError, match="v5e"):
         ap.memory_estimate(model, torch.optim.AdamW(model.parameters()), torch.randn(2, 64), chip="v9z")
+
+
+def test_activations_too_large_for_any_count_get_the_count_with_checkpointing() -> None:
+    layers, width, batch = 8, 8192, 65536
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    est = ap.memory_estimate(model, torch.optim.AdamW(model.parameters()), torch.randn(batch, width).to("meta"))
+    activations = layers * batch * width * 4  # 16 GiB: each Linear saves its input
+    assert est.activation_bytes == activations
+    v5e = {v.device: v for v in est.verdicts}["v5e"]
+    assert v5e.devices is None  # 16 GiB of activations on every device, however many share the rest
+    # By hand: one block's activations (2 GiB) with the static part (8 GiB and a little) fit one 16 GiB device.
+    assert est.static_bytes + activations // layers <= 16 * GiB * USABLE
+    assert v5e.checkpointed_devices == 1
+    assert v5e.text().endswith("with activation checkpointing on the model's 8 blocks it fits alone")

@@ -38,8 +38,9 @@ __all__ = ["MemoryWatch", "OutOfMemory", "Signature", "SIGNATURES", "KeptGraph",
            "BUDGET_EVERY"]
 
 #: After steps 1 to 3 (the optimizer's state appears at its first step), the static part is counted
-#: every this many steps: the parameters, gradients and state rarely change size.
-BUDGET_EVERY = 50
+#: every this many steps: the parameters, gradients and state rarely change size (and ap.metrics()
+#: counts afresh).
+BUDGET_EVERY = 200
 #: A kept-graph search looks at this many of the user's innermost frames, and at most this many
 #: elements of a container or nodes of an autograd graph.
 SEARCH_FRAMES = 4
@@ -155,6 +156,8 @@ class OutOfMemory:
     established: bool
     #: The step that raised it (the one after the last finished step), set by the step tracker.
     step: int = 0
+    #: "file:line" of the script's innermost frame in the error's traceback (None where none is the script's).
+    site: str | None = None
 
     @property
     def host(self) -> bool:
@@ -164,6 +167,19 @@ class OutOfMemory:
 
 def _type_names(exc: BaseException) -> set[str]:
     return {f"{cls.__module__}.{cls.__qualname__}" for cls in type(exc).__mro__}
+
+
+def _raised_at(exc: BaseException) -> str | None:
+    """"file:line" of the innermost frame of ``exc``'s traceback outside torch, accelport and the libraries."""
+    from accelport.observe.frames import library_file
+
+    tb, site = exc.__traceback__, None
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if not filename.startswith("<") and not library_file(filename):
+            site = f"{filename}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return site
 
 
 def out_of_memory(exc: BaseException) -> OutOfMemory | None:
@@ -592,7 +608,7 @@ class MemoryWatch:
         if found is None:
             return None
         if self.oom is None:
-            self.oom = replace(found, step=step)
+            self.oom = replace(found, step=step, site=_raised_at(exc))
         return self.oom
 
     # -- what keeps autograd graphs -------------------------------------------------------------------

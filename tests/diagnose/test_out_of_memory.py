@@ -106,8 +106,10 @@ def test_cuda_out_of_memory_is_explained_with_the_fixes_by_what_they_save(runtim
         assert {k: fix[k] for k in numbers} == numbers
     assert fit == 19  # (60.4 MB usable - 50.4 MB static) / 0.5 MiB per sample
     # What the message says, in that order.
-    assert "step 5 ran out of memory (torch.OutOfMemoryError, \"CUDA out of memory. Tried to allocate 20.00 MiB" \
-        in found.message
+    [site] = e["sites"]  # the line that raised it: FailingAdamW.step's raise, in this file
+    assert site.startswith(f"{__file__}:")
+    assert f"step 5 ran out of memory at {site} (torch.OutOfMemoryError, \"CUDA out of memory. Tried to allocate " \
+           "20.00 MiB. GPU 0 has a total capacity of 64.00 MiB of which 3.12 MiB is free.\")" in found.message
     assert "The failing allocation asked for 20.0 MiB. At step 4, the last good one, the device held 12.0 MiB of " \
            "parameters, 12.0 MiB of gradients, 24.0 MiB of optimizer state and 32.0 MiB of activations" \
            in found.message
@@ -199,7 +201,8 @@ def test_a_real_cpu_allocation_failure_in_the_scripts_own_code_is_explained_befo
                          env={**{k: v for k, v in os.environ.items() if not k.startswith("ACCELPORT_")},
                               "PYTHONPATH": REPO})
     assert out.returncode == 1
-    finding = out.stderr.index("[out-of-memory] PROBLEM: step 4 ran out of memory (RuntimeError, \"[enforce fail")
+    finding = out.stderr.index(f"[out-of-memory] PROBLEM: step 4 ran out of memory at {script}:16 (RuntimeError, "
+                               "\"[enforce fail")
     traceback = out.stderr.index("Traceback (most recent call last):")
     assert finding < traceback
     assert "The failing allocation asked for 4.0 PiB." in out.stderr
@@ -216,7 +219,8 @@ def test_accelport_diagnose_keeps_the_scripts_status_and_traceback(tmp_path: Pat
     assert plain.returncode == watched.returncode == 1
     traceback = plain.stderr[plain.stderr.index("Traceback"):]
     assert traceback in watched.stderr  # the script's own traceback, as python printed it
-    assert "[FAIL] out-of-memory at step 5: step 5 ran out of memory (torch.OutOfMemoryError" in watched.stderr
+    assert "[FAIL] out-of-memory at step 5: step 5 ran out of memory at" in watched.stderr
+    assert f"at {script}:14\n" in watched.stderr  # the script's line that raised it
     result = json.loads(output.read_text())
     assert result["exit_status"] == 1 and result["steps"] == 4
     [found] = [f for f in result["findings"] if f["kind"] == "out-of-memory"]

@@ -32,25 +32,20 @@ class OutOfMemoryRule(Rule):
     severity = "problem"
     warning = OutOfMemoryWarning
     needs = frozenset({"memory"})
-
-    def start(self) -> None:
-        self._batch: int | None = None
-        self._signature: object = None
+    MIN_SHARE = 0.01  # of the device: a fix that saves less is not listed
 
     def step(self, record: StepRecord) -> None:
-        signature = record.signature
-        if signature is not self._signature:  # (ap.loader hands equal shapes as one object)
-            self._signature = signature
-            try:  # the first dimension of the first input: the batch size
-                shape: Any = signature[0][0] if signature else ()
-                self._batch = int(shape[0]) if len(shape) else self._batch
-            except (TypeError, ValueError, IndexError):
-                pass
-        if not self._batch and record.loader.get("batch_size"):
-            self._batch = int(record.loader["batch_size"])
         sensor = self.run.memory
-        if sensor is not None and sensor.oom is not None:
+        if sensor is not None and sensor.oom is not None:  # (the failed step's own record)
             self.settle()
+
+    def _batch(self) -> int | None:
+        """The batch size: the first dimension of the first input of the last batch (None if unknown)."""
+        try:
+            shape: Any = self.run.shapes.current[0][0]
+            return int(shape[0]) if len(shape) else None
+        except (TypeError, ValueError, IndexError):
+            return None
 
     def settle(self) -> None:
         sensor = self.run.memory
@@ -60,13 +55,15 @@ class OutOfMemoryRule(Rule):
         last = sensor.last.values if sensor.last is not None else {}
         budget_values = sensor.budget
         capacity = oom.capacity_bytes or sensor.capacity_bytes
-        # What was seen comes before the finding's first colon (the fix after it): the quote keeps none.
-        said = f"{oom.error}, \"{oom.message.replace(': ', ' - ')}\"" if oom.message else oom.error
+        # What was seen comes before the finding's first colon (the fix after it): the quote keeps none, and
+        # only the message's first sentences (the whole text is in the evidence).
+        said = f"{oom.error}, \"{_first_sentences(oom.message).replace(': ', ' - ')}\"" if oom.message else oom.error
         asked = f" The failing allocation asked for {human_bytes(oom.requested_bytes)}." if oom.requested_bytes else ""
-        head = f"step {oom.step} ran out of memory ({said}).{asked}"
+        where = f" at {oom.site}" if oom.site else ""
+        head = f"step {oom.step} ran out of memory{where} ({said}).{asked}"
         evidence: dict[str, object] = {"vendor": oom.vendor, "error": oom.error, "error_message": oom.message,
                                        "requested_bytes": oom.requested_bytes, "capacity_bytes": capacity,
-                                       "source": oom.source}
+                                       "source": oom.source, "sites": [oom.site] if oom.site else []}
         if oom.host and self.run.device_type not in (None, "cpu"):
             self.report(f"{head} That is the host's memory, not the {self.run.device_type} device's, so the data "
                         "pipeline (DataLoader workers, prefetched batches, a dataset read whole) or a copy to the "
@@ -84,13 +81,15 @@ class OutOfMemoryRule(Rule):
         if activation is not None:
             activation = max(int(activation), sensor.activation or 0)
         budget = Budget(budget_values["parameter_bytes"], budget_values["gradient_bytes"],
-                        budget_values["optimizer_state_bytes"], activation, capacity, self._batch,
+                        budget_values["optimizer_state_bytes"], activation, capacity, self._batch(),
                         budget_values.get("float32_bytes", 0), blocks, largest, self.run.world_size,
                         sensor.sharded)
         usable = budget.usable_bytes
         oversized = bool(oom.requested_bytes and capacity and oom.requested_bytes > capacity)
         roomy = usable is not None and budget.total_bytes <= usable and activation is not None
-        found = [] if roomy or oversized else fixes(budget)
+        # A fix that would free less than MIN_SHARE of the device is no answer to running out of it.
+        found = [] if roomy or oversized else [
+            fix for fix in fixes(budget) if not capacity or fix.saves_bytes >= self.MIN_SHARE * capacity]
         at = sensor.last.step if sensor.last is not None else sensor.budget_step
         parts = [head, f"At step {at}, the last good one, the device held {budget.describe()}."]
         if activation is None:
@@ -109,9 +108,25 @@ class OutOfMemoryRule(Rule):
         elif found:
             message = f"{seen}: fixes, most saved first: " + "; ".join(
                 f"{i}) {fix.text}" for i, fix in enumerate(found, 1)) + "."
+        elif activation is None and capacity:
+            share = budget.static_bytes / capacity
+            part = f"{share:.0%}" if share >= 0.01 else "less than 1%"
+            message = (f"{seen}: parameters, gradients and optimizer state take {part} of the device, so the "
+                       "activations of the step (or memory held outside the steps) filled it. Checkpoint the "
+                       "model's blocks (torch.utils.checkpoint.checkpoint) or take a smaller batch; "
+                       "ap.memory_estimate(model, optimizer, batch) says what each needs, and the largest batch "
+                       "that fits.")
         else:
             message = f"{seen}: no fix to the budget was found here; a smaller batch or model is what is left."
         evidence.update(parameter_bytes=budget.parameter_bytes, gradient_bytes=budget.gradient_bytes,
                         optimizer_state_bytes=budget.optimizer_state_bytes, activation_bytes=activation,
-                        batch_size=self._batch, budget_step=at, fixes=[fix.to_dict() for fix in found])
+                        batch_size=budget.batch_size, budget_step=at, fixes=[fix.to_dict() for fix in found])
         self.report(message, oom.step, **evidence)
+
+
+def _first_sentences(text: str, limit: int = 160) -> str:
+    """``text`` up to the end of the last sentence that ends within ``limit`` characters (all of it if shorter)."""
+    if len(text) <= limit:
+        return text
+    end = text.rfind(". ", 0, limit)
+    return text[:end + 1] if end > 0 else text[:limit] + "..."

@@ -24,35 +24,44 @@ class MemoryGrowthWarning(DiagnosticWarning):
     """The device's memory grows every step: the run will run out of it."""
 
 
-_KEPT_FIX = ("keep a number, not the tensor: losses.append(loss.item()) or total += loss.item() (a host read "
-             "each step), or loss.detach() to keep it on the device; better, log through ap.after_step(fn, loss), "
-             "which hands fn the host value once the step has run, without a read inside the step")
+_KEPT_FIX = ("losses.append(loss.item()) or total += loss.item() (a host read each step), or loss.detach() to keep "
+             "it on the device; better, log through ap.after_step(fn, loss), which hands fn the host value once "
+             "the step has run, without a read inside the step")
 
 
 class MemoryGrowthRule(Rule):
-    """Memory readings after warm-up: growth in most intervals of the last window, by at least MIN_GROWTH per step."""
+    """Memory readings after warm-up: growth over most spans of SPAN intervals in the last window, by at least
+    MIN_GROWTH per step (spans, not single intervals: an allocator that grows by large chunks grows every few
+    steps, not every step)."""
 
     kind = "memory-growth"
     warning = MemoryGrowthWarning
     needs = frozenset({"memory"})
     WARMUP = 5  # readings of the first steps are not judged: allocators and caches fill up
-    WINDOW = 15  # intervals between readings judged together (each covers one or more steps)
-    SHARE = 0.8  # of the window's intervals, at least this share must grow...
-    #: ...and the median interval by at least this many bytes per step: a device allocator's figures are
-    #: exact; the process's resident memory also moves with Python's and the libraries' own allocations.
+    WINDOW = 20  # intervals between readings judged together (each covers one or more steps)
+    SPAN = 4  # consecutive intervals judged as one
+    SHARE = 0.8  # of the window's spans, at least this share must grow...
+    #: ...and the median span by at least this many bytes per step: a device allocator's figures are exact;
+    #: the process's resident memory also moves with Python's and the libraries' own allocations.
     MIN_GROWTH = 256 * 1024
     MIN_GROWTH_RESIDENT = 1024 * 1024
+    #: Intervals after the window that must go on growing (by half the window's rate) before it is said: a
+    #: climb that stops (a cache filling, the allocator settling after warm-up) is no growth.
+    CONFIRM = 4
     WAIT = 8  # readings to wait for the cause search before saying the growth without it
     HISTORY = 512  # intervals kept to find where the growth began
 
     def start(self) -> None:
-        # (first step, last step, bytes per step, bytes at the end) of each interval between two readings
-        # whose steps compiled nothing: new compiled code is memory too, and recompilation has its own kind.
-        self._intervals: deque[tuple[int, int, float, int]] = deque(maxlen=self.HISTORY)
+        # (first step, last step, bytes grown, bytes at the end) of each interval between two readings whose
+        # steps compiled nothing: new compiled code is memory too, and recompilation has its own kind.
+        self._intervals: deque[tuple[int, int, int, int]] = deque(maxlen=self.HISTORY)
         self._last: tuple[int, int] | None = None
+        self._recorded = 0
         self._resident = False
         # start, last step, bytes per step, bytes at the window's first and last step, its first step
         self._growth: tuple[int, int, float, int, int, int] | None = None
+        self._seen_at = 0  # intervals recorded when the growth was seen (it is confirmed CONFIRM after)
+        self._confirmed = False
         self._waited = 0
 
     def step(self, record: StepRecord) -> None:
@@ -66,47 +75,71 @@ class MemoryGrowthRule(Rule):
         last, self._last = self._last, (record.step, int(value))
         if last is None or record.step <= last[0] or record.delta.get("compilations"):
             return
-        self._intervals.append((last[0], record.step, (int(value) - last[1]) / (record.step - last[0]), int(value)))
+        self._intervals.append((last[0], record.step, int(value) - last[1], int(value)))
+        self._recorded += 1
         if self._growth is None:
             self._growth = self._grows()
             if self._growth is None:
                 return
+            self._seen_at, self._confirmed = self._recorded, False
             sensor = self.run.memory
-            if sensor is not None:
+            if sensor is not None:  # (looked for while the growth is confirmed)
                 sensor.look_for_kept_graphs()
+            return
+        if not self._confirmed:
+            since = self._recorded - self._seen_at
+            if since < self.CONFIRM:
+                return
+            after = list(self._intervals)[-since:]
+            steps = sum(s1 - s0 for s0, s1, _, _ in after)
+            start, _, per_step, first, _, first_step = self._growth
+            if sum(g for _, _, g, _ in after) / steps < per_step / 2:
+                self._growth = None  # it stopped: a climb, not growth
+                return
+            self._growth = (start, record.step, per_step, first, int(value), first_step)
+            self._confirmed = True
         self._waited += 1
         self.settle()
+
+    def _spans(self, intervals: list[tuple[int, int, int, int]]) -> list[tuple[int, float]]:
+        """(first step, bytes per step) of each run of SPAN consecutive intervals."""
+        out = []
+        for i in range(len(intervals) - self.SPAN + 1):
+            run = intervals[i:i + self.SPAN]
+            steps = sum(s1 - s0 for s0, s1, _, _ in run)
+            out.append((run[0][0], sum(grown for _, _, grown, _ in run) / steps))
+        return out
 
     def _grows(self) -> tuple[int, int, float, int, int, int] | None:
         intervals = list(self._intervals)
         if len(intervals) < self.WINDOW:
             return None
         window = intervals[-self.WINDOW:]
-        rates = [rate for _, _, rate, _ in window]
+        rates = [rate for _, rate in self._spans(window)]
         least = self.MIN_GROWTH_RESIDENT if self._resident else self.MIN_GROWTH
         if sum(r > 0 for r in rates) < self.SHARE * len(rates) or statistics.median(rates) < least:
             return None
         if window[-1][3] < max(end for _, _, _, end in window):
             return None  # it fell back: not growing now
-        # Where the growth began: going back from the newest interval, the earliest that grew by at least half
-        # the usual amount while no more than the window's share of the intervals since did not.
-        usual = statistics.median(rates)
-        start, seen, flat = window[-1][0], 0, 0
-        for first, _, rate, _ in reversed(intervals):
-            seen += 1
-            flat += rate < usual / 2
-            if flat > (1 - self.SHARE) * seen:
-                break
-            if rate >= usual / 2:
-                start = first
         steps = sum(s1 - s0 for s0, s1, _, _ in window)
-        grown = sum((s1 - s0) * rate for s0, s1, rate, _ in window)
+        grown = sum(g for _, _, g, _ in window)
+        if (grown - max(g for _, _, g, _ in window)) / steps < least:
+            return None  # one allocation made most of it: a one-time allocation, not growth
+        # Where the growth began: going back from the newest interval, block by block of SPAN intervals, the
+        # first step of the earliest block of a run that grew by at least half the usual amount.
+        usual = statistics.median(rates)
+        start = window[-1][0]
+        for i in range(len(intervals) - self.SPAN, -1, -self.SPAN):
+            first, rate = self._spans(intervals[i:i + self.SPAN])[0]
+            if rate < usual / 2:
+                break
+            start = first
         last_step, last = window[-1][1], window[-1][3]
-        return start, last_step, grown / steps, int(last - grown), last, window[0][0]
+        return start, last_step, grown / steps, last - grown, last, window[0][0]
 
     def settle(self) -> None:
         growth = self._growth
-        if growth is None or self.reported:
+        if growth is None or not self._confirmed or self.reported:
             return
         sensor = self.run.memory
         kept = sensor.kept if sensor is not None else None
@@ -121,15 +154,16 @@ class MemoryGrowthRule(Rule):
             seen += f", so the {human_bytes(capacity)} would run out in about {int((capacity - last) / per_step)} steps"
         if kept:
             names = "; ".join(k.describe() for k in kept[:3])
-            message = (f"{seen}: the script keeps tensors with their autograd graph from earlier steps: {names}. "
-                       f"Each kept loss keeps its whole graph (and what it saved for backward) alive. Fix: "
-                       f"{_KEPT_FIX}.")
+            message = (f"{seen}: the script keeps tensors with their autograd graph from earlier steps ({names}); "
+                       "each kept loss keeps its whole graph, and what it saved for backward, alive. Keep a number "
+                       f"instead: {_KEPT_FIX}.")
         else:
             searched = ("no variable of the training loop kept more tensors with an autograd graph from one step "
                         "to the next, so it is something else: ") if kept is not None else ""
             message = (f"{seen}: something keeps memory from every step: {searched}a list or dict that collects "
                        "tensors (outputs, losses, predictions; detach them or keep .item() values), a cache that "
-                       f"never evicts, or on XLA a graph that grows without a sync. If it is losses: {_KEPT_FIX}.")
+                       "never evicts, or on XLA a graph that grows without a sync. If it is losses, keep numbers: "
+                       f"{_KEPT_FIX}.")
         self.report(message, step, growth_bytes_per_step=int(per_step), started_at_step=start,
                     memory_bytes=last, kept=[{"name": k.name, "where": k.where, "kind": k.kind, "before": k.before,
                                               "after": k.after} for k in kept or ()])

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from accelport.diagnose import advice
 from accelport.errors import AccelportError
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ def _powers(limit: int = MAX_DEVICES) -> Iterable[int]:
         n *= 2
 
 
-def _shard_fix(b: Budget) -> Fix | None:
+def _shard_fix(b: Budget, style: str) -> Fix | None:
     if b.static_bytes <= 0:
         return None
     have = b.world_size if b.sharded else 1  # the static figures are already per device over these
@@ -137,7 +138,7 @@ def _shard_fix(b: Budget) -> Fix | None:
     if usable is not None and b.activation_bytes is not None:
         fits = "; then it fits" if after + activation <= usable else "; not enough alone"
     return Fix("shard", saves, after + activation, (
-        f"ap.shard(model) over {n} devices: parameters, gradients and optimizer state take "
+        f"{advice.shard_model(style, n)}: parameters, gradients and optimizer state take "
         f"{human_bytes(after)} per device{gathered} instead of {human_bytes(b.static_bytes)}, saving "
         f"{human_bytes(saves)}{fits}"), {"devices": n, "static_bytes_per_device": after})
 
@@ -164,7 +165,7 @@ def _checkpoint_fix(b: Budget) -> Fix | None:
                                                                   "blocks": b.blocks})
 
 
-def _batch_fix(b: Budget) -> Fix | None:
+def _batch_fix(b: Budget, style: str) -> Fix | None:
     activation, batch = b.activation_bytes, b.batch_size
     if not activation or not batch or batch < 2:
         return None
@@ -182,9 +183,8 @@ def _batch_fix(b: Budget) -> Fix | None:
              "not known")
     return Fix("batch", saves, b.total_bytes - saves, (
         f"a batch of {fit} instead of {batch} ({limit}, at {human_bytes(per_sample)} of activations per sample), "
-        f"saving {human_bytes(saves)}; keep the same effective batch by accumulating gradients over {steps} "
-        f"micro-batches before ap.optimizer_step"), {"batch_size": fit, "bytes_per_sample": int(per_sample),
-                                                       "accumulation_steps": steps})
+        f"saving {human_bytes(saves)}; keep the same effective batch by {advice.accumulate(style, steps)}"),
+        {"batch_size": fit, "bytes_per_sample": int(per_sample), "accumulation_steps": steps})
 
 
 def _bf16_fix(b: Budget) -> Fix | None:
@@ -199,9 +199,11 @@ def _bf16_fix(b: Budget) -> Fix | None:
         "that compensates the rounding"), {"float32_bytes": b.float32_bytes})
 
 
-def fixes(b: Budget) -> list[Fix]:
-    """The ways to make room, most saved first, each with its numbers (see each kind's text)."""
-    found = [fix for fix in (_shard_fix(b), _checkpoint_fix(b), _batch_fix(b), _bf16_fix(b)) if fix is not None]
+def fixes(b: Budget, style: str = "accelport") -> list[Fix]:
+    """The ways to make room, most saved first, each with its numbers, spelled for a script of ``style``
+    (:data:`accelport.diagnose.advice.STYLES`)."""
+    found = [fix for fix in (_shard_fix(b, style), _checkpoint_fix(b), _batch_fix(b, style), _bf16_fix(b))
+             if fix is not None]
     return sorted(found, key=lambda f: -f.saves_bytes)
 
 

@@ -52,7 +52,8 @@ def main(loop: str) -> None:
         else:
             assert loop == "healthy", loop
     print(json.dumps({"steps": ap.metrics().steps, "diagnoses": [
-        {"kind": d.kind, "step": d.step, "message": d.message, "evidence": d.evidence} for d in ap.diagnostics()]}))
+        {"kind": d.kind, "step": d.step, "message": d.message, "fix": d.fix, "evidence": d.evidence}
+        for d in ap.diagnostics()]}))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import accelport as ap
-from accelport.diagnose.memory import USABLE
+from accelport.diagnose.memory import USABLE, Budget, fixes
 from accelport.eager import EagerBackend
 from accelport.observe.memory import SIGNATURES, out_of_memory
 from tests.backends.test_standins import CudaConstantsOnCpu, NeuronConstantsOnCpu, Runtime, TpuConstantsOnCpu, select
@@ -113,9 +113,12 @@ def test_cuda_out_of_memory_is_explained_with_the_fixes_by_what_they_save(runtim
     assert "The failing allocation asked for 20.0 MiB. At step 4, the last good one, the device held 12.0 MiB of " \
            "parameters, 12.0 MiB of gradients, 24.0 MiB of optimizer state and 32.0 MiB of activations" \
            in found.message
-    assert found.message.index("1) ap.shard(model) over 4 devices") < found.message.index("2) bf16 weights") < \
-        found.message.index("3) a batch of 19 instead of 64") < found.message.index("4) wrap each of the model's 3")
-    assert "rounds away" in found.message  # bf16's precision caveat
+    # The fixes, in the ported loop's own terms.
+    assert found.fix.startswith("Fixes, most saved first: 1) ap.shard(model) over 4 devices: ")
+    assert found.fix.index("1) ap.shard(model)") < found.fix.index("2) bf16 weights") < \
+        found.fix.index("3) a batch of 19 instead of 64") < found.fix.index("4) wrap each of the model's 3")
+    assert "accumulating gradients over 4 micro-batches before ap.optimizer_step(opt)" in found.fix
+    assert "rounds away" in found.fix  # bf16's precision caveat
 
 
 @pytest.mark.parametrize(("backend", "module", "text", "requested"), [
@@ -220,12 +223,33 @@ def test_accelport_diagnose_keeps_the_scripts_status_and_traceback(tmp_path: Pat
     traceback = plain.stderr[plain.stderr.index("Traceback"):]
     assert traceback in watched.stderr  # the script's own traceback, as python printed it
     assert "[FAIL] out-of-memory at step 5: step 5 ran out of memory at" in watched.stderr
-    assert f"at {script}:14\n" in watched.stderr  # the script's line that raised it
     result = json.loads(output.read_text())
     assert result["exit_status"] == 1 and result["steps"] == 4
     [found] = [f for f in result["findings"] if f["kind"] == "out-of-memory"]
     assert found["severity"] == "problem" and found["evidence"]["requested_bytes"] == 20 << 20
+    assert found["evidence"]["sites"] == [f"{script}:14"]  # the script's line that raised it
+    assert found["message"].startswith(f"step 5 ran out of memory at {script}:14 (torch.OutOfMemoryError")
+    assert found["fix"].startswith("Checkpoint the model's blocks")  # the activations filled it: not measured here
     params = (64 * 256 + 256 + 256 * 8 + 8) * 4
     assert (found["evidence"]["parameter_bytes"], found["evidence"]["optimizer_state_bytes"]) == \
         (params, 2 * params + 4 * 4)
     assert found["evidence"]["capacity_bytes"] == int(15.77 * (1 << 30))
+
+
+@pytest.mark.parametrize(("style", "shard", "accumulate"), [
+    ("accelport", "ap.shard(model) over 4 devices:", "before ap.optimizer_step(opt)"),
+    ("torch", "ap.shard(model) over 4 devices (the portable call", "before optimizer.step()"),
+    ("torch_xla", "ap.shard(model) over 4 devices (the portable call", "before xm.optimizer_step(opt)"),
+    ("transformers", "FSDP over 4 devices (TrainingArguments(fsdp=\"full_shard\"))",
+     "TrainingArguments(gradient_accumulation_steps=4)"),
+    ("lightning", "FSDP over 4 devices (Trainer(strategy=\"fsdp\", devices=4))", "Trainer(accumulate_grad_batches=4)"),
+])
+def test_the_fixes_are_spelled_as_the_script_trains(style: str, shard: str, accumulate: str) -> None:
+    # The cuda case above, by hand: 48 MiB static (12 + 12 + 24), 32 MiB of activations for 64 samples, 64 MiB.
+    budget = Budget(12 << 20, 12 << 20, 24 << 20, ACTIVATIONS, CAPACITY, BATCH, 48 << 20, 3, 4 << 20)
+    by_kind = {fix.kind: fix for fix in fixes(budget, style)}
+    assert shard in by_kind["shard"].text and by_kind["shard"].numbers["devices"] == 4
+    assert accumulate in by_kind["batch"].text and by_kind["batch"].numbers["batch_size"] == 19
+    # The numbers do not depend on the spelling.
+    assert [(f.kind, f.saves_bytes) for f in fixes(budget, style)] == \
+        [(f.kind, f.saves_bytes) for f in fixes(budget)]

@@ -13,6 +13,7 @@ import statistics
 from collections import deque
 
 from accelport.contract import StepRecord
+from accelport.diagnose import advice
 from accelport.diagnose.memory import human_bytes
 from accelport.diagnose.rule import Rule
 from accelport.errors import DiagnosticWarning
@@ -22,11 +23,6 @@ __all__ = ["MemoryGrowthRule", "MemoryGrowthWarning"]
 
 class MemoryGrowthWarning(DiagnosticWarning):
     """The device's memory grows every step: the run will run out of it."""
-
-
-_KEPT_FIX = ("losses.append(loss.item()) or total += loss.item() (a host read each step), or loss.detach() to keep "
-             "it on the device; better, log through ap.after_step(fn, loss), which hands fn the host value once "
-             "the step has run, without a read inside the step")
 
 
 class MemoryGrowthRule(Rule):
@@ -48,6 +44,8 @@ class MemoryGrowthRule(Rule):
     #: Intervals after the window that must go on growing (by half the window's rate) before it is said: a
     #: climb that stops (a cache filling, the allocator settling after warm-up) is no growth.
     CONFIRM = 4
+    #: Readings come after every step for a run's first 40 steps: warm-up, a window and its confirmation.
+    judges_from = 1 + WARMUP + WINDOW + CONFIRM
     WAIT = 8  # readings to wait for the cause search before saying the growth without it
     HISTORY = 512  # intervals kept to find where the growth began
 
@@ -155,15 +153,23 @@ class MemoryGrowthRule(Rule):
         if kept:
             names = "; ".join(k.describe() for k in kept[:3])
             message = (f"{seen}: the script keeps tensors with their autograd graph from earlier steps ({names}); "
-                       "each kept loss keeps its whole graph, and what it saved for backward, alive. Keep a number "
-                       f"instead: {_KEPT_FIX}.")
+                       "each kept loss keeps its whole graph, and what it saved for backward, alive.")
+            fix = advice.kept_graphs(self.run.style)
         else:
             searched = ("no variable of the training loop kept more tensors with an autograd graph from one step "
                         "to the next, so it is something else: ") if kept is not None else ""
             message = (f"{seen}: something keeps memory from every step: {searched}a list or dict that collects "
-                       "tensors (outputs, losses, predictions; detach them or keep .item() values), a cache that "
-                       "never evicts, or on XLA a graph that grows without a sync. If it is losses, keep numbers: "
-                       f"{_KEPT_FIX}.")
-        self.report(message, step, growth_bytes_per_step=int(per_step), started_at_step=start,
+                       "tensors (outputs, losses, predictions), a cache that never evicts, or on XLA a graph that "
+                       "grows without a sync.")
+            fix = ("Detach what a list or dict collects (or keep .item() values) and bound any cache. If it is "
+                   "losses: " + advice.kept_graphs(self.run.style))
+            if self._resident:
+                # Measured: glibc's heap grows by megabytes a step when small tensors are kept between large
+                # buffers it serves from the heap (its mmap threshold rises after a large free), and is flat
+                # with a fixed threshold.
+                fix += (" On the host the C allocator can grow too: small tensors kept between large buffers stop "
+                        "glibc from giving its heap back; MALLOC_MMAP_THRESHOLD_=1048576 in the environment "
+                        "serves buffers of 1 MiB and more by mmap, returned when freed.")
+        self.report(message, step, fix=fix, growth_bytes_per_step=int(per_step), started_at_step=start,
                     memory_bytes=last, kept=[{"name": k.name, "where": k.where, "kind": k.kind, "before": k.before,
                                               "after": k.after} for k in kept or ()])

@@ -55,9 +55,8 @@ class OutOfMemoryRule(Rule):
         last = sensor.last.values if sensor.last is not None else {}
         budget_values = sensor.budget
         capacity = oom.capacity_bytes or sensor.capacity_bytes
-        # What was seen comes before the finding's first colon (the fix after it): the quote keeps none, and
-        # only the message's first sentences (the whole text is in the evidence).
-        said = f"{oom.error}, \"{_first_sentences(oom.message).replace(': ', ' - ')}\"" if oom.message else oom.error
+        # Only the message's first sentences (the whole text is in the evidence).
+        said = f"{oom.error}, \"{_first_sentences(oom.message)}\"" if oom.message else oom.error
         asked = f" The failing allocation asked for {human_bytes(oom.requested_bytes)}." if oom.requested_bytes else ""
         where = f" at {oom.site}" if oom.site else ""
         head = f"step {oom.step} ran out of memory{where} ({said}).{asked}"
@@ -67,13 +66,14 @@ class OutOfMemoryRule(Rule):
         if oom.host and self.run.device_type not in (None, "cpu"):
             self.report(f"{head} That is the host's memory, not the {self.run.device_type} device's, so the data "
                         "pipeline (DataLoader workers, prefetched batches, a dataset read whole) or a copy to the "
-                        "host filled it: fewer DataLoader workers, a smaller prefetch (ap.loader(..., prefetch=1)), "
-                        "a dataset read lazily, or a larger host.", oom.step, **evidence)
+                        "host filled it.", oom.step,
+                        fix="Fewer DataLoader workers, a smaller prefetch (ap.loader(..., prefetch=1)), a dataset "
+                            "read lazily, or a larger host.", **evidence)
             return
         if not budget_values:
-            self.report(f"{head} No step finished before it, so there is no budget to show: estimate the run "
-                        "before it starts with ap.memory_estimate(model, optimizer, batch), which says what fits "
-                        "where.", oom.step, **evidence)
+            self.report(f"{head} No step finished before it, so there is no budget to show.", oom.step,
+                        fix="Estimate the run before it starts with ap.memory_estimate(model, optimizer, batch), "
+                            "which says what fits where.", **evidence)
             return
         model = sensor.model()
         blocks, largest = blocks_of(model) if model is not None else (None, 0)
@@ -89,39 +89,39 @@ class OutOfMemoryRule(Rule):
         roomy = usable is not None and budget.total_bytes <= usable and activation is not None
         # A fix that would free less than MIN_SHARE of the device is no answer to running out of it.
         found = [] if roomy or oversized else [
-            fix for fix in fixes(budget) if not capacity or fix.saves_bytes >= self.MIN_SHARE * capacity]
+            f for f in fixes(budget, self.run.style)
+            if not capacity or f.saves_bytes >= self.MIN_SHARE * capacity]
         at = sensor.last.step if sensor.last is not None else sensor.budget_step
         parts = [head, f"At step {at}, the last good one, the device held {budget.describe()}."]
         if activation is None:
             parts.append(f"The activations are not measured on {self.run.backend} (no device peak is known "
-                         "there); ap.memory_estimate(model, optimizer, batch) measures them.")
-        seen = " ".join(parts).rstrip(".")
+                         "there).")
         if oversized:
-            message = (f"{seen}: that one allocation is larger than the whole device ({human_bytes(capacity)}), so "
-                       "no fix to the budget makes room for it. Look for the tensor of that size: a shape mistake, "
-                       "a broadcast that grew, a batch far larger than meant.")
+            parts.append(f"That one allocation is larger than the whole device ({human_bytes(capacity)}), so no "
+                         "fix to the budget makes room for it.")
+            fix = "Look for the tensor of that size: a shape mistake, a broadcast that grew, a batch far larger " \
+                  "than meant."
         elif roomy:
-            message = (f"{seen}: that is well within the device, so the steady budget is not what ran out. Look for "
-                       "what this step did differently (one large allocation, a longer sequence, a larger batch) or "
-                       "for memory held outside the steps (another process on the device, tensors kept from an "
-                       "evaluation or a cache).")
+            parts.append("That is well within the device, so the steady budget is not what ran out.")
+            fix = ("Look for what this step did differently (one large allocation, a longer sequence, a larger "
+                   "batch) or for memory held outside the steps (another process on the device, tensors kept from "
+                   "an evaluation or a cache).")
         elif found:
-            message = f"{seen}: fixes, most saved first: " + "; ".join(
-                f"{i}) {fix.text}" for i, fix in enumerate(found, 1)) + "."
+            fix = "Fixes, most saved first: " + "; ".join(f"{i}) {f.text}" for i, f in enumerate(found, 1)) + "."
         elif activation is None and capacity:
             share = budget.static_bytes / capacity
             part = f"{share:.0%}" if share >= 0.01 else "less than 1%"
-            message = (f"{seen}: parameters, gradients and optimizer state take {part} of the device, so the "
-                       "activations of the step (or memory held outside the steps) filled it. Checkpoint the "
-                       "model's blocks (torch.utils.checkpoint.checkpoint) or take a smaller batch; "
-                       "ap.memory_estimate(model, optimizer, batch) says what each needs, and the largest batch "
-                       "that fits.")
+            parts.append(f"Parameters, gradients and optimizer state take {part} of the device, so the activations "
+                         "of the step (or memory held outside the steps) filled it.")
+            fix = ("Checkpoint the model's blocks (torch.utils.checkpoint.checkpoint) or take a smaller batch; "
+                   "ap.memory_estimate(model, optimizer, batch) measures the activations and says what each "
+                   "needs, and the largest batch that fits.")
         else:
-            message = f"{seen}: no fix to the budget was found here; a smaller batch or model is what is left."
+            fix = "No fix to the budget was found here: a smaller batch or model is what is left."
         evidence.update(parameter_bytes=budget.parameter_bytes, gradient_bytes=budget.gradient_bytes,
                         optimizer_state_bytes=budget.optimizer_state_bytes, activation_bytes=activation,
-                        batch_size=budget.batch_size, budget_step=at, fixes=[fix.to_dict() for fix in found])
-        self.report(message, oom.step, **evidence)
+                        batch_size=budget.batch_size, budget_step=at, fixes=[f.to_dict() for f in found])
+        self.report(" ".join(parts), oom.step, fix=fix, **evidence)
 
 
 def _first_sentences(text: str, limit: int = 160) -> str:

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from accelport.compat.verdict import Verdict
     from accelport.contract import Backend, BackendInfo, Metrics, Probe, StepRecord
     from accelport.device_loader import DeviceLoader
+    from accelport.diagnose.memory import MemoryEstimate
     from accelport.diagnose.rule import Diagnosis, Rule, RunView
     from accelport.plugins.hookspecs import hookimpl
     from accelport.resume import Checkpointer
@@ -86,6 +87,7 @@ __all__ = [
     "is_main_process",
     "load",
     "loader",
+    "memory_estimate",
     "metrics",
     "optimizer_step",
     "print",
@@ -251,6 +253,31 @@ def sync() -> None:
 def metrics() -> Metrics:
     """A snapshot: steps, compilations, compile time, transfers, CPU fallbacks, data wait."""
     return _rt().metrics()
+
+
+def memory_estimate(model: Any, optimizer: Any, sample_batch: Any, *, loss_fn: Callable[[Any], Any] | None = None,
+                    chip: str | None = None) -> MemoryEstimate:
+    """What one training step of ``model`` with ``optimizer`` on ``sample_batch`` needs per device, before a run.
+
+    The step runs on a copy, on the meta device (shapes only, nothing allocated; where an op has no
+    meta kernel, on a cpu copy): ``model`` and ``optimizer`` are never changed. ``model`` is the model
+    as built, on the cpu or under ``torch.device("meta")``; ``sample_batch`` what the model is called
+    with (``model(*batch)`` for a tuple, ``model(**batch)`` for a dict); ``loss_fn(output)`` makes the
+    loss (default: the sum of the outputs, as costly to differentiate). Returns the budget
+    (``parameter_bytes``, ``gradient_bytes``, ``optimizer_state_bytes``, ``activation_bytes``), a
+    verdict per device the compatibility matrix knows the memory of and for the host ("fits one TPU
+    v5e device", "fits TPU v5e with ap.shard over 4 devices"), and, for ``chip`` (default: this
+    machine's), the fixes in the order of what they save; ``print()`` it to read it.
+    Raises ``accelport.diagnose.memory.EstimateError`` (a ValueError) for a model on another device,
+    a batch the model cannot run, or an optimizer of another model.
+    """
+    from accelport.diagnose.memory import estimate
+    from accelport.observe.memory import host_capacity
+    from accelport.platform import detect
+
+    rt = _rt()
+    return estimate(model, optimizer, sample_batch, loss_fn=loss_fn, chip=chip, matrix=rt.matrix(),
+                    machine_chip=detect(environ=rt.environ).chip, host_bytes=host_capacity())
 
 
 def compile_cache(path: str | os.PathLike[str]) -> str | None:

@@ -75,17 +75,28 @@ class Metrics:
     host_to_device: int | None = None
     device_to_host: int | None = None
     cpu_fallback: dict[str, int] | None = None
+    #: The device's memory in use now (the allocator's bytes; where the host is the device, the
+    #: process's resident memory), and the most seen in use during the run.
     memory_bytes: int | None = None
     peak_memory_bytes: int | None = None
-    #: This rank's share of the parameters of the models passed to ``ap.shard`` (None: none was).
+    #: This rank's bytes of the parameters of the models passed to ``ap.shard`` and of every optimizer
+    #: stepped (a DTensor by its local shard), counted from dtype and shape (None: neither yet).
     parameter_bytes: int | None = None
-    #: This rank's share of their optimizers' state (those stepped by ``ap.optimizer_step``).
+    #: This rank's bytes of the optimizers' state (those stepped by ``ap.optimizer_step``, or watched).
     optimizer_state_bytes: int | None = None
     data_wait_seconds: float = 0.0
     step_seconds: float = 0.0
     #: Distinct batch shapes seen (None: no batch came through a loader accelport sees).
     batch_signatures: int | None = None
     compile_cache_dir: str | None = None
+    #: This rank's bytes of those parameters' gradients, where they exist now.
+    gradient_bytes: int | None = None
+    #: The largest step peak less the parameters, gradients and optimizer state: what the forward and
+    #: backward passes held (None where no device peak is known: on ``cpu`` the peak is the process's).
+    activation_bytes: int | None = None
+    #: One device's memory: the allocator's limit (CUDA's total, XLA's ``bytes_limit``), the HBM per
+    #: device of the machine's chip (compatibility matrix), or the host's memory on ``cpu``.
+    capacity_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -129,6 +140,11 @@ class StepRecord:
     loader: Mapping[str, Any] = field(default_factory=dict)
     #: Steps ``delta`` covers: 1; k > 1 for the last of k steps read together; 0 if not read.
     counted_steps: int = 1
+    #: The device's memory, read with the counters (None on records whose counters were not read):
+    #: ``memory_bytes``, ``peak_memory_bytes`` (since the previous reading where the runtime resets its
+    #: peak), ``capacity_bytes``, ``activation_bytes`` (that peak less the static part) and the static
+    #: part as last counted (``parameter_bytes``, ``gradient_bytes``, ``optimizer_state_bytes``).
+    memory: Mapping[str, int] | None = None
 
 
 class Backend(abc.ABC):
@@ -225,6 +241,16 @@ class Backend(abc.ABC):
 
     def step_counters(self) -> dict[str, float]:
         """The few counters cheap enough to read after every step (running totals)."""
+        return {}
+
+    def memory_reading(self) -> dict[str, int]:
+        """The device's memory now, read without waiting for it (never a sync): ``memory_bytes`` (in use),
+        ``peak_memory_bytes`` (the most in use since the previous reading, where the runtime keeps a peak it
+        can reset; else its own peak so far), ``capacity_bytes`` (the device's total) and ``resident`` (1:
+        the figures are the process's resident memory, where the host is the device). {} where unknown.
+
+        The step tracker reads it when it reads the step counters (see StepRecord).
+        """
         return {}
 
     def step_delta(self) -> dict[str, float]:
@@ -332,9 +358,6 @@ class Backend(abc.ABC):
 
         return shard_unsupported(self, model)
 
-    def sharded_memory(self) -> dict[str, int]:
-        """``parameter_bytes`` and ``optimizer_state_bytes`` of what ``ap.shard`` registered ({} if nothing)."""
-        return {} if self.shard_registry is None else self.shard_registry.memory()
 
     # -- checkpoints ------------------------------------------------------------------
     def save(self, obj: Any, path: str | os.PathLike[str], *, background: bool = False) -> Any:

@@ -41,6 +41,8 @@ class LoaderTracker(Protocol):
 
     def flush(self) -> None: ...
 
+    def failed(self, exc: BaseException) -> None: ...
+
 
 class LoaderRun(Protocol):
     """What ``ap.loader`` needs of the run it feeds (:class:`accelport.runtime.state.Runtime`)."""
@@ -354,18 +356,21 @@ class DeviceLoader:
         first = True
         try:
             while True:
-                if between and not first:
-                    # The loop body is done with the previous batch; a lazy backend runs the
-                    # step's graph now, and that (compile, dispatch) is not waiting for data.
-                    end_of_batch()
-                    tracker.synced()
-                first = False
-                t0 = clock()
-                before = busy.until(t0)
                 try:
+                    if between and not first:
+                        # The loop body is done with the previous batch; a lazy backend runs the
+                        # step's graph now, and that (compile, dispatch) is not waiting for data.
+                        end_of_batch()
+                        tracker.synced()
+                    first = False
+                    t0 = clock()
+                    before = busy.until(t0)
                     batch = next(it)
                 except StopIteration:
                     return
+                except BaseException as exc:  # on XLA an out-of-memory error surfaces at the loop's sync
+                    tracker.failed(exc)
+                    raise
                 now = clock()
                 # Waiting for data is waiting while the source was busy giving batches: a loop that waited
                 # longer, while its source had nothing to do, waited for a thread to be scheduled (a busy

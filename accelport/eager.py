@@ -32,6 +32,8 @@ ACCELERATOR_EQUIVALENTS: Mapping[str, str] = {
     "device_count": "device_count",
     "memory_allocated": "memory_allocated",
     "max_memory_allocated": "max_memory_allocated",
+    "reset_peak_memory_stats": "reset_peak_memory_stats",
+    "mem_get_info": "get_memory_info",
 }
 
 
@@ -160,6 +162,8 @@ class EagerBackend(Backend):
         self._torch: Any = None
         self._device: Any = None
         self._device_counters_broken = False
+        self._memory_broken: set[str] = set()  # device-module functions that failed: not called again
+        self._capacity: int | None = None  # the device's total memory, read once
         # Host reads: counted on accelerators (see accelport.observe.tracer), never on the host.
         self._reads: Callable[[str], int] | None = None
         self._guard_compiles: Callable[[], None] = lambda: None
@@ -253,7 +257,7 @@ class EagerBackend(Backend):
         """The runtime function behind ``name`` and its dotted name, per ``sync_api``.
 
         ``name`` is a device-module function (synchronize, set_device, device_count,
-        memory_allocated, max_memory_allocated). "module" prefers
+        memory_allocated, max_memory_allocated, reset_peak_memory_stats, mem_get_info). "module" prefers
         ``torch.<device_module>.<name>`` and falls back to its ``torch.accelerator``
         equivalent; "accelerator" uses only the latter; "none" has no runtime.
         """
@@ -291,8 +295,6 @@ class EagerBackend(Backend):
             api[1]()
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        if self.shard_registry is not None:
-            self.shard_registry.saw(optimizer)
         # The world size as world_size() says it, without its lookups on every step: a
         # process group, once initialised, decides; before that, WORLD_SIZE as read at prepare().
         dist = self._dist_module
@@ -459,15 +461,43 @@ class EagerBackend(Backend):
         out.update(self._safe_device_counters())
         if self._reads is not None:
             out["device_to_host"] = self._reads(self.device_type)
-        if self._torch is not None:
-            for key, fn in (("memory_bytes", "memory_allocated"), ("peak_memory_bytes", "max_memory_allocated")):
-                api = self.device_api(fn)
-                if api is not None:
-                    try:
-                        out[key] = int(api[1]())
-                    except Exception:  # no allocator statistics on this device: the field stays None
-                        pass
-        out.update(self.sharded_memory())
+        return out
+
+    def memory_reading(self) -> dict[str, int]:
+        """The device allocator's figures where the runtime keeps them (``torch.cuda.memory_allocated``,
+        ``max_memory_allocated`` then ``reset_peak_memory_stats``, the total of ``mem_get_info``, or their
+        ``torch.accelerator`` equivalents); on ``cpu``, where the host is the device, the process's resident
+        memory (:func:`accelport.observe.memory.process_memory`). No call here waits for the device; one
+        that fails is not made again (the fields it gives stay None)."""
+        if self._torch is None:
+            return {}
+        if self.sync_api == "none":
+            from accelport.observe.memory import process_memory
+
+            return process_memory()
+        out: dict[str, int] = {}
+        for key, fn in (("memory_bytes", "memory_allocated"), ("peak_memory_bytes", "max_memory_allocated"),
+                        ("", "reset_peak_memory_stats"), ("capacity_bytes", "mem_get_info")):
+            if fn in self._memory_broken or (key == "capacity_bytes" and self._capacity is not None):
+                continue
+            if key == "" and "peak_memory_bytes" not in out:
+                continue  # nothing to reset the peak for
+            api = self.device_api(fn)
+            if api is None:
+                self._memory_broken.add(fn)
+                continue
+            try:
+                value = api[1]()
+            except Exception:  # no allocator statistics here: not asked again
+                self._memory_broken.add(fn)
+                continue
+            if key == "capacity_bytes":
+                self._capacity = int(value[1])  # (free, total): the total, read once
+            elif key:
+                out[key] = int(value)
+            # reset_peak_memory_stats: the next reading's peak is that of the steps between
+        if self._capacity:
+            out["capacity_bytes"] = self._capacity
         return out
 
     def step_counters(self) -> dict[str, float]:

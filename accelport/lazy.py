@@ -180,6 +180,7 @@ class LazyBackend(Backend):
         self._reads_seen = (0, 0)
         self._to_host = 0
         self._compiled_seen = (0, 0.0)
+        self._memory_source: str | None = None  # "allocator", "host" (XLA:CPU) or "none": see memory_reading
         #: Where this backend's collectives wait (read by accelport launch's probe).
         self.collectives = Collectives()
 
@@ -297,8 +298,6 @@ class LazyBackend(Backend):
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         xm = self._xm or self._x()  # (a call less per step once prepared)
-        if self.shard_registry is not None:
-            self.shard_registry.saw(optimizer)
         # xm.optimizer_step all-reduces gradients across replicas (a no-op alone), then steps.
         result = xm.optimizer_step(optimizer, optimizer_args=kwargs)
         # End the step. Alone inside an ap.loader loop, the sync comes when the next batch
@@ -407,8 +406,33 @@ class LazyBackend(Backend):
             # may lack the counters.
             dispatched = self._executions()
             out["executions"] = finished if dispatched is None else dispatched
-        out.update(self.sharded_memory())
         return out
+
+    def memory_reading(self) -> dict[str, int]:
+        """``xm.get_memory_info``: the PJRT device allocator's bytes in use, its peak (never reset: torch_xla
+        has no reset) and its limit, without running anything. XLA:CPU has no allocator statistics (every
+        call raises UNIMPLEMENTED: GetAllocatorStats is not supported) and its buffers are host memory, so
+        there the process's resident memory is read instead; a device that refuses (an SPMD virtual device)
+        is asked once."""
+        if self._xm is None or self._memory_source == "none":
+            return {}
+        if self._memory_source != "host":
+            try:
+                info = self._xm.get_memory_info(self.device())
+                self._memory_source = "allocator"
+                return {"memory_bytes": int(info["bytes_used"]), "peak_memory_bytes": int(info["peak_bytes_used"]),
+                        "capacity_bytes": int(info["bytes_limit"])}
+            except Exception:
+                if self._memory_source == "allocator":  # it answered before: a passing failure
+                    return {}
+                device_type = getattr(self._xr, "device_type", None)
+                on_host = (device_type() if callable(device_type) else None) == "CPU"
+                self._memory_source = "host" if on_host else "none"
+                if not on_host:
+                    return {}
+        from accelport.observe.memory import process_memory
+
+        return process_memory()
 
     def _executions(self) -> int | None:
         if self._counter is None:

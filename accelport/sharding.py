@@ -11,8 +11,8 @@ Each family shards on the engine its ecosystem already trusts:
 
 Alone (one rank, one device) the model comes back unchanged, so the same script
 runs anywhere. What was passed to ``ap.shard`` is registered on the backend
-(:class:`ShardRegistry`) for ``ap.metrics().parameter_bytes`` and
-``optimizer_state_bytes``. Nothing here is imported by ``import accelport``; torch
+(:class:`ShardRegistry`), so that ``ap.metrics().parameter_bytes`` counts its parameters
+before an optimizer steps them (:func:`memory_of`). Nothing here is imported by ``import accelport``; torch
 is imported inside the functions.
 """
 
@@ -35,6 +35,7 @@ __all__ = [
     "is_sharded",
     "optimizer_is_sharded",
     "local_nbytes",
+    "memory_of",
     "shard_fsdp2",
     "shard_spmd",
     "shard_unsupported",
@@ -337,15 +338,54 @@ def local_nbytes(t: Any) -> int:
     return int(t.numel()) * t.element_size()
 
 
-class ShardRegistry:
-    """The models passed to ``ap.shard`` on one backend, and the optimizers that stepped them.
+def memory_of(models: Iterable[Any], optimizers: Iterable[Any]) -> dict[str, int]:
+    """Bytes this rank holds for ``models``' parameters and ``optimizers``': ``parameter_bytes`` (the models'
+    parameters and every parameter an optimizer steps, each once), ``gradient_bytes`` (those of their
+    gradients that exist now), ``optimizer_state_bytes`` (the tensors in the optimizers' state), and
+    ``float32_bytes``: of all three, the float32 tensors of one element or more dimensions (what bf16
+    weights would halve; a step counter stays as it is).
 
-    Held weakly: a model or optimizer the script dropped stops counting.
+    Counted from the tensors themselves (dtype and shape, never their values): a DTensor by its
+    local shard, an SPMD-sharded XLA tensor by its per-device tile (:func:`local_nbytes`).
+    """
+    params: dict[int, Any] = {id(p): p for m in models for p in m.parameters()}
+    stepped = [(optimizer, p) for optimizer in optimizers for group in optimizer.param_groups
+               for p in group["params"]]
+    for _, p in stepped:
+        params.setdefault(id(p), p)
+    totals = {"parameter_bytes": 0, "gradient_bytes": 0, "optimizer_state_bytes": 0, "float32_bytes": 0}
+    float32 = getattr(sys.modules.get("torch"), "float32", None)
+
+    def add(key: str, t: Any) -> None:
+        n = local_nbytes(t)
+        totals[key] += n
+        if t.dtype is float32 and t.dim() > 0:
+            totals["float32_bytes"] += n
+
+    for p in params.values():
+        add("parameter_bytes", p)
+        grad = getattr(p, "grad", None)
+        if grad is not None:
+            add("gradient_bytes", grad)
+    counted: set[int] = set()
+    for optimizer, p in stepped:
+        if id(p) in counted:
+            continue
+        counted.add(id(p))
+        for value in optimizer.state.get(p, {}).values():
+            if hasattr(value, "element_size"):
+                add("optimizer_state_bytes", value)
+    return totals
+
+
+class ShardRegistry:
+    """The models passed to ``ap.shard`` on one backend (their bytes count in ``ap.metrics()``).
+
+    Held weakly: a model the script dropped stops counting.
     """
 
     def __init__(self) -> None:
         self.models: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
-        self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
         #: The device mesh (FSDP2) or SPMD mesh every sharded model on this backend uses.
         self.mesh: Any = None
         #: The process group of background checkpoint saves, and the save still being written.
@@ -354,28 +394,6 @@ class ShardRegistry:
 
     def add(self, model: Any, engine: str) -> None:
         self.models[model] = engine
-
-    def saw(self, optimizer: Any) -> None:
-        self.optimizers.add(optimizer)
-
-    def memory(self) -> dict[str, int]:
-        models = list(self.models)
-        if not models:
-            return {}
-        params = {id(p): p for m in models for p in m.parameters()}
-        state_bytes = 0
-        counted: set[int] = set()
-        for optimizer in list(self.optimizers):
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if id(p) not in params or id(p) in counted:
-                        continue
-                    counted.add(id(p))
-                    for value in optimizer.state.get(p, {}).values():
-                        if hasattr(value, "element_size"):
-                            state_bytes += local_nbytes(value)
-        return {"parameter_bytes": sum(local_nbytes(p) for p in params.values()),
-                "optimizer_state_bytes": state_bytes}
 
 
 def registry(backend: Any) -> ShardRegistry:

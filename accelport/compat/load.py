@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from accelport.compat.schema import (
     OVERRIDE_ENV,
     Checker,
+    ChipFact,
     EnvDeprecation,
     Minor,
     Parsed,
@@ -129,6 +130,7 @@ def load_folder(folder: Any, origin: str | None = None) -> Parsed:
         total.env += part.env
         total.releases += part.releases
         total.sharding += part.sharding
+        total.chips += part.chips
     return total
 
 
@@ -174,7 +176,7 @@ class Matrix:
     def __init__(self, base: Sequence[Row], overrides: Sequence[Sequence[Row]] = (),
                  torch: Iterable[TorchInfo] = (), env: Iterable[EnvDeprecation] = (),
                  origins: Sequence[str] = (), releases: Iterable[Release] = (),
-                 sharding: Iterable[ShardingFact] = ()) -> None:
+                 sharding: Iterable[ShardingFact] = (), chips: Iterable[ChipFact] = ()) -> None:
         self.layers: list[list[Row]] = [list(layer) for layer in reversed(overrides)] + [list(base)]
         # Patch releases, shipped first: a later entry for the same package and version replaces it.
         merged: dict[tuple[str, str], Release] = {}
@@ -191,6 +193,10 @@ class Matrix:
         self.origins = list(origins)
         #: Later entries (override files) first: they win in :meth:`sharding_for`.
         self.sharding: list[ShardingFact] = list(reversed(list(sharding)))
+        #: Each chip's memory, by matrix chip name; a later entry (an override file) replaces an earlier one.
+        self.chips: dict[str, ChipFact] = {}
+        for fact in chips:
+            self.chips[fact.name] = fact
 
     @property
     def rows(self) -> list[Row]:
@@ -278,6 +284,7 @@ def build(host: RowSource | None = None, environ: Mapping[str, str] | None = Non
     envs = list(base.env)
     releases = list(base.releases)
     sharding = list(base.sharding)
+    chips = list(base.chips)
     for path in (p for p in env.get(OVERRIDE_ENV, "").split(os.pathsep) if p.strip()):
         part = load_file(path.strip(), base.sources)
         overrides.append(part.rows)
@@ -285,5 +292,6 @@ def build(host: RowSource | None = None, environ: Mapping[str, str] | None = Non
         envs += part.env
         releases += part.releases
         sharding += part.sharding
+        chips += part.chips
         origins.append(part.origin)
-    return Matrix(rows, overrides, torch, envs, origins, releases, sharding)
+    return Matrix(rows, overrides, torch, envs, origins, releases, sharding, chips)

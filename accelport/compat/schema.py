@@ -32,6 +32,7 @@ __all__ = [
     "Release",
     "RELEASE_STATUSES",
     "ShardingFact",
+    "ChipFact",
     "parse_torch_version",
     "minor_str",
     "OVERRIDE_ENV",
@@ -52,7 +53,7 @@ _MINOR_RE = re.compile(r"^(\d{1,3})\.(\d{1,3})$")
 MAX_MINOR = 99
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 _ENV_RE = re.compile(r"^[A-Z_][A-Z0-9_]*$")
-FILE_KEYS = ("schema", "platform", "as_of", "sources", "rows", "torch", "env", "releases", "sharding")
+FILE_KEYS = ("schema", "platform", "as_of", "sources", "rows", "torch", "env", "releases", "sharding", "chips")
 ROW_KEYS = ("platform", "backend", "torch", "status", "message", "package", "package_version",
              "python", "chips", "other_chips", "index", "find_links", "replacement", "as_of", "sources",
              "confirmed", "note")
@@ -65,6 +66,9 @@ TORCH_KEYS = ("version", "python", "as_of", "sources", "confirmed", "note")
 ENV_KEYS = ("name", "message", "replacement", "backends", "as_of", "sources")
 SHARDING_KEYS = ("backends", "torch", "available", "engine", "message", "sources")
 SOURCE_KEYS = ("title", "url", "note")
+CHIP_KEYS = ("chip", "hbm_gib", "devices", "as_of", "sources", "confirmed", "note")
+#: No accelerator chip has this much memory (GiB): a larger figure is a typo.
+MAX_HBM_GIB = 4096
 
 
 def minor_str(m: Minor) -> str:
@@ -283,6 +287,36 @@ class ShardingFact:
                 "sources": [s.to_dict() for s in self.sources]}
 
 
+@dataclass(frozen=True)
+class ChipFact:
+    """One chip's memory: HBM per chip, and how many devices torch sees on it (each gets an equal share)."""
+
+    name: str
+    hbm_bytes: int
+    devices: int
+    sources: tuple[Source, ...]
+    as_of: _dt.date | None = None
+    confirmed: bool = True
+    note: str | None = None
+    origin: str = ""
+    key: str = ""
+
+    @property
+    def device_bytes(self) -> int:
+        """HBM per device (a TorchTPU device on TPU7x is half a chip)."""
+        return self.hbm_bytes // self.devices
+
+    @property
+    def title(self) -> str:
+        return CHIPS[self.name].title
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"chip": self.name, "title": self.title, "hbm_bytes": self.hbm_bytes, "devices": self.devices,
+                "device_bytes": self.device_bytes, "confirmed": self.confirmed, "note": self.note,
+                "as_of": self.as_of.isoformat() if self.as_of else None,
+                "sources": [s.to_dict() for s in self.sources]}
+
+
 @dataclass
 class Parsed:
     """What one file (or one plugin's rows) contributed."""
@@ -294,6 +328,7 @@ class Parsed:
     sources: dict[str, Source] = field(default_factory=dict)
     releases: list[Release] = field(default_factory=list)
     sharding: list[ShardingFact] = field(default_factory=list)
+    chips: list[ChipFact] = field(default_factory=list)
 
 
 # -- validation helpers ------------------------------------------------------------------
@@ -609,6 +644,29 @@ def _sharding(c: Checker, raw: Any, key: str) -> ShardingFact:
                         or "", c.sources(t.get("sources"), f"{key}.sources"))
 
 
+def _chip(c: Checker, raw: Any, key: str, as_of: _dt.date | None) -> ChipFact:
+    t = c.keys(raw, CHIP_KEYS, key)
+    text = c.string(t.get("chip"), f"{key}.chip")
+    name = chip_name(text)
+    if name is None:
+        did = did_you_mean(str(text), list(CHIPS), aside=True)
+        raise c.fail(f"{key}.chip", f"unknown chip {text!r}{did}; valid chips: {', '.join(CHIPS)}")
+    hbm = t.get("hbm_gib")
+    if isinstance(hbm, bool) or not isinstance(hbm, (int, float)) or not 0 < hbm <= MAX_HBM_GIB:
+        raise c.fail(f"{key}.hbm_gib", f"must be the HBM per chip in GiB, a number above 0 and up to "
+                                       f"{MAX_HBM_GIB}, got {hbm!r}")
+    devices = t.get("devices", 1)
+    if isinstance(devices, bool) or not isinstance(devices, int) or not 1 <= devices <= 64:
+        raise c.fail(f"{key}.devices", f"must be how many devices torch sees per chip, 1 to 64, got {devices!r}")
+    confirmed = c.boolean(t.get("confirmed"), f"{key}.confirmed", True)
+    note = c.string(t.get("note"), f"{key}.note", required=False)
+    if not confirmed and note is None:
+        raise c.fail(f"{key}.note", "an entry with confirmed = false must say in 'note' what is unconfirmed")
+    return ChipFact(name, int(hbm * (1 << 30)), devices, c.sources(t.get("sources"), f"{key}.sources"),
+                    c.date(t.get("as_of"), f"{key}.as_of", as_of) if (t.get("as_of") or as_of) else None,
+                    confirmed, note, c.origin, key)
+
+
 def check_overlaps(rows: Iterable[Row], against: Iterable[Row] = (), *, adding: bool = False) -> None:
     """Two rows for the same platform and backend may not cover the same torch minor."""
     seen: dict[tuple[str, str], list[Row]] = {}
@@ -644,7 +702,8 @@ def parse_tables(data: Mapping[str, Any], origin: str, known_sources: Mapping[st
     if platform is not None:
         platform = c.platform(platform, "platform")
     as_of = c.date(data["as_of"], "as_of", None) if "as_of" in data else None
-    for name, kind in (("rows", list), ("torch", list), ("env", list), ("releases", list), ("sharding", list)):
+    for name, kind in (("rows", list), ("torch", list), ("env", list), ("releases", list), ("sharding", list),
+                       ("chips", list)):
         if name in data and not isinstance(data[name], kind):
             raise c.fail(name, f"must be an array of tables ([[{name}]])")
     out.rows = [parse_row(c, r, f"rows[{i}]", platform, as_of) for i, r in enumerate(data.get("rows", []))]
@@ -652,6 +711,11 @@ def parse_tables(data: Mapping[str, Any], origin: str, known_sources: Mapping[st
     out.env = [_env(c, e, f"env[{i}]", as_of) for i, e in enumerate(data.get("env", []))]
     out.releases = [parse_release(c, r, f"releases[{i}]", as_of) for i, r in enumerate(data.get("releases", []))]
     out.sharding = [_sharding(c, t, f"sharding[{i}]") for i, t in enumerate(data.get("sharding", []))]
+    out.chips = [_chip(c, t, f"chips[{i}]", as_of) for i, t in enumerate(data.get("chips", []))]
+    named = [fact.name for fact in out.chips]
+    for i, name in enumerate(named):
+        if name in named[:i]:
+            raise c.fail(f"chips[{i}].chip", f"chip {name} is listed twice")
     check_overlaps(out.rows)
     check_releases(out.releases)
     versions = [t.version for t in out.torch]

@@ -18,7 +18,8 @@ Each function returns one sentence (or a few) that starts with a capital and end
 from __future__ import annotations
 
 __all__ = ["STYLES", "host_reads", "data_workers", "varying_batch", "varying_length", "unseen_shapes",
-           "data_dependent", "never_synced", "sync_long_loops", "overflow", "optimizer_step"]
+           "data_dependent", "never_synced", "sync_long_loops", "overflow", "optimizer_step", "kept_graphs",
+           "shard_model", "accumulate"]
 
 STYLES = ("accelport", "torch", "torch_xla", "transformers", "lightning")
 
@@ -152,3 +153,43 @@ def overflow(style: str) -> str:
             f"torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) before {step} (without a Python branch on "
             "the returned norm, which recompiles on XLA), and compute the loss in fp32 "
             "(loss_fn(logits.float(), y)) under autocast.")
+
+
+def kept_graphs(style: str) -> str:
+    """Losses (or outputs) kept with their autograd graph from step to step: keep a number instead."""
+    if style == "torch_xla":
+        return ("Keep the value, not its graph: losses.append(loss.detach()), and read it in a step closure, "
+                "xm.add_step_closure(fn, args=(loss,)), which hands fn the host value once the step's graph has "
+                "run (ap.after_step(fn, loss) is the portable spelling); loss.item() inside the step syncs.")
+    if style == "transformers":
+        return ("The Trainer keeps only detached losses: a kept graph comes from your code (compute_loss, a "
+                "callback, a metric); keep loss.detach() or loss.item() there.")
+    if style == "lightning":
+        return ("Return the loss from training_step and log it with self.log(\"loss\", loss); a list you keep "
+                "yourself must hold loss.detach() or loss.item().")
+    text = ("Keep a number, not the tensor: losses.append(loss.item()) or total += loss.item() (a host read each "
+            "step), or loss.detach() to keep it on the device")
+    if style == "accelport":
+        return (text + "; better, log through ap.after_step(fn, loss), which hands fn the host value once the "
+                "step has run, without a read inside the step.")
+    return text + "; ap.after_step(fn, loss) does it portably, without a read inside the step."
+
+
+def shard_model(style: str, devices: int) -> str:
+    """Sharding parameters, gradients and optimizer state over ``devices`` devices, as the script would ask."""
+    if style == "transformers":
+        return f"FSDP over {devices} devices (TrainingArguments(fsdp=\"full_shard\"))"
+    if style == "lightning":
+        return f"FSDP over {devices} devices (Trainer(strategy=\"fsdp\", devices={devices}))"
+    if style in ("torch", "torch_xla"):
+        return f"ap.shard(model) over {devices} devices (the portable call: FSDP2 on GPUs, SPMD on XLA)"
+    return f"ap.shard(model) over {devices} devices"
+
+
+def accumulate(style: str, steps: int) -> str:
+    """Keeping the effective batch with ``steps`` micro-batches per optimizer step."""
+    if style == "transformers":
+        return f"TrainingArguments(gradient_accumulation_steps={steps})"
+    if style == "lightning":
+        return f"Trainer(accumulate_grad_batches={steps})"
+    return f"accumulating gradients over {steps} micro-batches before {optimizer_step(style)}"

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["Diagnostics", "SENSORS", "rules_from", "usable_rules", "rule_problem"]
 
 #: The live sensors a rule may ask for in ``Rule.needs``.
-SENSORS = frozenset({"numerics", "shapes", "nan-search"})
+SENSORS = frozenset({"numerics", "shapes", "nan-search", "memory"})
 _NOTHING: tuple[Diagnosis, ...] = ()
 
 

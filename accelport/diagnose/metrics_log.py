@@ -3,7 +3,9 @@
 A built-in plugin on ``accelport_step_end`` (name ``metrics-file``). Each line
 holds the step number, wall-clock time, the step's duration and data wait, its
 batch signature, and the change of every cheap backend counter over the step
-(compilations, transfers, executions where the backend measures them). Where
+(compilations, transfers, executions where the backend measures them), and the
+device's memory where it was read (``"memory"``: bytes in use, the peak, the capacity,
+the activations and the parameters, gradients and optimizer state). Where
 the counters were read for several steps at once, the last of them carries the
 change and ``counted_steps`` (how many steps it covers); the others carry
 ``counted_steps: 0`` and no counters. A diagnosis made on a step is written on
@@ -28,7 +30,7 @@ __all__ = ["MetricsFile", "create_plugin", "record_to_dict", "record_from_dict"]
 
 #: Keys of a line that are not counter deltas.
 _FIELDS = frozenset({"step", "time", "backend", "lazy", "seconds", "data_wait_seconds", "signature", "loader",
-                     "counted_steps", "diagnoses"})
+                     "counted_steps", "diagnoses", "memory"})
 
 
 def record_to_dict(record: StepRecord) -> dict[str, Any]:
@@ -47,6 +49,8 @@ def record_to_dict(record: StepRecord) -> dict[str, Any]:
         out["counted_steps"] = record.counted_steps
     for key, value in sorted(record.delta.items()):
         out[key] = round(value, 6) if isinstance(value, float) else value
+    if record.memory:  # the device's memory, where it was read with the counters
+        out["memory"] = dict(record.memory)
     return out
 
 
@@ -75,10 +79,14 @@ def record_from_dict(line: dict[str, Any]) -> StepRecord:
         raise ValueError(f"'counted_steps' must be a non-negative integer, not {counted!r}")
     delta = {k: v for k, v in line.items()
              if k not in _FIELDS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    memory = line.get("memory")
+    if memory is not None and not (isinstance(memory, dict) and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in memory.values())):
+        raise ValueError(f"'memory' must be an object of byte counts, not {memory!r}")
     return StepRecord(step=step, backend=str(line.get("backend", "?")), lazy=bool(line.get("lazy", False)),
                       seconds=number("seconds"), data_wait_seconds=number("data_wait_seconds", 0.0),
                       signature=signature or None, delta=delta, time=number("time", 0.0), loader=loader,
-                      counted_steps=counted)
+                      counted_steps=counted, memory=memory or None)
 
 
 class MetricsFile:

@@ -331,6 +331,70 @@ _SCRIPT = """
 """
 
 
+_MEMORY_SCRIPT = """
+(function () {
+  const data = JSON.parse(document.getElementById('memory-data').textContent);
+  const pts = data.points, svg = document.getElementById('memory'), NS = 'http://www.w3.org/2000/svg';
+  const W = 1060, H = 220, L = 64, B = 28, T = 10, plotW = W - L - 10, plotH = H - B - T;
+  const max = Math.max(1, ...pts.map(p => Math.max(p[1], p[2] || 0)));
+  const first = pts[0][0], last = pts[pts.length - 1][0], span = Math.max(last - first, 1);
+  const x = s => L + plotW * (s - first) / span, y = v => T + plotH - plotH * v / max;
+  const units = [['GiB', 1073741824], ['MiB', 1048576], ['KiB', 1024]];
+  const unit = units.find(u => max >= u[1]) || ['B', 1];
+  function el(name, attrs) { const e = document.createElementNS(NS, name);
+    for (const k in attrs) e.setAttribute(k, attrs[k]); svg.appendChild(e); return e; }
+  for (let i = 0; i <= 4; i++) { const v = max * i / 4;
+    el('line', {x1: L, x2: W - 10, y1: y(v), y2: y(v), stroke: '#eaeef2'});
+    el('text', {x: L - 6, y: y(v) + 4, 'text-anchor': 'end', 'font-size': 11, fill: '#57606a'})
+      .textContent = (v / unit[1]).toFixed(1) + ' ' + unit[0]; }
+  const line = (i, color, dash, cls) => { const p = pts.filter(q => q[i] !== null);
+    if (p.length) el('polyline', {points: p.map(q => x(q[0]) + ',' + y(q[i])).join(' '), fill: 'none',
+                                  stroke: color, 'stroke-width': 2, 'stroke-dasharray': dash, class: cls}); };
+  line(2, '#8c959f', '5,4', 'memory-static');
+  line(1, '#8250df', '', 'memory-used');
+  el('text', {x: L, y: H - 4, 'font-size': 11, fill: '#57606a'}).textContent = 'step ' + first;
+  el('text', {x: W - 10, y: H - 4, 'font-size': 11, fill: '#57606a', 'text-anchor': 'start'})
+    .textContent = 'step ' + last;
+  svg.setAttribute('data-drawn', String(pts.length));
+})();
+"""
+
+
+def _memory_section(records: Sequence[dict[str, Any]]) -> str:
+    """The memory chart: what the device held at each step whose memory was read, and the static part
+    (parameters, gradients, optimizer state); "" where no step carries a reading."""
+    points = []
+    resident = False
+    capacity = peak = None
+    for r in records:
+        memory = r.get("memory")
+        if not isinstance(memory, dict) or not isinstance(memory.get("memory_bytes"), int):
+            continue
+        static = [memory.get(k) for k in ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes")]
+        counted = [v for v in static if isinstance(v, int)]
+        total = sum(counted) if len(counted) == len(static) else None
+        points.append([r["step"], memory["memory_bytes"], total])
+        resident = resident or bool(memory.get("resident"))
+        capacity = memory.get("capacity_bytes") if isinstance(memory.get("capacity_bytes"), int) else capacity
+        highs = [v for v in (memory.get("peak_memory_bytes"), memory["memory_bytes"]) if isinstance(v, int)]
+        peak = max([peak or 0, *highs])
+    if not points:
+        return ""
+    from accelport.diagnose.memory import human_bytes
+
+    what = "resident memory of the process (the host is the device)" if resident else "device memory in use"
+    facts = [f"highest {human_bytes(peak)}"] + ([f"capacity {human_bytes(capacity)}"] if capacity else [])
+    data = json.dumps({"points": points}, allow_nan=False).replace("</", "<\\/")
+    return f"""<h2>Memory, per step</h2>
+<div class=legend><span><span class=sw style='background:#8250df'></span>{what}</span>
+<span><span class=sw style='background:#8c959f'></span>parameters, gradients and optimizer state</span></div>
+<svg id=memory viewBox="0 0 1060 220" width=1060 height=220 role=img aria-label="per-step memory chart"></svg>
+<p class=sub>{len(points)} step(s) read; {", ".join(facts)}.</p>
+<script type="application/json" id="memory-data">{data}</script>
+<script>{_MEMORY_SCRIPT}</script>
+"""
+
+
 def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], title: str = "accelport run",
                 notes: Sequence[str] = (), redactor: Redactor | None = None) -> str:
     """The report page as a string (self-contained: inline CSS, data and script); ``notes`` go under the title.
@@ -408,7 +472,7 @@ def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], tit
 <svg id=chart viewBox="0 0 1060 320" width=1060 height=320 role=img aria-label="per-step time chart"></svg>
 <noscript>The chart needs JavaScript; the totals below do not.</noscript>
 <h2>Totals</h2><table>{rows}</table>
-<h2>Diagnoses</h2>{diag_html}
+{_memory_section(records)}<h2>Diagnoses</h2>{diag_html}
 <h2>Batch shapes</h2>
 <table id=shapes><tr><th>shape of each input</th><th>steps</th><th>compilations</th><th>compile time</th>
 <th>first step</th></tr>{shape_rows}</table>{more}

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from accelport.contract import StepRecord
     from accelport.diagnose.buckets import Suggestion
     from accelport.observe.dynamo import CompileEvents
+    from accelport.observe.memory import MemoryWatch
     from accelport.observe.nan_search import NanSearch
     from accelport.observe.numerics import NumericsWatch
     from accelport.observe.shapes import ShapeTrace
@@ -235,6 +236,11 @@ class RunView:
     #: How ``accelport diagnose`` ran the script: the arguments after ``accelport diagnose`` (``("--",
     #: "train.py", "--epochs", "1")``, ``("-m", "pkg.train")``); None for a ported script.
     command: tuple[str, ...] | None = None
+    #: The run's memory (:class:`~accelport.observe.memory.MemoryWatch`): the static part as last counted
+    #: (``budget``), the last reading, the out-of-memory error a step raised (``oom``), and what keeps
+    #: autograd graphs (``look_for_kept_graphs()``, then ``kept``). Present in live runs (``ap.metrics()``
+    #: reads it too); the script's own out-of-memory errors are watched where a rule ``needs`` "memory".
+    memory: MemoryWatch | None = None
 
 
 class Rule:
@@ -254,7 +260,7 @@ class Rule:
     #: The warning category a finding is given as (a subclass of DiagnosticWarning).
     warning: ClassVar[type[DiagnosticWarning]] = DiagnosticWarning
     #: The live sensors the rule reads through the view: "numerics" (the step checks), "nan-search" (the
-    #: op that made the first NaN, built only where the run asks for it).
+    #: op that made the first NaN, built only where the run asks for it), "memory" (the run's memory).
     needs: ClassVar[frozenset[str]] = frozenset()
     #: The first step at which the rule can have judged anything (a verdict of "no finding"
     #: before it would be a guess; see :meth:`unjudged`).

@@ -309,6 +309,45 @@ def _sharding_findings(ctx: DoctorContext, matrix: Matrix | None) -> list[Findin
                     "core")]
 
 
+def _memory(plat: Any, matrix: Matrix | None) -> tuple[dict[str, Any], Finding]:
+    """What the machine's devices can hold, without touching one: the HBM of the detected chip from the
+    matrix's chip facts (TPU, Trainium), the host's memory where the host is the device; a GPU's is read at
+    run time (``ap.metrics().capacity_bytes``)."""
+    from accelport.diagnose.memory import human_bytes
+    from accelport.observe.memory import host_capacity
+    from accelport.platform import sysroot
+
+    fact = None
+    if matrix is not None and plat.chip:
+        from accelport.compat.machine import chip_name
+
+        fact = matrix.chips.get(chip_name(plat.chip) or "")
+    if fact is not None:
+        count = f"{plat.device_count} x " if plat.device_count else ""
+        split = (f", {fact.devices} devices of {human_bytes(fact.device_bytes)} each" if fact.devices > 1 else "")
+        sources = "; ".join(src.url for src in fact.sources)
+        info = {"device": fact.name, "per": "chip", "capacity_bytes": fact.hbm_bytes, "devices_per_chip": fact.devices,
+                "device_bytes": fact.device_bytes, "chips": plat.device_count or None,
+                "sources": [src.to_dict() for src in fact.sources]}
+        return info, Finding("note", f"device memory: {count}{fact.title}, {human_bytes(fact.hbm_bytes)} of HBM per "
+                             f"chip{split} (the compatibility matrix: {sources})",
+                             "ap.memory_estimate(model, optimizer, batch) says what a step needs and on how many "
+                             "devices it fits", "core")
+    if plat.name in ("gcp-tpu", "aws-neuron", "nvidia-gpu"):
+        what = "this chip's" if plat.name != "nvidia-gpu" else "a GPU's"
+        return ({"device": plat.chip or plat.name, "per": None, "capacity_bytes": None},
+                Finding("note", f"device memory: {what} is not known before a run (doctor never touches the device)",
+                        "it is read at run time: ap.metrics().capacity_bytes", "core"))
+    try:
+        capacity = host_capacity(sysroot())
+    except Exception:  # noqa: BLE001 - a bad ACCELPORT_SYSROOT is a finding of its own
+        capacity = None
+    info = {"device": "host", "per": "host", "capacity_bytes": capacity}
+    return info, Finding("note", f"host memory: {human_bytes(capacity)} (MemTotal, or a lower cgroup limit); "
+                         "on cpu it is the device's", "ap.memory_estimate(model, optimizer, batch) says what a "
+                         "step needs", "core")
+
+
 def _torch_distributed_ships() -> bool:
     """Whether the installed torch has torch.distributed.checkpoint, found on disk, never imported.
 
@@ -370,6 +409,8 @@ def gather(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     findings = _core_findings(ctx, recommendation, matrix, matrix_error)
     checkpoints = _checkpoints(env)
     findings += _checkpoint_findings(checkpoints)
+    memory, memory_finding = _memory(plat, matrix)
+    findings.append(memory_finding)
     if matrix is not None:  # installed patch releases against the matrix's: known-bad, superseded, mispaired
         from accelport.compat.releases import installed_findings
 
@@ -415,6 +456,7 @@ def gather(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         ],
         "selected": {"name": selected, "reason": reason},
         "recommendation": _recommendation_dict(recommendation),
+        "memory": memory,
         "environment": _environment(env),
         "caches": _caches(host.backends, env),
         "checkpoints": checkpoints,

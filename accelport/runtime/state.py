@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from accelport.diagnose.engine import Diagnostics
     from accelport.diagnose.rule import Diagnosis
     from accelport.observe.dynamo import CompileEvents
+    from accelport.observe.memory import MemoryWatch
     from accelport.observe.nan_search import NanSearch
     from accelport.plugins.host import PluginHost
 
@@ -134,6 +135,12 @@ class Runtime:
         """Set up the rules for a run on ``backend``, and the sensors they read, and bind the tracker to them."""
         engine = self.diagnostics()
         numerics = shapes = None
+        # Memory is watched in every run: ap.metrics() reports it whether or not a rule reads it.
+        memory = self._memory_watch(backend)
+        if engine is not None and "memory" in engine.needs:
+            from accelport.observe.memory import watch_uncaught
+
+            watch_uncaught(self._uncaught)  # an out-of-memory error in the script's own code
         if engine is not None:
             from accelport.diagnose.rule import RunView
 
@@ -154,8 +161,8 @@ class Runtime:
                 device_type=getattr(backend, "device_type", None), world_size=backend.world_size(),
                 compile_dynamic=dynamic if isinstance(dynamic, bool) else None, style=self._style,
                 numerics=numerics, shape_trace=shapes, compile_events=self._compile_events,
-                counters=self.since_selected, nan_search=search, command=self._command))
-        tracker.bind(backend, self.host(), engine, numerics, shapes)
+                counters=self.since_selected, nan_search=search, command=self._command, memory=memory))
+        tracker.bind(backend, self.host(), engine, numerics, shapes, memory)
 
     def trains_as(self, style: str) -> None:
         """How the script trains (``RunView.style``: "torch", "torch_xla", "transformers", ...), so the rules
@@ -193,6 +200,27 @@ class Runtime:
         search.bind(backend)
         search.attach()
         return search
+
+    def _memory_watch(self, backend: Backend) -> MemoryWatch:
+        """The run's memory sensor; on TPU and Trainium with the HBM per device of the machine's chip
+        (compatibility matrix) for where the device's own reading has no capacity."""
+        from accelport.observe.memory import MemoryWatch
+
+        capacity, source = None, None
+        if backend.platform in ("gcp-tpu", "aws-neuron"):
+            try:
+                from accelport.diagnose.memory import chip_capacity
+                from accelport.platform import detect
+
+                found = chip_capacity(self.matrix(), detect(environ=self.environ).chip)
+            except Exception:  # noqa: BLE001 - a capacity is a nicety: never in the way of a run
+                found = None
+            if found is not None:
+                capacity, source = found
+        return MemoryWatch(backend, capacity, source)
+
+    def _uncaught(self, exc: BaseException) -> None:
+        self.tracker.failed(exc)
 
     def diagnostics(self) -> Diagnostics | None:
         """The engine that runs the registered rules (None: ``ACCELPORT_DIAGNOSTICS=0``, or no rule registered)."""
@@ -235,7 +263,11 @@ class Runtime:
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Step ``optimizer`` on the backend and end the step: the hot path of ``ap.optimizer_step``."""
         backend = self._backend or self.backend()  # (a call less per step once selected)
-        result = backend.optimizer_step(optimizer, **kwargs)
+        try:
+            result = backend.optimizer_step(optimizer, **kwargs)
+        except BaseException as exc:  # out of memory: the finding first; the error goes on unchanged
+            self.tracker.failed(exc)
+            raise
         self.tracker.step_end(optimizer)
         return result
 
@@ -251,7 +283,11 @@ class Runtime:
     def sync(self) -> None:
         """``ap.sync()``: run or wait for the queued work; on a lazy backend, look at the graph that ran."""
         backend = self._backend or self.backend()
-        backend.sync()
+        try:
+            backend.sync()
+        except BaseException as exc:  # on XLA an out-of-memory error surfaces at a sync
+            self.tracker.failed(exc)
+            raise
         self.tracker.user_synced()
 
     def use(self, name: str) -> Backend:
@@ -318,6 +354,8 @@ class Runtime:
         backend = self.backend()
         values = self.since_selected()
         t = self.tracker
+        if t.memory is not None:  # the sensor's figures; a backend's own counters where it has none
+            values.update({k: v for k, v in t.memory.metrics().items() if v is not None or k not in values})
         return Metrics(
             backend=backend.name,
             steps=t.steps,

@@ -10,6 +10,7 @@ from accelport.contract import Backend, StepRecord
 if TYPE_CHECKING:
     from accelport.diagnose.engine import Diagnostics
     from accelport.diagnose.rule import Diagnosis
+    from accelport.observe.memory import MemoryWatch
     from accelport.observe.nan_search import NanSearch
     from accelport.observe.numerics import NumericsWatch
     from accelport.observe.shapes import ShapeTrace
@@ -73,12 +74,17 @@ class StepTracker:
         self._fresh = False  # a batch of a shape not seen before arrived since the counters were last read
         #: The search for the op that made the first NaN (``--find-nan``; None: not asked for), shown each batch.
         self.nan_search: NanSearch | None = None
+        #: The run's memory (read with the counters, the static part counted at sampled steps).
+        self.memory: MemoryWatch | None = None
+        self._failed = False  # a step raised out of memory: no tensor of it is touched again
 
     def bind(self, backend: Backend, host: PluginHost, engine: Diagnostics | None,
-             numerics: NumericsWatch | None, shapes: ShapeTrace | None = None) -> None:
+             numerics: NumericsWatch | None, shapes: ShapeTrace | None = None,
+             memory: MemoryWatch | None = None) -> None:
         """Record the steps of a run on ``backend`` (the runtime calls this when it selects one)."""
         self._backend, self._host, self._engine, self.numerics = backend, host, engine, numerics
         self._shapes = shapes
+        self.memory = memory
         self._recording = engine is not None or host.has_step_observers
 
     def inspector(self) -> Any:
@@ -120,6 +126,9 @@ class StepTracker:
             watch.step_end(self.steps, optimizer)
         if self._shapes is not None:
             self._shapes.step_end()
+        memory = self.memory
+        if memory is not None:
+            memory.step_end(self.steps, optimizer)
         backend = self._backend
         if backend is not None and backend.step_deferred():
             # Its graph runs when the loop asks for the next batch: finish the record then
@@ -161,7 +170,7 @@ class StepTracker:
         if self._shapes is not None:
             self._shapes.pause()
         watch = self.numerics
-        if watch is not None and watch.deferred:
+        if watch is not None and watch.deferred and not self._failed:
             watch.read()
             for _ in range(3):  # a bad newest gradient asks for the others: a second read
                 if not (watch.pending and backend.lazy):
@@ -219,10 +228,39 @@ class StepTracker:
         for step, seconds, wait, signature, at in pending[:-1]:
             self._record(host, StepRecord(step, name, lazy, seconds, wait, signature, {}, at, loader, 0))
         step, seconds, wait, signature, at = pending[-1]
-        self._record(host, StepRecord(step, name, lazy, seconds, wait, signature, delta, at, loader, len(pending)))
+        memory = self.memory.read(step) if self.memory is not None else None
+        self._record(host, StepRecord(step, name, lazy, seconds, wait, signature, delta, at, loader, len(pending),
+                                      memory=memory))
 
     def _record(self, host: PluginHost, record: StepRecord) -> None:
         found = self._engine.step_end(record) if self._engine is not None else ()
         if self._unsaid:
             found, self._unsaid = (*self._unsaid, *found), []
         host.step_end(record, found)
+
+    def failed(self, exc: BaseException) -> None:
+        """A step raised ``exc`` (``ap.optimizer_step``, ``ap.sync``, the loader's sync, the script's own code):
+        if it ran out of memory, the steps so far are handed over and the failing step gets a record of its
+        own (``counted_steps`` 0), so the rules make their finding before ``exc`` goes on, unchanged.
+
+        Nothing of the failed step is read: on XLA, touching a tensor of it after an out-of-memory
+        error can end the process (SIGSEGV), so the kept gradients are not read either after it.
+        """
+        memory, backend, host = self.memory, self._backend, self._host
+        if self._failed or memory is None or backend is None or host is None:
+            return
+        step = self._open if self._open is not None else self.steps + 1
+        if memory.raised(exc, step) is None:
+            return
+        self._failed = True
+        if not self._recording:
+            return
+        self._open = None  # (its record is the failed one, below)
+        self._hand_over()
+        if self._engine is not None:  # what the rules find now goes with the failed step's record
+            self._unsaid += self._engine.settle()
+        now = time.perf_counter()
+        seconds = now - self._last_end if self._last_end is not None else 0.0
+        wait, self._pending_wait = self._pending_wait, 0.0
+        self._record(host, StepRecord(step, backend.name, backend.lazy, seconds, wait, self._last_signature, {},
+                                      now + self._wall_offset, self.loader_info, 0))

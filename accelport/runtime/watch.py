@@ -703,6 +703,14 @@ class Watcher:
                 message, filename, line = _redacted(self._redactor, message, category, filename, lineno, line)
         self._showwarning(message, category, filename, lineno, file, line)
 
+    def failed(self, exc: BaseException) -> None:
+        """The script raised ``exc``: an out-of-memory error is a finding, made before its traceback is printed."""
+        if self._feeding:
+            try:
+                self.tracker.failed(exc)
+            except Exception as error:  # never in the way of the script's own traceback
+                self._stop(error)
+
     # -- results -----------------------------------------------------------------------------
     def finish(self) -> None:
         """End the last step and hand every step to the observers: the script is done."""
@@ -1058,6 +1066,7 @@ def run_watched(watcher: Watcher, *, script: str | None = None, module: str | No
         except SystemExit as exc:
             outcome = Outcome(_exit_status(exc.code))
         except BaseException as exc:  # the script's own error, as Python prints it
+            watcher.failed(exc)  # (out of memory: the finding first, then the traceback as it was)
             _print_exception(exc)
             outcome = Outcome(130, signal.SIGINT) if isinstance(exc, KeyboardInterrupt) else Outcome(1)
         try:

@@ -76,10 +76,12 @@ class Runtime:
         self.cache_stats = {"num_cache_hits": 3, "num_cache_reqs": 5, "num_compilations": 2}
         mp = monkeypatch
         for name, result in (("synchronize", None), ("device_count", 1), ("set_device_index", None),
-                             ("memory_allocated", 1024), ("max_memory_allocated", 4096)):
+                             ("memory_allocated", 1024), ("max_memory_allocated", 4096),
+                             ("reset_peak_memory_stats", None), ("get_memory_info", (1000, 16 << 30))):
             mp.setattr(torch.accelerator, name, self.recorder(f"torch.accelerator.{name}", result))
         for name, result in (("synchronize", None), ("device_count", 1), ("set_device", None),
-                             ("memory_allocated", 2048), ("max_memory_allocated", 8192)):
+                             ("memory_allocated", 2048), ("max_memory_allocated", 8192),
+                             ("reset_peak_memory_stats", None), ("mem_get_info", (1000, 40 << 30))):
             mp.setattr(torch.cuda, name, self.recorder(f"torch.cuda.{name}", result))
 
         # TorchTPU's torch.tpu: its device functions raise for user code (torch_tpu 0.2.0 source:
@@ -214,6 +216,13 @@ def test_metrics_come_from_the_backends_runtime(standin: EagerBackend, runtime: 
     m = ap.metrics()
     memory = {"tpu": (1024, 4096), "neuron": (1024, 4096), "cuda": (2048, 8192)}[standin.name]
     assert (m.memory_bytes, m.peak_memory_bytes) == memory
+    # The peak is reset after each reading (the next is that of the steps between); the total read once.
+    module = "torch.cuda" if standin.name == "cuda" else "torch.accelerator"
+    total = "mem_get_info" if standin.name == "cuda" else "get_memory_info"
+    assert m.capacity_bytes == (40 << 30 if standin.name == "cuda" else 16 << 30)
+    assert runtime.names().count(f"{module}.{total}") == 1
+    peaks = [i for i, n in enumerate(runtime.names()) if n == f"{module}.max_memory_allocated"]
+    assert len(peaks) >= 5 and all(runtime.names()[i + 1] == f"{module}.reset_peak_memory_stats" for i in peaks)
     if standin.name == "tpu":
         # TorchTPU's compile cache: the change since the backend was selected (3 -> 10 hits, 2 -> 5 compiles).
         assert (m.cache_hits, m.compilations) == (7, 3)

@@ -154,3 +154,28 @@ def test_unwritable_neuron_cache_is_a_problem(monkeypatch: pytest.MonkeyPatch, t
     assert found["severity"] == "problem" and "NEURON_COMPILE_CACHE_URL" in found["fix"]
     monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", str(tmp_path / "fine" / "cache"))
     assert not [f for f in gather()["findings"] if "Neuron compile cache" in f["title"]]
+
+
+def test_doctor_says_the_devices_memory_from_the_matrix_without_touching_them(monkeypatch: pytest.MonkeyPatch,
+                                                                             tmp_path: Path) -> None:
+    report = report_for(monkeypatch, fakes.tpu_vm(tmp_path / "tpu", "v5e", chips=4))
+    assert report["memory"] | {"sources": None} == {
+        "device": "v5e", "per": "chip", "capacity_bytes": 16 << 30, "devices_per_chip": 1, "device_bytes": 16 << 30,
+        "chips": 4, "sources": None}
+    assert "https://docs.cloud.google.com/tpu/docs/v5e" in [s["url"] for s in report["memory"]["sources"]]
+    assert any(t.startswith("device memory: 4 x TPU v5e, 16.0 GiB of HBM per chip (the compatibility matrix: "
+                            "https://docs.cloud.google.com/tpu/docs/v5e") for t in titled(report, "note"))
+    report = report_for(monkeypatch, fakes.neuron_host(tmp_path / "trn", instance="trn2.48xlarge"))
+    assert (report["memory"]["device"], report["memory"]["chips"]) == ("trn2", 16)
+    assert (report["memory"]["capacity_bytes"], report["memory"]["device_bytes"]) == (96 << 30, 24 << 30)
+    assert any(t.startswith("device memory: 16 x Trainium2, 96.0 GiB of HBM per chip, 4 devices of 24.0 GiB each")
+               for t in titled(report, "note"))
+
+
+def test_doctor_on_a_cpu_host_says_the_hosts_memory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    root = fakes.bare_cpu_host(tmp_path / "cpu")
+    fakes.write(root, "/proc/meminfo", "MemTotal:       16384000 kB\nMemFree:         1000 kB\n")
+    fakes.write(root, "/sys/fs/cgroup/memory.max", "8589934592\n")  # a container's limit, lower
+    report = report_for(monkeypatch, root)
+    assert report["memory"] == {"device": "host", "per": "host", "capacity_bytes": 8 << 30}
+    assert any(t.startswith("host memory: 8.0 GiB (MemTotal, or a lower cgroup limit)") for t in titled(report, "note"))

@@ -202,7 +202,7 @@ def test_accelport_diagnose_says_which_rule_failed_and_what_it_did_not_judge(tmp
     ("class R:\n    kind = 'plain'\n", "is not a subclass of accelport.Rule"),
     ("class R(ap.Rule):\n    kind = 'odd'\n    severity = 'fatal'\n", "expected one of warning, problem"),
     ("class R(ap.Rule):\n    kind = 'odd'\n    needs = frozenset({'telepathy'})\n",
-     "sensor names among nan-search, numerics"),
+     "sensor names among memory, nan-search, numerics"),
     ("class R(ap.Rule):\n    kind = 'recompilation'\n", "already registered by plugin 'diagnostics'"),
 ])
 def test_a_rule_that_cannot_run_is_refused_with_the_reason(install_plugin: Any, body: str, problem: str) -> None:

@@ -151,10 +151,10 @@ def job_train(out: str) -> dict[str, object]:
     result["ckpt_files"] = sorted(os.listdir(f"{out}/ckpt"))
     result["out_files"] = sorted(os.listdir(out))
     result["sharded_losses"] += train(sharded, opt_s, range(3, 6))
-    result["replicated_losses"] = train(replicated, opt_r, range(0, 6))
-
+    # Before the replicated model trains: from then on its parameters and state are this rank's too.
     m = ap.metrics()
     result["parameter_bytes"], result["optimizer_state_bytes"] = m.parameter_bytes, m.optimizer_state_bytes
+    result["replicated_losses"] = train(replicated, opt_r, range(0, 6))
     result["full_parameter_bytes"] = nbytes(replicated.parameters())
     result["full_optimizer_state_bytes"] = nbytes(v for s in opt_r.state.values() for v in s.values())
 
@@ -186,8 +186,12 @@ def job_resume(out: str, ckpt: str, single_file: str) -> dict[str, object]:
     result["rng"] = plain["rng"]  # a plain value: returned, for the script to restore
     result["resumed_full"] = full_params(sharded)
     result["sharded_losses"] = train(sharded, opt_s, range(3, 6))
+    x, y = batch(6)  # gradients that stay (no step): this rank's shard of them
+    F.cross_entropy(sharded(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
     m = ap.metrics()
     result["parameter_bytes"], result["optimizer_state_bytes"] = m.parameter_bytes, m.optimizer_state_bytes
+    result["gradient_bytes"] = m.gradient_bytes
+    opt_s.zero_grad()
 
     # B: replicated on 2 ranks from the same checkpoint.
     replicated = make(seed=999)
@@ -196,6 +200,7 @@ def job_resume(out: str, ckpt: str, single_file: str) -> dict[str, object]:
     result["replicated_losses"] = train(replicated, opt_r, range(3, 6))
     result["full_parameter_bytes"] = nbytes(replicated.parameters())
     result["full_optimizer_state_bytes"] = nbytes(v for s in opt_r.state.values() for v in s.values())
+    result["full_gradient_bytes"] = nbytes(p for p in replicated.parameters() if p.requires_grad)
 
     # C: a background save while training goes on; it holds the state of the moment it was called.
     at_save = full_params(sharded)

@@ -119,6 +119,8 @@ def test_each_rank_holds_a_quarter_then_a_half_of_parameters_and_optimizer_state
             assert got["parameter_bytes"] == pytest.approx(got["full_parameter_bytes"] / n, rel=0.01)
             # AdamW keeps exp_avg and exp_avg_sq sharded; its per-parameter step counts are tiny.
             assert got["optimizer_state_bytes"] == pytest.approx(got["full_optimizer_state_bytes"] / n, rel=0.01)
+    for got in two[1]:  # FSDP2 reduce-scatters the gradients: each rank keeps its shard of them
+        assert got["gradient_bytes"] == pytest.approx(got["full_gradient_bytes"] / 2, rel=0.01)
 
 
 def test_bad_input_with_four_ranks_gets_specific_errors(four: tuple[Path, list[dict[str, Any]]]) -> None:

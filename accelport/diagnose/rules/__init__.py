@@ -19,7 +19,9 @@ from accelport.diagnose.rules.graph_break import GraphBreakRule, GraphBreakWarni
 from accelport.diagnose.rules.graph_growth import GraphGrowthRule, GraphGrowthWarning
 from accelport.diagnose.rules.host_sync import HostSyncRule, HostSyncWarning
 from accelport.diagnose.rules.input_bound import InputBoundRule, InputBoundWarning
+from accelport.diagnose.rules.memory_growth import MemoryGrowthRule, MemoryGrowthWarning
 from accelport.diagnose.rules.non_finite import NonFiniteRule, NonFiniteWarning
+from accelport.diagnose.rules.out_of_memory import OutOfMemoryRule, OutOfMemoryWarning
 from accelport.diagnose.rules.precision import PrecisionRule, PrecisionWarning
 from accelport.diagnose.rules.recompilation import RecompilationRule, RecompilationWarning
 from accelport.errors import DiagnosticWarning
@@ -41,6 +43,8 @@ __all__ = [
     "GraphBreakWarning",
     "NonFiniteWarning",
     "PrecisionWarning",
+    "MemoryGrowthWarning",
+    "OutOfMemoryWarning",
 ]
 
 #: The built-in rules, in the order they judge a step (a finding made on the same record as
@@ -56,6 +60,8 @@ BUILTIN_RULES: tuple[type[Rule], ...] = (
     GraphBreakRule,
     GraphGrowthRule,
     CpuFallbackRule,
+    MemoryGrowthRule,
+    OutOfMemoryRule,
 )
 
 #: Each built-in kind and its warning category.

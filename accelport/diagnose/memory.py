@@ -366,21 +366,11 @@ class MemoryEstimate:
 
 
 def _tensors(batch: Any) -> list[Any]:
-    import torch
+    """The tensors inside ``batch`` (nested dicts, lists, tuples), in order."""
+    from accelport.tensors import tree_map_tensors
 
     found: list[Any] = []
-
-    def walk(x: Any) -> None:
-        if isinstance(x, torch.Tensor):
-            found.append(x)
-        elif isinstance(x, Mapping):
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-
-    walk(batch)
+    tree_map_tensors(batch, found.append)
     return found
 
 

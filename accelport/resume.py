@@ -641,7 +641,9 @@ class _StopSignals:
                 return
             if not data or 0 in data:
                 return  # closed
-            signum = next((b for b in data if b in wanted), None)
+            # (The wakeup descriptor is written for a signal whichever Python handler takes it: one the
+            # script installed after this one is the script's to answer, with no deadline of accelport's.)
+            signum = next((b for b in data if b in wanted and self._handles(b)), None)
         if self._closed.wait(self.deadline):
             return
         status = EXIT_PREEMPTED if self.saved else unsaved_status(signum)
@@ -651,6 +653,13 @@ class _StopSignals:
                         f"with status {status}\n".encode())
         finally:
             os._exit(status)
+
+    def _handles(self, signum: int) -> bool:
+        """Whether this object's handler is still the one that answers ``signum``."""
+        try:
+            return bool(signal.getsignal(signum) == self._handler)
+        except (ValueError, OSError):
+            return False
 
     def _restore_handlers(self) -> None:
         for s, handler in self._previous.items():

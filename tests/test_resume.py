@@ -167,6 +167,22 @@ def test_a_checkpoint_torn_by_sigkill_during_its_save_is_skipped(reference: dict
     assert [f.step for f in find_checkpoints(ckpt)] == [40, 50, 60]  # keep_last=3; the torn one replaced, pruned
 
 
+def test_a_handler_the_script_installs_afterwards_answers_the_signal_with_no_deadline(tmp_path: Path) -> None:
+    script = tmp_path / "own_handler.py"
+    script.write_text(
+        "import os, signal, time, torch\nimport accelport as ap\n"
+        f"ckpt = ap.Checkpointer({str(tmp_path / 'ckpt')!r}, every_steps=5)\n"
+        "ckpt.restore(model=torch.nn.Linear(2, 2))\n"
+        "seen = []\nsignal.signal(signal.SIGTERM, lambda *a: seen.append(1))  # the script's own, after accelport's\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(6)  # three times the deadline: still running\n"
+        "print('handled', seen, ckpt.stop_requested, flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", DEFAULT_SIGNALS, str(script)], capture_output=True, text=True,
+                          env=_env(ACCELPORT_STOP_DEADLINE_S="2"), timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "handled [1] False\n" and "deadline passed" not in done.stderr
+
+
 def test_the_deadline_ends_a_process_that_never_reaches_a_step_boundary(tmp_path: Path) -> None:
     script = tmp_path / "stuck.py"
     script.write_text(

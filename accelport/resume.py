@@ -276,8 +276,6 @@ class _Position:
             return None
 
     def _map_pass(self, resume: dict[str, Any] | None) -> Iterator[Any]:
-        import torch
-
         loader = self.loader
         self._length = self._length_of(loader)
         if resume is None or not resume.get("consumed"):
@@ -292,7 +290,7 @@ class _Position:
         # The rest of the pass in progress at the checkpoint: its order drawn again from the
         # same RNG states, its first batches skipped as indices, never loaded.
         self.epoch, self.consumed, self._start = resume["epoch"], resume["consumed"], resume["start"]
-        training = torch.get_rng_state()  # restored at restore(): what the loop draws from next
+        training = _host_rng()  # restored at restore(): what the loop draws from next
         start = self._start
         if start.get("fresh", True):
             self._apply(loader, start)
@@ -302,29 +300,24 @@ class _Position:
         try:
             first = next(it, _END)  # the pass's own draws (its order, the workers' seed) happen here
         finally:
-            torch.set_rng_state(training)
+            _set_host_rng(training)
         if first is _END:
             return
         yield first
         yield from it
 
     def _capture(self, loader: Any) -> dict[str, Any]:
-        import torch
-
         owner = _epoch_owner(loader)
         # A DataLoader's new iterator draws its workers' base seed before the sampler draws the order; a
         # persistent one's later passes reuse the iterator (DataLoader.__iter__: _iterator._reset) and draw
         # the order alone. Which of the two this pass was decides how a resumed pass draws it again.
         fresh = not (_persistent(loader) and getattr(loader, "_iterator", None) is not None)
-        return {"torch": torch.get_rng_state(),
-                "generators": {k: g.get_state() for k, g in _generators(loader).items()},
+        # (Python's and numpy's generators too: a sampler may shuffle with them.)
+        return {**_host_rng(), "generators": {k: g.get_state() for k, g in _generators(loader).items()},
                 "sampler_epoch": owner.epoch if owner is not None else None, "fresh": fresh}
 
     def _apply(self, loader: Any, states: Mapping[str, Any]) -> None:
-        import torch
-
-        if states.get("torch") is not None:
-            torch.set_rng_state(states["torch"])
+        _set_host_rng(states)
         for name, g in _generators(loader).items():
             if name in states.get("generators", {}):
                 g.set_state(states["generators"][name])
@@ -528,7 +521,9 @@ def _device_rng(backend: Any) -> tuple[str, Any, Any] | None:
     return device_type, None, None
 
 
-def _rng_states(backend: Any) -> dict[str, Any]:
+def _host_rng() -> dict[str, Any]:
+    """The host's global generators: torch's, Python's ``random`` and numpy's (where numpy is loaded), in
+    forms a ``weights_only`` load accepts."""
     import torch
 
     out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
@@ -536,6 +531,27 @@ def _rng_states(backend: Any) -> dict[str, Any]:
     if np is not None:
         kind, keys, pos, has_gauss, gauss = np.random.get_state()
         out["numpy"] = (str(kind), [int(k) for k in keys], int(pos), int(has_gauss), float(gauss))
+    return out
+
+
+def _set_host_rng(saved: Mapping[str, Any]) -> None:
+    """Put back what :func:`_host_rng` took (the parts ``saved`` has)."""
+    import torch
+
+    if saved.get("torch") is not None:
+        torch.set_rng_state(saved["torch"])
+    if saved.get("python") is not None:
+        version, internal, gauss = saved["python"]
+        random.setstate((version, tuple(internal), gauss))
+    if saved.get("numpy") is not None:
+        import numpy as np  # saved with it: the script uses numpy's global generator
+
+        kind, keys, pos, has_gauss, gauss = saved["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+
+
+def _rng_states(backend: Any) -> dict[str, Any]:
+    out = _host_rng()
     device = _device_rng(backend)
     if device is not None and device[1] is not None:
         out["device"] = (device[0], device[1]())
@@ -544,17 +560,8 @@ def _rng_states(backend: Any) -> dict[str, Any]:
 
 def _set_rng_states(backend: Any, saved: Mapping[str, Any]) -> list[str]:
     """Restore ``saved``; returns the generators that could not be restored."""
-    import torch
-
     missed = []
-    torch.set_rng_state(saved["torch"])
-    version, internal, gauss = saved["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if saved.get("numpy") is not None:
-        import numpy as np  # saved with it: the script uses numpy's global generator
-
-        kind, keys, pos, has_gauss, gauss = saved["numpy"]
-        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    _set_host_rng(saved)
     device = _device_rng(backend)
     if device is not None:
         name, _, put = device

@@ -82,7 +82,9 @@ LOADERS = {"plain": (), "workers": ("--workers", "2", "--prefetch", "2"), "state
            "stateful-prefetch": ("--stateful", "--prefetch", "2"),
            # persistent_workers: the passes after the first reuse the iterator, which draws no workers' seed
            "persistent": ("--workers", "2", "--persistent"),
-           "persistent-generator": ("--workers", "2", "--persistent", "--generator")}
+           "persistent-generator": ("--workers", "2", "--persistent", "--generator"),
+           # a sampler that shuffles with numpy's global generator
+           "numpy-sampler": ("--numpy-sampler",)}
 
 
 @pytest.fixture(scope="module")

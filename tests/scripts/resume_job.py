@@ -1,7 +1,8 @@
 """A training job that checkpoints itself with ap.Checkpointer (tests/test_resume.py, tests/launch/).
 
     python resume_job.py OUT CKPT [--steps 60] [--every 10] [--kill-at STEP --kill-rank R]
-                         [--pause-at STEP] [--shard] [--workers N [--persistent]] [--generator] [--stateful]
+                         [--pause-at STEP] [--shard] [--workers N [--persistent]] [--generator] [--numpy-sampler]
+                         [--stateful]
                          [--background] [--prefetch N]
 
 A seeded, shuffled DataLoader (a DistributedSampler with several ranks), dropout, AdamW,
@@ -25,6 +26,7 @@ import os
 import random
 import signal
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -33,6 +35,17 @@ import accelport as ap
 
 BATCH = 4
 SAMPLES = 96
+
+
+class NumpyShuffle(torch.utils.data.Sampler[int]):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(np.random.permutation(self.n).tolist())
+
+    def __len__(self) -> int:
+        return self.n
 
 
 def main() -> None:
@@ -52,6 +65,7 @@ def main() -> None:
     parser.add_argument("--prefetch", type=int, default=None)
     parser.add_argument("--persistent", action="store_true", help="persistent_workers=True (with --workers)")
     parser.add_argument("--generator", action="store_true", help="the loader draws its order from a generator")
+    parser.add_argument("--numpy-sampler", action="store_true", help="a sampler that shuffles with numpy")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rank, world = ap.rank(), ap.world_size()
@@ -69,7 +83,8 @@ def main() -> None:
     torch.manual_seed(100 + rank)  # each rank its own dropout
     random.seed(200 + rank)
     np.random.seed(300 + rank)
-    sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=3) if world > 1 else None
+    sampler: torch.utils.data.Sampler[int] | None = (
+        torch.utils.data.DistributedSampler(data, shuffle=True, seed=3) if world > 1 else None)
     if args.stateful:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -77,6 +92,8 @@ def main() -> None:
                                                                  sampler=sampler, num_workers=args.workers)
     else:
         order = torch.Generator().manual_seed(5) if args.generator else None
+        if args.numpy_sampler:  # (as bucketing samplers often do: numpy's global generator)
+            sampler = NumpyShuffle(SAMPLES)
         loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=sampler is None, sampler=sampler,
                                              num_workers=args.workers, persistent_workers=args.persistent,
                                              generator=order)
@@ -99,7 +116,7 @@ def main() -> None:
     record = os.path.join(args.out, f"seen-rank{rank}-{os.getpid()}.json")
     epoch = ckpt.epoch
     while step < args.steps:
-        if sampler is not None:
+        if isinstance(sampler, torch.utils.data.DistributedSampler):
             sampler.set_epoch(epoch)
         for xb, yb, idx in ap.loader(loader, prefetch=args.prefetch):  # prefetch=N: read ahead in a thread
             xb = xb + 0.01 * random.random() + 0.01 * float(np.random.rand())

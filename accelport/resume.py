@@ -247,12 +247,15 @@ class _Position:
         self._live = True  # stateful: read in the loop's own thread, so its state_dict() is the loop's position
         self._consumer: int | None = None
         self._resume: dict[str, Any] | None = None
+        #: Whether the loop read the loader through ap.loader (else its position is never known).
+        self.read = False
         #: map, resumed: the passes after the resumed one reuse the loader's iterator, as they did in the
         #: run that was stopped (its first pass made it); made, without a draw, before the next pass.
         self._warm = False
 
     # -- ap.loader's side -----------------------------------------------------------------------
     def begin(self, iterable: Iterable[Any], per_batch: int) -> Iterable[Any]:
+        self.read = True
         self._per_batch = per_batch
         self._consumer = threading.get_ident()
         resume, self._resume = self._resume, None
@@ -825,6 +828,7 @@ class Checkpointer:
         self.last_saved: str | None = None
         self._objects: dict[str, Any] | None = None
         self._position: _Position | None = None
+        self._said_unread = False
         self._agreement: _Agreement | None = None
         self._last_save_time = time.monotonic()
         self._saved_step: int | None = None
@@ -1034,6 +1038,12 @@ class Checkpointer:
             if _sharded(self._objects.get("model")):  # type: ignore[union-attr]
                 raise  # ap.save of a sharded model raised it on every rank already
             failure = _as_checkpoint_error(exc)
+        position = self._position
+        if position is not None and not position.read and not self._said_unread:
+            self._said_unread = True
+            warn_user(f"ap.Checkpointer: the loader given to restore() was not read through ap.loader by step {step}: "
+                      "its position is not saved, so a resumed run starts its data at the first batch of a new pass; "
+                      "iterate ap.loader(loader) in the training loop", CheckpointWarning)
         if failure is None:
             try:
                 mine = {"rank": rank, "world_size": world, "step": step, "rng": _rng_states(backend),

@@ -284,6 +284,30 @@ def test_an_iterable_dataset_says_once_that_it_restarts_its_pass(tmp_path: Path)
         assert [float(x[0, 0]) for x in ap.loader(loader)][:2] == [0.0, 2.0]
 
 
+def test_a_loader_read_directly_is_said_once_not_to_keep_its_position(tmp_path: Path) -> None:
+    import warnings
+
+    import torch
+
+    ap.use("cpu")
+    loader = torch.utils.data.DataLoader(torch.arange(16.0).view(16, 1), batch_size=2)
+    model = _model(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ap.Checkpointer(tmp_path, every_steps=2, stop_on=()) as ckpt, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ckpt.restore(model=model, optimizer=opt, loader=loader)
+        for x in loader:  # not through ap.loader
+            model(x).sum().backward()
+            ap.optimizer_step(opt)
+            opt.zero_grad()
+            ckpt.step()
+    said = [str(w.message) for w in caught if issubclass(w.category, ap.CheckpointWarning)]
+    assert said == ["ap.Checkpointer: the loader given to restore() was not read through ap.loader by step 2: its "
+                    "position is not saved, so a resumed run starts its data at the first batch of a new pass; "
+                    "iterate ap.loader(loader) in the training loop"]
+    assert [f.step for f in find_checkpoints(tmp_path)][-1] == 8  # saved all the same
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"every_steps": 0}, "every_steps must be a whole number of steps, 1 or more"),
     ({"every_steps": 2.5}, "every_steps must be a whole number"),

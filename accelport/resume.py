@@ -581,6 +581,9 @@ def _set_rng_states(backend: Any, saved: Mapping[str, Any]) -> list[str]:
 def _parse_signals(stop_on: Any) -> tuple[int, ...]:
     if isinstance(stop_on, (str, int)):
         stop_on = (stop_on,)
+    if not isinstance(stop_on, Iterable):
+        raise UsageError(f"Checkpointer(stop_on=...) takes signal names such as ('SIGTERM', 'SIGINT'), or () for "
+                         f"none, not {stop_on!r}")
     out = []
     for item in stop_on:
         try:

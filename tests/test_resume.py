@@ -314,6 +314,7 @@ def test_a_loader_read_directly_is_said_once_not_to_keep_its_position(tmp_path: 
     ({"every_seconds": 0}, "every_seconds must be a number of seconds above 0"),
     ({"keep_last": 0}, "keep_last must be 1 or more"),
     ({"stop_on": ("SIGKILL",)}, "SIGKILL cannot be caught"),
+    ({"stop_on": None}, r"takes signal names such as \('SIGTERM', 'SIGINT'\), or \(\) for none, not None"),
     ({"stop_on": ("SIGFOO",)}, "takes signal names such as 'SIGTERM'"),
 ])
 def test_bad_arguments_are_refused(tmp_path: Path, kwargs: dict[str, Any], message: str) -> None:

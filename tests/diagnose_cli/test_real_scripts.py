@@ -41,7 +41,8 @@ def clean(summary: str) -> None:
 
 
 def test_a_warning_filter_set_to_error_neither_stops_diagnosis_nor_breaks_the_script(tmp_path: pathlib.Path) -> None:
-    done, result, said = diagnosed(tmp_path, REAL, "--case", "error-filter")
+    # (30 steps: memory-growth judges from step 30, so every check judges the whole run.)
+    done, result, said = diagnosed(tmp_path, REAL, "--case", "error-filter", "--steps", "30")
     assert done.returncode == 0 and done.stdout == "done\n", done.stderr
     # The finding is made and said (accelport's warning is never raised into the script's loop).
     assert [(f["kind"], f["step"]) for f in result["findings"]] == [("non-finite", 6)]
@@ -68,10 +69,11 @@ def test_a_crash_at_step_3_is_never_an_all_clear(tmp_path: pathlib.Path) -> None
     assert done.returncode == 1 and "RuntimeError: the checkpoint directory went away" in done.stderr
     assert "[ok ]" not in said and result["findings"] == []
     assert ("the script ended with status 1 after 3 step(s): no finding in them; not judged: recompilation "
-            "(needs 10 steps), input-bound (needs 10 steps)") in said
+            "(needs 10 steps), input-bound (needs 10 steps), memory-growth (needs 30 steps)") in said
     verdict = result["verdict"]
     assert verdict["judged_every_step"] is False and verdict["steps_judged"] == 3
-    assert verdict["not_judged"] == {"recompilation": "needs 10 steps", "input-bound": "needs 10 steps"}
+    assert verdict["not_judged"] == {"recompilation": "needs 10 steps", "input-bound": "needs 10 steps",
+                                     "memory-growth": "needs 30 steps"}
 
 
 def test_a_loss_that_diverges_until_the_script_fails_is_never_an_all_clear(tmp_path: pathlib.Path) -> None:

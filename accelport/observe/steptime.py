@@ -174,9 +174,10 @@ class StepClock:
 def categories(parts: Mapping[str, float], phases: Mapping[str, str]) -> dict[str, float]:
     """A step's phases as time categories, on a backend whose phases map as ``phases`` says."""
     out: dict[str, float] = {}
+    get = out.get
     for phase, seconds in parts.items():
         category = _DIRECT.get(phase) or phases.get(phase, "other")
-        out[category] = out.get(category, 0.0) + seconds
+        out[category] = get(category, 0.0) + seconds
     return out
 
 
@@ -274,19 +275,23 @@ def watch_backward(clock: StepClock) -> None:
         return
     compiler = getattr(sys.modules.get("torch"), "compiler", None)
     is_compiling = getattr(compiler, "is_compiling", None) or (lambda: False)
+    clocks = _clocks
 
     def backward(*args: Any, **kwargs: Any) -> Any:
         # Under torch.compile's tracing the plain call: a clock read would break the graph.
-        if is_compiling() or not _clocks:
+        if is_compiling():
             return original(*args, **kwargs)
-        clocks = [clock for clock in (ref() for ref in _clocks) if clock is not None]
-        for clock in clocks:
-            clock._base("body")
+        for ref in clocks:  # (on every backward: no list built)
+            clock = ref()
+            if clock is not None:
+                clock._base("body")
         try:
             return original(*args, **kwargs)
         finally:
-            for clock in clocks:
-                clock._base("tail")
+            for ref in clocks:
+                clock = ref()
+                if clock is not None:
+                    clock._base("tail")
 
     backward.__wrapped__ = original  # type: ignore[attr-defined]
     backward.__doc__ = original.__doc__

@@ -321,20 +321,24 @@ class StepTracker:
         """
         phases = self._phases
         out = [categories(entry[5], phases) for entry in pending]
-        together: dict[str, float] = {}
-        for breakdown in out:
-            add_into(together, breakdown)
         compile_seconds = float(compile_seconds or 0.0)
         if compile_seconds > 0:
+            together: dict[str, float] = {}
+            for breakdown in out:
+                add_into(together, breakdown)
             carve_compile(together, compile_seconds, phases)
             if len(out) == 1:
                 out[0] = dict(together)
             else:
                 for breakdown in out:
                     carve_compile(breakdown, compile_seconds, phases, split=False)
+            add_into(self.time_total, together)
+        else:  # (the steps' own breakdowns, added as they are: no dict of their sum per hand-over)
+            total = self.time_total
+            for breakdown in out:
+                add_into(total, breakdown)
         if self.time_steps == 0 and pending[0][0] == 1:
             self.first_breakdown = dict(out[0])
-        add_into(self.time_total, together)
         self.time_steps += len(out)
         return out
 

@@ -75,11 +75,19 @@ class StepClock:
         """A batch reached the loop at ``now`` after ``blocked`` seconds, of which ``data`` the source took and
         ``transfer`` the backend's copies; the loop's body starts."""
         start = now - blocked
-        if self._mark is None:
+        mark = self._mark
+        if mark is None:
             self._mark = start
             self.thread = threading.get_ident()
-        elif start > self._mark:
+        elif start > mark:
             self._charge(start)
+        elif start < mark:
+            # The wait began before this step did (the step before was finished during it, as a loader that
+            # syncs first finishes it): that part is the step before's. Only what is left is this step's,
+            # data first.
+            blocked = max(now - mark, 0.0)
+            data = min(data, blocked)
+            transfer = min(transfer, blocked - data)
         parts = self.parts
         parts["data"] = parts.get("data", 0.0) + data
         if transfer:

@@ -199,6 +199,11 @@ def test_the_clock_charges_each_moment_to_one_phase() -> None:
     clock.arrived(now=13.0, blocked=0.25, data=0.25, transfer=0.0)  # before the batch: the script's code
     parts = clock.close(now=14.0)
     assert parts == {"tail": 0.75, "data": 0.25, "body": 1.0}
+    # A wait that began before the step did (a loader that syncs first finishes the step before during it):
+    # only its part after the step's start is this step's, data first.
+    clock.arrived(now=14.5, blocked=1.0, data=0.75, transfer=0.25)
+    parts = clock.close(now=15.0)
+    assert parts == {"data": 0.5, "body": 0.5} and sum(parts.values()) == 15.0 - 14.0
 
 
 def test_phases_become_categories_as_the_backend_says() -> None:

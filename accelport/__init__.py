@@ -30,6 +30,7 @@ from accelport.errors import (
     CompatMatrixError,
     DiagnosticWarning,
     PluginWarning,
+    ProfileWarning,
     ShardingError,
     UnknownBackendError,
 )
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from accelport.device_loader import DeviceLoader
     from accelport.diagnose.memory import MemoryEstimate
     from accelport.diagnose.rule import Diagnosis, Rule, RunView
+    from accelport.observe.profile import StepProfile
     from accelport.plugins.hookspecs import hookimpl
     from accelport.resume import Checkpointer
     from accelport.runtime.state import Runtime
@@ -66,6 +68,7 @@ __all__ = [
     "Metrics",
     "PluginWarning",
     "Probe",
+    "ProfileWarning",
     "Rule",
     "RunView",
     "ShardingError",
@@ -91,6 +94,7 @@ __all__ = [
     "metrics",
     "optimizer_step",
     "print",
+    "profile",
     "rank",
     "recommend",
     "save",
@@ -278,6 +282,23 @@ def memory_estimate(model: Any, optimizer: Any, sample_batch: Any, *, loss_fn: C
     rt = _rt()
     return estimate(model, optimizer, sample_batch, loss_fn=loss_fn, chip=chip, matrix=rt.matrix(),
                     machine_chip=detect(environ=rt.environ).chip, host_bytes=host_capacity())
+
+
+def profile(steps: Any, dir: str | os.PathLike[str] | None = None) -> StepProfile:  # noqa: A002 - the issue's name
+    """Profile ``steps`` (``range(100, 110)``: steps 100 to 109; steps count from 1) with the backend's own
+    profiler, writing its traces under ``dir`` (default ``./accelport-profile``).
+
+    ``torch.profiler`` on eager backends (a Chrome trace that TensorBoard and Perfetto open),
+    torch_xla's profiler on XLA (xplane files for TensorBoard's profile plugin and xprof); it starts
+    when the step before the window ends and stops when the window's last step ends. When the window
+    is done, a ``ProfileWarning`` says where the traces are, the window's time breakdown, the ten
+    operators with the most self time and the share of the window the device had no work; the
+    returned :class:`~accelport.observe.profile.StepProfile` holds the same (``result``, ``files``).
+    Profiling never breaks training: a bad window, a directory that cannot be written or a
+    profiler that fails says why in a ``ProfileWarning`` and the run goes on unprofiled
+    (``state == "off"``, ``problem``). ``ACCELPORT_PROFILE=100:110`` does the same without a line of code.
+    """
+    return _rt().profile(steps, dir)
 
 
 def compile_cache(path: str | os.PathLike[str]) -> str | None:

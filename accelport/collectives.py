@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 from accelport.settings import is_true
 
@@ -39,6 +40,9 @@ class Collectives:
     def __init__(self) -> None:
         self._waiting: dict[int, str] = {}  # thread ident -> the ap.* collective it waits in
         self._all_reduce_calls = 0
+        #: The run's step clock (``accelport.observe.steptime.StepClock``, bound by the backend's
+        #: ``time_with``): the waits go to its ``collective`` phase. None: not timed.
+        self.timer: Any = None
 
     @contextlib.contextmanager
     def waiting(self, name: str) -> Iterator[None]:
@@ -52,10 +56,15 @@ class Collectives:
             yield
             return
         self._waiting[thread] = name
+        timer = self.timer
+        if timer is not None:
+            timer.enter("collective")
         try:
             yield
         finally:
             del self._waiting[thread]
+            if timer is not None:
+                timer.leave("collective")
 
     def waiting_in(self, thread: int) -> str | None:
         """The collective thread ``thread`` waits in now (as marked by :meth:`waiting`), else None."""

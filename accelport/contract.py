@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Probe", "Metrics", "StepRecord", "Backend", "BackendInfo", "COUNTER_FIELDS"]
+__all__ = ["Probe", "Metrics", "StepRecord", "Backend", "BackendInfo", "COUNTER_FIELDS", "TIME_CATEGORIES",
+           "TIME_PHASES"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,23 @@ COUNTER_FIELDS: tuple[str, ...] = (
 )
 # Counters that are levels, not running totals: never subtracted from a baseline.
 LEVEL_FIELDS = frozenset({"memory_bytes", "peak_memory_bytes", "parameter_bytes", "optimizer_state_bytes"})
+
+#: Where a step's wall time goes (docs/diagnostics.md, "Where each step's time goes"), in the
+#: order they are shown. A step's categories add up to its wall time. Where a backend cannot
+#: tell two apart, the record holds them joined in this order ("device+host_sync"), never a guess.
+TIME_CATEGORIES: tuple[str, ...] = ("data", "transfer", "compile", "device", "host_sync", "collective", "other")
+
+#: The phases of the training loop the step clock (:mod:`accelport.observe.steptime`) tells
+#: apart, and the category each is on a backend that says nothing else
+#: (:meth:`Backend.time_phases`): "pre" is a step's start before its first batch or backward
+#: (the forward pass of a loop without ``ap.loader`` is in it), "body" the forward, backward and
+#: optimizer, "tail" the script's code after its backward and its optimizer step, "sync" a
+#: sync of the backend, "read" a host read of a device tensor, "collective" a wait for the other
+#: replicas, "sync_collective" a sync that runs the gradient all-reduce with the step.
+TIME_PHASES: Mapping[str, str] = {
+    "pre": "device+other", "body": "device+other", "tail": "other", "sync": "device", "read": "host_sync",
+    "collective": "collective", "sync_collective": "device+collective",
+}
 
 
 @dataclass(frozen=True)
@@ -97,6 +115,19 @@ class Metrics:
     #: One device's memory: the allocator's limit (CUDA's total, XLA's ``bytes_limit``), the HBM per
     #: device of the machine's chip (compatibility matrix), or the host's memory on ``cpu``.
     capacity_bytes: int | None = None
+    #: Seconds of the run's steps by category (TIME_CATEGORIES, or two joined where the backend
+    #: cannot tell them apart): they add up to ``step_seconds``.
+    time_breakdown: dict[str, float] = field(default_factory=dict)
+    #: ``time_breakdown`` divided by the steps it covers.
+    time_breakdown_per_step: dict[str, float] = field(default_factory=dict)
+    #: One line saying where a step's time goes ("time per step 41.2 ms: data 17.0 (41%), ..."); "" before
+    #: the first step.
+    time_summary: str = ""
+    #: The verdict on the steps after the first (input-bound, host-bound, compile-bound, device-bound,
+    #: sync-bound) and its share; "" before the first step.
+    time_verdict: str = ""
+    #: The one fix that matters most for that verdict (the fix of the diagnosis kind it points at).
+    time_fix: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -145,6 +176,12 @@ class StepRecord:
     #: peak), ``capacity_bytes``, ``activation_bytes`` (that peak less the static part) and the static
     #: part as last counted (``parameter_bytes``, ``gradient_bytes``, ``optimizer_state_bytes``).
     memory: Mapping[str, int] | None = None
+    #: Where the step's ``seconds`` went: category (TIME_CATEGORIES, or two joined where they
+    #: cannot be told apart) -> seconds; they add up to ``seconds``.
+    breakdown: Mapping[str, float] = field(default_factory=dict)
+    #: On the last step of a profiled window (``ap.profile``, ``ACCELPORT_PROFILE``,
+    #: ``accelport diagnose --profile``): what the profile found (see ``StepProfile.result``).
+    profile: Mapping[str, Any] | None = None
 
 
 class Backend(abc.ABC):
@@ -172,6 +209,9 @@ class Backend(abc.ABC):
     #: The PJRT device types this backend drives (lazy backends: "TPU", "CPU", "NEURON");
     #: a PJRT_DEVICE naming one of them asks for this backend.
     pjrt_devices: ClassVar[tuple[str, ...]] = ()
+    #: Seconds this backend's loaders spent copying batches to the device so far (in their
+    #: threads too): ``ap.loader`` counts the part of a wait that went to them as ``transfer``.
+    transfer_seconds: float = 0.0
 
     def __init__(self) -> None:
         self._probe_cache: Probe | None = None
@@ -276,6 +316,21 @@ class Backend(abc.ABC):
     def compile_cache_dir(self) -> str | None:
         """Where compiled graphs are cached, if this backend has such a cache."""
         return None
+
+    # -- where a step's time goes -----------------------------------------------------
+    def time_phases(self) -> Mapping[str, str]:
+        """The time category of each phase of the loop on this backend (see TIME_PHASES).
+
+        A category joined from two ("device+host_sync") says this backend cannot tell them apart.
+        """
+        return TIME_PHASES
+
+    def time_with(self, clock: Any) -> None:  # noqa: B027 - optional hook for subclasses
+        """Mark on ``clock`` (an :class:`accelport.observe.steptime.StepClock`) the phases only this
+        backend sees: its syncs, its waits for the other replicas, host reads of its tensors.
+
+        The runtime calls it when it binds a run to this backend.
+        """
 
     def compile(self, model: Any, **kwargs: Any) -> Any:
         """``torch.compile(model, **kwargs)`` with this backend's compiler as the default."""

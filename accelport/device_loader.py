@@ -35,7 +35,8 @@ class LoaderTracker(Protocol):
 
     def inspector(self) -> Any: ...
 
-    def batch_arrived(self, wait: float, sig: Any, batch: Any = None) -> None: ...
+    def batch_arrived(self, wait: float, sig: Any, batch: Any = None, *, blocked: float | None = None,
+                      transfer: float = 0.0) -> None: ...
 
     def synced(self) -> None: ...
 
@@ -354,6 +355,7 @@ class DeviceLoader:
         clock = time.perf_counter
         bar = _progress_bar(self) if self.progress else None
         first = True
+        copied = backend.transfer_seconds  # the backend's copies of batches to the device so far
         try:
             while True:
                 try:
@@ -372,11 +374,17 @@ class DeviceLoader:
                     tracker.failed(exc)
                     raise
                 now = clock()
+                blocked = now - t0
                 # Waiting for data is waiting while the source was busy giving batches: a loop that waited
                 # longer, while its source had nothing to do, waited for a thread to be scheduled (a busy
                 # machine), which more workers would not change. (Several batches may go up in one transfer:
-                # all that the source did meanwhile counts.)
-                tracker.batch_arrived(min(now - t0, busy.until(now) - before), next_signature(), batch)
+                # all that the source did meanwhile counts.) Of the rest, what went to the backend's copies
+                # of batches since the last one is transfer.
+                wait = min(blocked, busy.until(now) - before)
+                total = backend.transfer_seconds
+                transfer = min(blocked - wait, total - copied) if total != copied else 0.0
+                copied = total
+                tracker.batch_arrived(wait, next_signature(), batch, blocked=blocked, transfer=transfer)
                 if position is not None:
                     position.advance()
                 if bar is not None:

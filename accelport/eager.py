@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
@@ -171,6 +172,7 @@ class EagerBackend(Backend):
         self._compile_seconds_seen = 0.0
         self._world_env = 1
         self._dist_module: Any = None
+        self._clock: Any = None  # the run's step clock (time_with)
         #: Where this backend's collectives wait (read by accelport launch's probe) and when
         #: ap.all_reduce checks its arguments across ranks.
         self.collectives = Collectives()
@@ -292,7 +294,29 @@ class EagerBackend(Backend):
     def sync(self) -> None:
         api = self.device_api("synchronize")
         if api is not None:
-            api[1]()
+            clock = self._clock
+            if clock is not None:
+                clock.enter("sync")
+            try:
+                api[1]()
+            finally:
+                if clock is not None:
+                    clock.leave("sync")
+
+    # -- where a step's time goes ---------------------------------------------------------
+    def time_phases(self) -> Mapping[str, str]:
+        """On the host (``cpu``) the forward, backward and optimizer are the device's work; on an
+        accelerator the host only issues it and waits for it without a sync per step, where it is
+        queued and where a host read waits: the device's time and the host's waits are one there."""
+        return _HOST_PHASES if self.sync_api == "none" else _ACCELERATOR_PHASES
+
+    def time_with(self, clock: Any) -> None:
+        self._clock = clock
+        self.collectives.timer = clock
+        if self.sync_api != "none":  # a host read waits for the device (on cpu it is a plain read)
+            from accelport.observe import tracer
+
+            tracer.time_reads(self.device_type, clock)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         # The world size as world_size() says it, without its lookups on every step: a
@@ -393,6 +417,7 @@ class EagerBackend(Backend):
             prefetch = self.default_prefetch
         device = self.device()
         pin = self.pin_memory
+        clock = time.perf_counter
 
         def to_device(t: Any) -> Any:
             # Pinned (page-locked) host memory lets the copy run as DMA while the
@@ -402,7 +427,11 @@ class EagerBackend(Backend):
             return t.to(device, non_blocking=pin)
 
         def move(batch: Any) -> Any:
-            return tree_map_tensors(batch, to_device)
+            start = clock()
+            try:
+                return tree_map_tensors(batch, to_device)
+            finally:  # (ap.loader counts as transfer the part of a wait that went to these copies)
+                self.transfer_seconds += clock() - start
 
         # The copy runs in the prefetch thread, so it overlaps with the step in flight.
         return prefetch_iter(iterable, depth=prefetch, transform=move)
@@ -435,8 +464,10 @@ class EagerBackend(Backend):
         if utils is None:
             return {"compilations": 0, "compile_seconds": 0.0}
         stats = utils.counters.get("stats", {})
-        times = getattr(utils, "compilation_time_metrics", {}).get("_compile.compile_inner", [])
-        return {"compilations": int(stats.get("unique_graphs", 0)), "compile_seconds": float(sum(times))}
+        times = getattr(utils, "compilation_time_metrics", {})
+        # A backward graph not found in inductor's cache compiles at its first call, outside the frame's compile.
+        seconds = sum(times.get("_compile.compile_inner", [])) + sum(times.get("backward._backward_impl", []))
+        return {"compilations": int(stats.get("unique_graphs", 0)), "compile_seconds": float(seconds)}
 
     def device_counters(self) -> dict[str, Any]:
         """Counters the device runtime itself keeps (compile cache); {} where it keeps none.
@@ -591,6 +622,17 @@ class EagerBackend(Backend):
         if op == "mean":
             tensor.div_(dist.get_world_size())
         return tensor
+
+
+#: Where a step's time goes on the host (``cpu``) and on an accelerator (see EagerBackend.time_phases).
+_HOST_PHASES: Mapping[str, str] = {
+    "pre": "device+other", "body": "device", "tail": "other", "sync": "device", "read": "host_sync",
+    "collective": "collective", "sync_collective": "device+collective",
+}
+_ACCELERATOR_PHASES: Mapping[str, str] = {
+    "pre": "device+host_sync+other", "body": "device+host_sync", "tail": "other", "sync": "device+host_sync",
+    "read": "device+host_sync", "collective": "collective", "sync_collective": "device+host_sync+collective",
+}
 
 
 def _buckets(params: list[Any], limit: int) -> Iterator[list[Any]]:

@@ -14,6 +14,7 @@ __all__ = [
     "PluginWarning",
     "AccelportDeprecationWarning",
     "DiagnosticWarning",
+    "ProfileWarning",
     "CompatibilityWarning",
     "CompatMatrixError",
     "UnknownPlatformError",
@@ -218,3 +219,8 @@ class CompatibilityWarning(UserWarning):
 
 class DiagnosticWarning(UserWarning):
     """A diagnosis of a slow or wrong training run (see ``ap.diagnostics()``)."""
+
+
+class ProfileWarning(UserWarning):
+    """What a profile of chosen steps says (``ap.profile``, ``ACCELPORT_PROFILE``): why a window was not
+    profiled, or, once it was, where its traces are and what it found. Training goes on either way."""

@@ -19,6 +19,7 @@ importing torch_xla on a TPU VM takes the TPU, so it is imported in
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -183,6 +184,7 @@ class LazyBackend(Backend):
         self._memory_source: str | None = None  # "allocator", "host" (XLA:CPU) or "none": see memory_reading
         #: Where this backend's collectives wait (read by accelport launch's probe).
         self.collectives = Collectives()
+        self._clock: Any = None  # the run's step clock (time_with)
 
     # -- detection ---------------------------------------------------------------------
     def _probe(self) -> Probe:
@@ -294,7 +296,33 @@ class LazyBackend(Backend):
 
     def sync(self) -> None:
         self._x()
-        self._sync()
+        self._timed_sync()
+
+    def _timed_sync(self, phase: str = "sync") -> None:
+        """Sync, the time going to ``phase`` of the run's step clock: on XLA the loop waits here for the
+        device (the step before must release the buffers this one reuses) and compiles new graphs."""
+        clock = self._clock
+        if clock is None:
+            self._sync()
+            return
+        clock.enter(phase)
+        try:
+            self._sync()
+        finally:
+            clock.leave(phase)
+
+    # -- where a step's time goes ---------------------------------------------------------
+    def time_phases(self) -> Mapping[str, str]:
+        """The loop's own code traces the graph on the host (``other``); the device's time is where the
+        loop waits for it, in the sync; host reads wait for a graph to run, and then copy."""
+        return _LAZY_PHASES
+
+    def time_with(self, clock: Any) -> None:
+        from accelport.observe import tracer
+
+        self._clock = clock
+        self.collectives.timer = clock
+        tracer.time_reads(self.device_type, clock)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         xm = self._xm or self._x()  # (a call less per step once prepared)
@@ -309,9 +337,9 @@ class LazyBackend(Backend):
         # executes that collective alone and hangs (torch_xla's barrier=True).
         if (self._world or self._replicas()) > 1:
             with self.collectives.waiting("ap.optimizer_step"):  # the graph holds the gradient all-reduce
-                self._sync()
+                self._timed_sync("sync_collective")
         elif not self._loading:
-            self._sync()
+            self._timed_sync()
         return result
 
     def shard(self, model: Any, *, policy: Any = None, reshard_after_forward: bool = True,
@@ -336,7 +364,7 @@ class LazyBackend(Backend):
         return bool(self._loading) and (self._world or self._replicas()) == 1
 
     def end_of_batch(self) -> None:
-        self._sync()
+        self._timed_sync()
         if self._parallel and self._mark_synced is not None:
             self._mark_synced(True)  # the ParallelLoader's own sync would be an empty one
 
@@ -347,12 +375,24 @@ class LazyBackend(Backend):
             return self._tracked(None, self._unprefetched(iterable, device))
         from torch_xla.distributed.parallel_loader import ParallelLoader
 
+        backend = self
+
+        class TimedLoader(ParallelLoader):
+            """ParallelLoader whose uploads are timed (ap.loader counts a wait for them as transfer)."""
+
+            def send_cpu_data_to_device(self, batches: Any, device: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return super().send_cpu_data_to_device(batches, device)
+                finally:
+                    backend.transfer_seconds += time.perf_counter() - start
+
         # What MpDeviceLoader does (a ParallelLoader for this process's device), plus a
         # close() when the loop ends or breaks early, so no upload thread is left behind.
         # ``prefetch`` is the on-device queue, which is also how many batches go up in
         # one transfer; None keeps torch_xla's defaults, the same as a raw MpDeviceLoader.
         kwargs = {} if prefetch is None else {"device_prefetch_size": prefetch}
-        parallel = ParallelLoader(iterable, [device], **kwargs)
+        parallel = TimedLoader(iterable, [device], **kwargs)
         return self._tracked(parallel, parallel.per_device_loader(device))
 
     def _tracked(self, parallel: Any, it: Iterator[Any]) -> Iterator[Any]:
@@ -370,8 +410,12 @@ class LazyBackend(Backend):
     def _unprefetched(self, iterable: Iterable[Any], device: Any) -> Iterator[Any]:
         """prefetch=0: upload each batch in the loop's thread (end_of_batch syncs between batches)."""
         send = self._xm.send_cpu_data_to_device
+        clock = time.perf_counter
         for batch in iterable:
-            yield send([batch], device)[0]
+            start = clock()
+            moved = send([batch], device)[0]
+            self.transfer_seconds += clock() - start
+            yield moved
 
     # -- metrics -----------------------------------------------------------------------
     def _count(self, name: str) -> int:
@@ -612,6 +656,13 @@ class LazyBackend(Backend):
         # without it each tensor's .to("cpu") would run its own graph.
         self.sync()
         return super().save(obj, path, background=background)
+
+
+#: Where a step's time goes on a lazy backend (see LazyBackend.time_phases).
+_LAZY_PHASES: Mapping[str, str] = {
+    "pre": "other", "body": "other", "tail": "other", "sync": "device", "read": "host_sync",
+    "collective": "collective", "sync_collective": "device+collective",
+}
 
 
 def doctor_findings(backend: type[LazyBackend], context: DoctorContext) -> list[Finding]:

@@ -133,7 +133,7 @@ def main(text: str | None = None, padding: str = "bucket", steps: int = 200, bat
     print(f"steps {m.steps}, compilations {m.compilations}, distinct batch shapes {m.batch_signatures}, "
           f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     for d in found:
-        print(f"diagnosis [{d.kind}]: {d.message}")
+        print(f"diagnosis [{d.kind}]: {d.text}")
     return {"losses": losses, "metrics": m, "diagnoses": [d.kind for d in found]}
 
 

@@ -29,13 +29,14 @@ import sys
 import tempfile
 import textwrap
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from accelport.errors import AccelportError, UsageError
 from accelport.safe_io import output_target, replace_with, same_file, temp_beside, write_atomic
 
 if TYPE_CHECKING:
+    from accelport.observe.profile import StepProfile
     from accelport.redact import Redactor
     from accelport.runtime.watch import Outcome, Watcher
 
@@ -53,7 +54,7 @@ def register(sub: Any) -> None:
         help="run an unmodified training script and say why it is slow (diagnose first, then port)",
         usage="accelport diagnose [--output FILE.json] [--report FILE.html] [--metrics-file FILE.jsonl] "
               "[--backend NAME] [--find-nan] [--find-nan-from STEP] [--find-nan-dir DIR] "
-              "[--] SCRIPT [ARGS ...] | -m MODULE [ARGS ...]",
+              "[--profile FIRST:STOP [--profile-dir DIR]] [--] SCRIPT [ARGS ...] | -m MODULE [ARGS ...]",
         description="Run a PyTorch or torch_xla training script as `python SCRIPT ARGS` would (same process, "
                     "argv, working directory, streams and exit status), watch its optimizer steps, syncs and "
                     "data loading, and print the same diagnoses a ported script gets, with the fix and the "
@@ -77,6 +78,13 @@ def register(sub: Any) -> None:
     p.add_argument("--find-nan-dir", metavar="DIR",
                    help="where --find-nan writes the repro (default: --output's directory, else the working "
                         "directory); one that cannot be written is said, and the run goes on")
+    p.add_argument("--profile", metavar="FIRST:STOP",
+                   help="profile steps FIRST to STOP-1 with the backend's own profiler (torch.profiler, or "
+                        "torch_xla's on XLA) and say what they held; a window the run never reaches, a "
+                        "directory that cannot be written or a profiler that fails is said, and the script "
+                        "runs on unprofiled")
+    p.add_argument("--profile-dir", metavar="DIR",
+                   help="where --profile writes its traces (default: ./accelport-profile)")
     p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE",
                    help="run a module as `python -m MODULE ARGS` would")
@@ -105,6 +113,10 @@ class _Plan:
     #: --find-nan: the first step checked (None: no search), and where the repro goes.
     find_nan: int | None = None
     find_nan_dir: str | None = None
+    #: The window of steps to profile (None: none, or one that cannot be: ``notes`` says why).
+    profile: StepProfile | None = None
+    #: What is worth saying at the end about the options (a --profile that cannot be done).
+    notes: list[str] = field(default_factory=list)
 
 
 def _plan(args: argparse.Namespace) -> _Plan:
@@ -147,8 +159,10 @@ def _plan(args: argparse.Namespace) -> _Plan:
     if find_nan is not None:
         where = args.find_nan_dir or (os.path.dirname(paths["--output"]) if "--output" in paths else os.getcwd())
         find_nan_dir = os.path.abspath(where)
-    return _Plan(target, script, module, list(script_args), backend, paths.get("--output"), paths.get("--report"),
+    plan = _Plan(target, script, module, list(script_args), backend, paths.get("--output"), paths.get("--report"),
                  paths.get("--metrics-file"), find_nan, find_nan_dir)
+    _plan_profile(plan, args.profile, args.profile_dir)
+    return plan
 
 
 def _find_nan(args: argparse.Namespace) -> int | None:
@@ -174,6 +188,31 @@ def _find_nan(args: argparse.Namespace) -> int | None:
         return parse_first_step(os.environ.get(ENV))
     except ValueError as exc:
         raise UsageError(f"diagnose: {ENV}={os.environ.get(ENV)}: {exc}") from None
+
+
+def _plan_profile(plan: _Plan, window: str | None, directory: str | None) -> None:
+    """The --profile window and its directory, checked before the script runs. Never an error: profiling must
+    not keep the script from running, so what is wrong is a note and the script runs unprofiled."""
+    from accelport.observe.profile import DEFAULT_DIR, StepProfile, directory_problem, parse_window
+
+    if window is None:
+        if directory is not None:
+            plan.notes.append(f"--profile-dir {directory} was given without --profile FIRST:STOP, so nothing was "
+                              "profiled")
+        return
+    try:
+        steps = parse_window(window, "--profile")
+    except ValueError as exc:
+        plan.notes.append(f"{exc}. The script ran unprofiled")
+        return
+    where = os.path.abspath(directory if directory is not None and directory.strip() else DEFAULT_DIR)
+    problem = directory_problem(where)
+    if problem is not None:
+        shown = directory if directory is not None else DEFAULT_DIR
+        plan.notes.append(f"--profile-dir {shown}: traces cannot be written there: {problem}; nothing was "
+                          "profiled (give --profile-dir a directory that can be written). The script ran unprofiled")
+        return
+    plan.profile = StepProfile(steps, where, f"--profile {steps}")
 
 
 def _script_file(script: str) -> str:
@@ -340,6 +379,7 @@ def render_summary(target: str, watcher: Watcher, outcome: Outcome, written: Seq
     severity, text = verdict(watcher, outcome)
     if text:
         lines += _wrapped(shown(text), f"  [{_ICON[severity]}] ")
+    lines += _time_lines(watcher, shown)
     for note in [*watcher.notes, *_pattern_notes(watcher), *watcher.rule_failures]:
         lines += _wrapped(shown(note), f"  [{_ICON['note']}] ")
     if written:
@@ -414,6 +454,23 @@ def _pattern_notes(watcher: Watcher) -> list[str]:
         notes.append(f"the script also started {nprocs or 'one per device'} process(es) with {launcher}{at}: "
                      "what they did was not watched, only this process")
     return notes
+def _time_lines(watcher: Watcher, shown: Callable[[str], str]) -> list[str]:
+    """Where a step's time went and the verdict, then what a --profile window held."""
+    lines: list[str] = []
+    said = watcher.time_summary()
+    if said:
+        lines.append(shown(f"  [time] {said[0]}"))
+        if len(said) > 2:
+            lines += _wrapped(shown(said[1]), _INDENT)
+            lines += _wrapped(shown(said[2]), f"{_INDENT}fix: ")
+    profile = watcher.tracker.profile
+    if profile is not None and profile.result is not None:
+        from accelport.observe.profile import describe
+
+        first, *rest = describe(profile.result)
+        lines.append(shown(f"  [prof] {first}"))  # (whole: it ends with the traces' directory)
+        lines += [shown(_INDENT + line[2:]) for line in rest]  # (its own lines: the operators' columns kept)
+    return lines
 
 
 def _result(watcher: Watcher, outcome: Outcome) -> dict[str, Any]:
@@ -430,11 +487,16 @@ def _result(watcher: Watcher, outcome: Outcome) -> dict[str, Any]:
         findings.append(item)
     severity, text = verdict(watcher, outcome)
     steps = watcher.steps + watcher.manual_steps
-    return {"findings": findings, "metrics": watcher.metrics(), "steps": watcher.steps,
+    out = {"findings": findings, "metrics": watcher.metrics(), "steps": watcher.steps,
             "backend": watcher.backend_name, "exit_status": outcome.exit_status,
             "verdict": {"judged_every_step": severity == "ok", "steps_judged": steps, "text": text,
                         "not_judged": watcher.unjudged},
             "notes": [*watcher.notes, *_pattern_notes(watcher), *watcher.rule_failures]}
+    profile = watcher.tracker.profile
+    if profile is not None:  # what --profile did: its result, or why there is none
+        out["profile"] = profile.result if profile.result is not None else {
+            "state": profile.state, "problem": profile.problem, "asked": str(profile.window)}
+    return out
 
 
 def _json(obj: Any, redactor: Redactor) -> bytes:
@@ -516,7 +578,8 @@ def run(args: argparse.Namespace) -> int:
     saved_builtins = dict(vars(builtins))
     command = ("--", plan.script) if plan.script is not None else ("-m", str(plan.module))
     watcher = Watcher(backend=plan.backend, metrics_file=records, redactor=redactor, find_nan=plan.find_nan,
-                      find_nan_dir=plan.find_nan_dir, command=(*command, *plan.args))
+                      find_nan_dir=plan.find_nan_dir, command=(*command, *plan.args), profile=plan.profile)
+    watcher.notes += plan.notes
 
     def conclude(outcome: Outcome) -> bool:
         try:

@@ -11,18 +11,21 @@ change and ``counted_steps`` (how many steps it covers); the others carry
 ``counted_steps: 0`` and no counters. A diagnosis made on a step is written on
 its line (``"diagnoses"``: kind, message, step, evidence, severity), so the report
 shows what the live run found, with what only the live run can see (dynamo's
-reasons, parameter names). Lines are flushed as they are written, so a crashed
-run keeps its history.
+reasons, parameter names). Each line says where the step's time went
+(``"breakdown"``: category -> seconds, adding up to ``seconds``), and the last step of a
+profiled window what the profile found (``"profile"``). Lines are flushed as they are
+written, so a crashed run keeps its history.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from accelport.contract import StepRecord
+from accelport.contract import TIME_CATEGORIES, StepRecord
 from accelport.plugins.hookspecs import hookimpl
 from accelport.safe_io import open_append
 
@@ -30,7 +33,7 @@ __all__ = ["MetricsFile", "create_plugin", "record_to_dict", "record_from_dict"]
 
 #: Keys of a line that are not counter deltas.
 _FIELDS = frozenset({"step", "time", "backend", "lazy", "seconds", "data_wait_seconds", "signature", "loader",
-                     "counted_steps", "diagnoses", "memory"})
+                     "counted_steps", "diagnoses", "memory", "breakdown", "profile"})
 
 
 def record_to_dict(record: StepRecord) -> dict[str, Any]:
@@ -47,6 +50,9 @@ def record_to_dict(record: StepRecord) -> dict[str, Any]:
     }
     if record.counted_steps != 1:  # counters read for several steps at once (see StepRecord)
         out["counted_steps"] = record.counted_steps
+    out["breakdown"] = {k: round(v, 6) for k, v in record.breakdown.items()}
+    if record.profile is not None:
+        out["profile"] = dict(record.profile)
     for key, value in sorted(record.delta.items()):
         out[key] = round(value, 6) if isinstance(value, float) else value
     if record.memory:  # the device's memory, where it was read with the counters
@@ -77,6 +83,16 @@ def record_from_dict(line: dict[str, Any]) -> StepRecord:
     counted = line.get("counted_steps", 1)
     if isinstance(counted, bool) or not isinstance(counted, int) or counted < 0:
         raise ValueError(f"'counted_steps' must be a non-negative integer, not {counted!r}")
+    breakdown = line.get("breakdown") or {}
+    if not isinstance(breakdown, dict) or not all(
+            isinstance(k, str) and all(part in TIME_CATEGORIES for part in k.split("+"))
+            and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+            for k, v in breakdown.items()):
+        raise ValueError(f"'breakdown' must map time categories ({', '.join(TIME_CATEGORIES)}, or two joined by "
+                         f"'+') to seconds (finite, not negative), not {breakdown!r}")
+    profile = line.get("profile")
+    if profile is not None and not isinstance(profile, dict):
+        raise ValueError(f"'profile' must be an object, not {profile!r}")
     delta = {k: v for k, v in line.items()
              if k not in _FIELDS and isinstance(v, (int, float)) and not isinstance(v, bool)}
     memory = line.get("memory")
@@ -86,7 +102,8 @@ def record_from_dict(line: dict[str, Any]) -> StepRecord:
     return StepRecord(step=step, backend=str(line.get("backend", "?")), lazy=bool(line.get("lazy", False)),
                       seconds=number("seconds"), data_wait_seconds=number("data_wait_seconds", 0.0),
                       signature=signature or None, delta=delta, time=number("time", 0.0), loader=loader,
-                      counted_steps=counted, memory=memory or None)
+                      counted_steps=counted, memory=memory or None,
+                      breakdown={k: float(v) for k, v in breakdown.items()}, profile=profile)
 
 
 class MetricsFile:

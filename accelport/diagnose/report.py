@@ -2,8 +2,10 @@
 
 Reads the per-step lines that ``ACCELPORT_METRICS_FILE`` wrote, runs the same
 diagnosis rules the live run uses, and writes one HTML file with no network
-access: a per-step chart of where time went (data wait, compilation,
-execution, the rest), compilation events marked, the diagnoses with their
+access: a per-step chart of where time went (each step's time breakdown, stacked by
+category; for files written before breakdowns: data wait, compilation, execution, the
+rest), with the run's line and verdict under it (:mod:`accelport.diagnose.timing`),
+compilation events marked, what a profiled window held, the diagnoses with their
 fixes (problems first), and the distinct batch shapes with their steps,
 compilations and compile time. Every text on the page that came from the run (the
 title's path, the notes, the diagnoses, the shapes, the backend) goes through the one
@@ -272,6 +274,71 @@ def breakdown(record: dict[str, Any]) -> dict[str, float]:
     return {"wait": wait, "compile": compile_s, "execute": execute, "rest": total - wait - compile_s - execute}
 
 
+#: The chart's colour of each time category; two joined (not told apart) take the first one's, lighter.
+CATEGORY_COLORS = {"data": "#d4a72c", "transfer": "#e16f24", "compile": "#cf222e", "device": "#0969da",
+                   "host_sync": "#8250df", "collective": "#1a7f37", "other": "#8c959f"}
+
+
+def _categories(records: Sequence[dict[str, Any]]) -> tuple[dict[str, float], dict[str, str], dict[str, str]]:
+    """The time categories the records hold, in order: zero totals, their labels and colours."""
+    from accelport.observe.steptime import ordered
+
+    seen: dict[str, float] = {}
+    for r in records:
+        for key in r["breakdown"]:
+            seen[key] = 0.0
+    totals = dict(ordered(seen))
+    labels = {k: k.replace("+", " + ") for k in totals}
+    colors = {k: CATEGORY_COLORS.get(k) or CATEGORY_COLORS.get(k.split("+")[0], "#8c959f") + ("" if "+" not in k
+                                                                                               else "99")
+              for k in totals}
+    colors.setdefault("compile", CATEGORY_COLORS["compile"])  # (the compile marks)
+    return totals, labels, colors
+
+
+def _category_parts(record: dict[str, Any], totals: dict[str, float]) -> dict[str, float]:
+    raw = record["breakdown"]
+    out = {}
+    for k in totals:
+        value = float(raw.get(k) or 0.0)
+        out[k] = value if math.isfinite(value) and value > 0 else 0.0
+    return out
+
+
+def _verdict(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any]) -> list[str]:
+    """The run's one line, verdict and fix (accelport.diagnose.timing), from the records' breakdowns."""
+    from accelport.diagnose.timing import explain
+    from accelport.observe.steptime import add_into
+
+    timed = [r for r in records if r.get("breakdown")]
+    if not timed:
+        return []
+    total: dict[str, float] = {}
+    for r in timed:
+        add_into(total, _category_parts(r, {k: 0.0 for k in r["breakdown"]}))
+    first = _category_parts(timed[0], {k: 0.0 for k in timed[0]["breakdown"]}) if timed[0]["step"] == 1 else None
+    last = timed[-1]
+    return explain(total, len(timed), first=first, loader=last.get("loader") or {}, findings=diagnoses,
+                   lazy=bool(last.get("lazy")))
+
+
+def _profiles_html(records: Sequence[dict[str, Any]], safe: Any) -> str:
+    """What each profiled window held (the record of its last step carries it)."""
+    from accelport.observe.profile import describe
+
+    out = []
+    for r in records:
+        profile = r.get("profile")
+        if not profile:
+            continue
+        try:
+            lines = describe(profile)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            lines = [f"step {r['step']} carries a profile this page cannot read"]
+        out.append("<pre class=profile>" + "\n".join(safe(line) for line in lines) + "</pre>")
+    return f"<h2>Profile</h2>{''.join(out)}" if out else ""
+
+
 def _unknown_times(records: Sequence[dict[str, Any]]) -> str:
     """A sentence naming the steps whose times are NaN or infinite, or ""."""
     steps = [r["step"] for r in records if any(
@@ -296,6 +363,7 @@ margin:8px 0}.diag b{text-transform:uppercase;font-size:12px;letter-spacing:.04e
 .diag.problem{border-left:6px solid #cf222e;background:#ffebe9}.badge{background:#cf222e;color:#fff;
 border-radius:3px;padding:1px 6px;font-size:11px;margin-left:6px}
 svg{display:block;border:1px solid #d0d7de;background:#fff}
+.verdict{margin:8px 0 0;max-width:1060px}pre.profile{background:#f6f8fa;padding:8px 12px;overflow-x:auto}
 """
 
 _SCRIPT = """
@@ -307,7 +375,7 @@ _SCRIPT = """
   // Seconds once the tallest step reaches one (a compile), so labels stay short.
   const fmt = v => max >= 1 ? v.toFixed(2) + ' s' : (v * 1000).toFixed(1) + ' ms';
   const bw = plotW / Math.max(steps.length, 1);
-  const colors = {wait: '#d4a72c', compile: '#cf222e', execute: '#0969da', rest: '#8c959f'};
+  const colors = data.colors;
   function el(name, attrs) { const e = document.createElementNS(NS, name);
     for (const k in attrs) e.setAttribute(k, attrs[k]); svg.appendChild(e); return e; }
   for (let i = 0; i <= 4; i++) { const y = T + plotH - plotH * i / 4;
@@ -415,8 +483,16 @@ def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], tit
     timed = any(r.get("execute_seconds") is not None for r in records)
     if not timed:
         del totals["execute"]
+    labels = {"wait": "data wait", "compile": "compilation", "execute": "execution",
+              "rest": "the rest" if timed else "the rest (execution, Python, transfers)"}
+    colors = {"wait": "#d4a72c", "compile": "#cf222e", "execute": "#0969da", "rest": "#8c959f"}
+    # (A step of no time, the first of a loop without ap.loader, has an empty breakdown.)
+    categorized = all(isinstance(r.get("breakdown"), dict) for r in records) and any(r.get("breakdown")
+                                                                                      for r in records)
+    if categorized:  # where each step's time went, as the run measured it (see accelport.observe.steptime)
+        totals, labels, colors = _categories(records)
     for r in records:
-        parts = breakdown(r)
+        parts = _category_parts(r, totals) if categorized else breakdown(r)
         for k in totals:
             totals[k] += parts[k]
         steps.append({"step": r["step"], "total": sum(parts.values()),
@@ -427,12 +503,14 @@ def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], tit
     backend = records[-1].get("backend", "?")
     # json.dumps does not escape "</script>"; make the embedded data unable to close the tag.
     # allow_nan=False: every number above is finite, and JSON.parse rejects NaN.
-    data = json.dumps({"steps": steps, "parts": list(totals)}, allow_nan=False).replace("</", "<\\/")
+    data = json.dumps({"steps": steps, "parts": list(totals), "colors": colors},
+                      allow_nan=False).replace("</", "<\\/")
     notes = [*notes, *filter(None, [_unknown_times(records)])]
     notes_html = "".join(f"<p class=sub>{safe(n)}</p>" for n in notes)
-    labels = {"wait": "data wait", "compile": "compilation", "execute": "execution",
-              "rest": "the rest" if timed else "the rest (execution, Python, transfers)"}
-    colors = {"wait": "#d4a72c", "compile": "#cf222e", "execute": "#0969da", "rest": "#8c959f"}
+    said = _verdict(records, diagnoses)  # the line, the verdict and its fix
+    verdict_html = "".join(f"<p class=verdict>{safe(line)}</p>"
+                           for line in [*said[:2], *(f"fix: {fix}" for fix in said[2:])])
+    profiles_html = _profiles_html(records, safe)
     rows = "".join(
         f"<tr><td><span class=sw style='background:{colors[k]}'></span>{labels[k]}</td>"
         f"<td>{v:.3f} s</td><td>{v / total:.0%}</td></tr>" for k, v in totals.items()
@@ -471,7 +549,8 @@ def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], tit
                            for k in totals)}<span>▲ compiled at this step</span></div>
 <svg id=chart viewBox="0 0 1060 320" width=1060 height=320 role=img aria-label="per-step time chart"></svg>
 <noscript>The chart needs JavaScript; the totals below do not.</noscript>
-<h2>Totals</h2><table>{rows}</table>
+{verdict_html}
+<h2>Totals</h2><table>{rows}</table>{profiles_html}
 {_memory_section(records)}<h2>Diagnoses</h2>{diag_html}
 <h2>Batch shapes</h2>
 <table id=shapes><tr><th>shape of each input</th><th>steps</th><th>compilations</th><th>compile time</th>

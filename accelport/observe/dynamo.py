@@ -255,7 +255,10 @@ class CompileObserver:
 
     def compile_seconds(self, since: Mark | None = None) -> float:
         self._drain()
+        # A backward graph compiled at its first call (not found in inductor's cache) is a record of its own,
+        # with no frame time: its time is in backward_cumulative_compile_time_us.
         return sum(float(getattr(m, "entire_frame_compile_time_s", 0) or 0)
+                   + float(getattr(m, "backward_cumulative_compile_time_us", 0) or 0) / 1e6
                    for m in self._metrics[since.metrics if since else 0:])
 
     def functions(self, since: Mark | None = None) -> list[FunctionCompiles]:

@@ -12,7 +12,11 @@ per process (``print(tensor)`` goes through ``__repr__``; ``.cpu()`` and
   backend reads with its step counters. Never on ``cpu``, where the host is the device;
 - tracing (``ACCELPORT_DIAGNOSTICS=trace``): each such call is counted by
   ``file:line`` in every :class:`HostSyncSites` that is listening, so two plugin
-  hosts (a run and doctor, or a test's) each keep their own counts.
+  hosts (a run and doctor, or a test's) each keep their own counts;
+- timing (:func:`time_reads`): on an eager accelerator and on XLA, the time each such
+  call takes in the training loop's thread is a host read on the run's step clock
+  (:mod:`accelport.observe.steptime`): the loop waits there for the device. accelport's
+  own reads (``ap.after_step``'s, which wait for a step that already ran) are left out.
 
 The wrappers cost a Python call per wrapped method call, so they are installed
 only when a backend counts or a trace listens, and never while torch.compile
@@ -24,11 +28,12 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 import weakref
 from collections import Counter
 from typing import Any
 
-__all__ = ["HostSyncSites", "METHODS", "COPIES", "count_reads", "reads", "guard_compiles"]
+__all__ = ["HostSyncSites", "METHODS", "COPIES", "count_reads", "reads", "time_reads", "guard_compiles"]
 
 METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__format__", "__repr__", "numpy")
 #: Methods that read the host only when their result is on the CPU.
@@ -38,6 +43,8 @@ _listeners: weakref.WeakSet[HostSyncSites] = weakref.WeakSet()
 _installed = False
 #: Device type -> host reads counted so far (only the types a backend asked for).
 _counts: dict[str, int] = {}
+#: Device type -> the step clocks its host reads are timed on (weakly: a run's clock goes with it).
+_timers: dict[str, list[weakref.ReferenceType[Any]]] = {}
 
 
 class HostSyncSites:
@@ -64,6 +71,14 @@ def count_reads(device_type: str) -> None:
 def reads(device_type: str) -> int:
     """Host reads of ``device_type`` tensors counted since :func:`count_reads` (0 if not counting)."""
     return _counts.get(device_type, 0)
+
+
+def time_reads(device_type: str, clock: Any) -> None:
+    """Time host reads of ``device_type`` tensors made in ``clock``'s thread as its ``read`` phase."""
+    refs = [ref for ref in _timers.get(device_type, []) if ref() is not None and ref() is not clock]
+    refs.append(weakref.ref(clock))
+    _timers[device_type] = refs
+    _install()
 
 
 def _install() -> None:
@@ -103,12 +118,35 @@ def _install() -> None:
             for listener in list(_listeners):
                 listener.sites[site] += 1
 
+    timers = _timers
+    clock = time.perf_counter
+
+    def timed(device_type: str, start: float) -> None:
+        # The read's time on the run's clocks, unless accelport itself made it (ap.after_step's reads).
+        if sys._getframe(2).f_code.co_filename.startswith(own_dir):
+            return
+        refs = timers.get(device_type) or ()
+        alive = False
+        for ref in refs:
+            step_clock = ref()
+            if step_clock is not None:
+                alive = True
+                step_clock.span("read", start)
+        if not alive:  # every run that asked has ended: stop timing this device type's reads
+            timers.pop(device_type, None)
+
     def wrap(original: Any) -> Any:
         def traced(self: Any, *args: Any, **kwargs: Any) -> Any:
             if not is_compiling():
                 device_type = self.device.type
                 if device_type in counts or (device_type != "cpu" and _listeners):
                     note(device_type)
+                if device_type in timers:
+                    start = clock()
+                    try:
+                        return original(self, *args, **kwargs)
+                    finally:
+                        timed(device_type, start)
             return original(self, *args, **kwargs)
 
         traced.__wrapped__ = original  # type: ignore[attr-defined]
@@ -116,12 +154,15 @@ def _install() -> None:
 
     def wrap_copy(original: Any) -> Any:
         def traced(self: Any, *args: Any, **kwargs: Any) -> Any:
+            start = clock()
             out = original(self, *args, **kwargs)
             if not is_compiling():
                 device_type = self.device.type
-                if (device_type in counts or (device_type != "cpu" and _listeners)) and \
-                        getattr(getattr(out, "device", None), "type", None) == "cpu":
+                to_host = getattr(getattr(out, "device", None), "type", None) == "cpu"
+                if (device_type in counts or (device_type != "cpu" and _listeners)) and to_host:
                     note(device_type)
+                if to_host and device_type in timers:
+                    timed(device_type, start)
             return out
 
         traced.__wrapped__ = original  # type: ignore[attr-defined]
@@ -134,7 +175,8 @@ def _install() -> None:
         _originals[name] = getattr(torch.Tensor, name)
         _wrappers[name] = wrap_copy(_originals[name])
     _put(_wrappers)
-    _own_code.extend([note.__code__, internal.__code__, _wrappers[METHODS[0]].__code__, _wrappers[COPIES[0]].__code__])
+    _own_code.extend([note.__code__, internal.__code__, timed.__code__, _wrappers[METHODS[0]].__code__,
+                      _wrappers[COPIES[0]].__code__])
     _installed = True
     guard_compiles()
 

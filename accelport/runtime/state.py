@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from accelport.observe.nan_search import NanSearch
     from accelport.plugins.host import PluginHost
 
-__all__ = ["Runtime", "RUNTIME"]
+__all__ = ["Runtime", "RUNTIME", "profile_warning"]
 
 
 class Runtime:
@@ -163,6 +163,7 @@ class Runtime:
                 numerics=numerics, shape_trace=shapes, compile_events=self._compile_events,
                 counters=self.since_selected, nan_search=search, command=self._command, memory=memory))
         tracker.bind(backend, self.host(), engine, numerics, shapes, memory)
+        self._profile_from_environ(tracker)
 
     def trains_as(self, style: str) -> None:
         """How the script trains (``RunView.style``: "torch", "torch_xla", "transformers", ...), so the rules
@@ -222,6 +223,53 @@ class Runtime:
     def _uncaught(self, exc: BaseException) -> None:
         self.tracker.failed(exc)
 
+    def _profile_from_environ(self, tracker: StepTracker) -> None:
+        """``ACCELPORT_PROFILE=FIRST:STOP`` (``ACCELPORT_PROFILE_DIR``): profile those steps of this run."""
+        text = self.environ.get("ACCELPORT_PROFILE")
+        if text is None or not text.strip() or tracker.profile is not None:
+            return
+        from accelport.observe.profile import DEFAULT_DIR, StepProfile, parse_window
+
+        say = profile_warning(self.environ)
+        try:
+            window = parse_window(text, "ACCELPORT_PROFILE")
+        except ValueError as exc:
+            say(f"accelport: {exc}. The run goes on unprofiled.")
+            return
+        directory = (self.environ.get("ACCELPORT_PROFILE_DIR") or "").strip() or DEFAULT_DIR
+        tracker.profile_steps(StepProfile(window, directory, f"ACCELPORT_PROFILE={window}", say))
+
+    def profile(self, steps: Any, directory: Any = None) -> Any:
+        """``ap.profile``: profile ``steps`` of this run into ``directory``; a StepProfile (state "off" and a
+        ProfileWarning where it cannot be)."""
+        from accelport.observe.profile import DEFAULT_DIR, StepProfile, Window, window_of
+
+        say = profile_warning(self.environ)
+        self.backend()  # the run's tracker is the one made when the backend is selected
+        tracker = self.tracker
+        where = "ap.profile(dir=...)"
+        try:
+            window = window_of(steps)
+            if directory is not None and not isinstance(directory, (str, os.PathLike)):
+                raise TypeError(f"{where} takes a directory path (str or os.PathLike), not {type(directory).__name__}")
+        except (TypeError, ValueError) as exc:
+            off = StepProfile(Window(1, 2), os.fspath(directory) if isinstance(directory, (str, os.PathLike))
+                              else DEFAULT_DIR, "ap.profile")
+            off.state, off.problem = "off", str(exc)
+            say(f"accelport: {exc}. The run goes on unprofiled.")
+            return off
+        current = tracker.profile
+        if current is not None and current.state in ("running", "stopped"):
+            off = StepProfile(window, os.fspath(directory or DEFAULT_DIR), f"ap.profile(steps={steps!r})")
+            off.state = "off"
+            off.problem = (f"ap.profile(steps={steps!r}): {current.source} is being profiled now; one window at a "
+                           "time: ask for this one after it ends")
+            say(f"accelport: {off.problem}. This window is not profiled.")
+            return off
+        profile = StepProfile(window, os.fspath(directory or DEFAULT_DIR), f"ap.profile(steps={steps!r})", say)
+        tracker.profile_steps(profile)
+        return profile
+
     def diagnostics(self) -> Diagnostics | None:
         """The engine that runs the registered rules (None: ``ACCELPORT_DIAGNOSTICS=0``, or no rule registered)."""
         if not self._engine_built:
@@ -263,12 +311,14 @@ class Runtime:
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Step ``optimizer`` on the backend and end the step: the hot path of ``ap.optimizer_step``."""
         backend = self._backend or self.backend()  # (a call less per step once selected)
+        tracker = self.tracker
+        tracker.optimizer_started()
         try:
             result = backend.optimizer_step(optimizer, **kwargs)
         except BaseException as exc:  # out of memory: the finding first; the error goes on unchanged
-            self.tracker.failed(exc)
+            tracker.failed(exc)
             raise
-        self.tracker.step_end(optimizer)
+        tracker.step_end(optimizer)
         return result
 
     def _warn_unmet_pjrt(self, backend: Backend) -> None:
@@ -291,7 +341,7 @@ class Runtime:
         self.tracker.user_synced()
 
     def use(self, name: str) -> Backend:
-        self.tracker.flush()  # the steps so far belong to the backend in use until now
+        self.tracker.end_run()  # the steps so far belong to the backend in use until now (and its profile)
         with self._lock:
             from accelport.runtime.selection import resolve
 
@@ -305,7 +355,7 @@ class Runtime:
         """Forget plugins, selection and counters (tests; a fresh start after env changes)."""
         if self.tracker.nan_search is not None:
             self.tracker.nan_search.finish()  # its hooks come out with the run
-        self.tracker.flush()  # the observers get every step of the run that ends here
+        self.tracker.end_run()  # the observers get every step of the run that ends here; a profile is closed
         with self._lock:
             self.__init__(self._environ, self._plugin_timeout)  # type: ignore[misc]
 
@@ -352,10 +402,13 @@ class Runtime:
 
     def metrics(self) -> Metrics:
         backend = self.backend()
-        values = self.since_selected()
         t = self.tracker
+        t.hand_over_finished()  # every finished step's breakdown final (a step waiting for its sync stays)
+        values = self.since_selected()
         if t.memory is not None:  # the sensor's figures; a backend's own counters where it has none
             values.update({k: v for k, v in t.memory.metrics().items() if v is not None or k not in values})
+        total, steps = dict(t.time_total), t.time_steps
+        said = [*self.time_summary(), "", "", ""]
         return Metrics(
             backend=backend.name,
             steps=t.steps,
@@ -364,20 +417,54 @@ class Runtime:
             batch_signatures=len(t.signatures) if t.signatures else None,
             compile_cache_dir=backend.compile_cache_dir(),
             **values,
+            time_breakdown=total,
+            time_breakdown_per_step={k: v / steps for k, v in total.items()} if steps else {},
+            time_summary=said[0],
+            time_verdict=said[1],
+            time_fix=said[2],
         )
+
+    def time_summary(self) -> list[str]:
+        """Where a step's time goes in one line, the verdict and its fix (none before the first step)."""
+        t = self.tracker
+        if not t.time_steps:
+            return []
+        from accelport.diagnose.timing import explain
+
+        engine = self._engine
+        return explain(t.time_total, t.time_steps, first=t.first_breakdown, loader=t.loader_info,
+                       findings=engine.findings if engine is not None else (),
+                       lazy=bool(self._backend is not None and self._backend.lazy), style=self._style)
 
 
 RUNTIME = Runtime()
 
 
+def profile_warning(environ: Mapping[str, str]) -> Any:
+    """What a profile of a ported script says goes out as a ProfileWarning at the user's line, redacted."""
+    from accelport.errors import ProfileWarning, warn_user
+    from accelport.redact import Redactor
+
+    redactor = Redactor(environ, limit=2000)
+
+    def say(text: str) -> None:
+        try:  # (line by line: the pass escapes a newline, which would forge a line)
+            warn_user("\n".join(redactor.text(line) for line in text.split("\n")), ProfileWarning)
+        except Warning:  # the script's filters make warnings errors: profiling never breaks training
+            pass
+
+    return say
+
+
 @atexit.register
 def _flush_at_exit() -> None:
-    # Steps a loop without ap.loader left unread (ap.loader hands them over as it ends).
+    # Steps a loop without ap.loader left unread (ap.loader hands them over as it ends), and a
+    # profile window still open.
     try:
         search = RUNTIME.tracker.nan_search
         if search is not None:
             search.finish()  # an op found in a step whose update never came: the rules see it now
-        RUNTIME.tracker.flush()
+        RUNTIME.tracker.end_run()
         if search is not None:
             from accelport.errors import DiagnosticWarning
             from accelport.observe.nan_search import ENV

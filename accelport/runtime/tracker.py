@@ -5,14 +5,18 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from accelport.contract import Backend, StepRecord
+from accelport.contract import TIME_PHASES, Backend, StepRecord
+from accelport.observe.steptime import StepClock, add_into, carve_compile, categories, watch_backward
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from accelport.diagnose.engine import Diagnostics
     from accelport.diagnose.rule import Diagnosis
     from accelport.observe.memory import MemoryWatch
     from accelport.observe.nan_search import NanSearch
     from accelport.observe.numerics import NumericsWatch
+    from accelport.observe.profile import StepProfile
     from accelport.observe.shapes import ShapeTrace
     from accelport.plugins.host import PluginHost
 
@@ -39,6 +43,12 @@ class StepTracker:
     Each record goes to the engine first and then to the observers, with the findings
     made on it; on lazy backends it also looks at the graph an ``ap.sync()`` ran outside
     the steps (a loop that grew one huge graph).
+
+    Where each step's time goes is measured always, rules or not: :attr:`clock` (a
+    :class:`~accelport.observe.steptime.StepClock`) charges the loop's time to its phases as
+    it passes, and each step's phases become its ``breakdown`` when its counters are read (the
+    compile time is carved out then). :attr:`time_total` sums them over the run; a
+    :attr:`profile` (``ap.profile``, ``ACCELPORT_PROFILE``) is started and stopped at step ends.
     """
 
     QUIET_EVERY = 16
@@ -56,8 +66,8 @@ class StepTracker:
         self._last_end: float | None = None
         #: What the loader said about itself: num_workers, batch_size, type (see describe_loader).
         self.loader_info: dict[str, Any] = {}
-        # Finished steps whose counters are not read yet: (step, seconds, wait, signature, time).
-        self._pending: list[tuple[int, float, float, Any, float]] = []
+        # Finished steps whose counters are not read yet: (step, seconds, wait, signature, time, phases).
+        self._pending: list[tuple[int, float, float, Any, float, dict[str, float]]] = []
         self._every = 1
         self._close_until = self.CLOSE_STEPS
         self._open: int | None = None  # a step waiting for the loop's sync
@@ -77,6 +87,16 @@ class StepTracker:
         #: The run's memory (read with the counters, the static part counted at sampled steps).
         self.memory: MemoryWatch | None = None
         self._failed = False  # a step raised out of memory: no tensor of it is touched again
+        #: Where the loop's time goes, as it passes (see accelport.observe.steptime).
+        self.clock = StepClock()
+        self._phases: Mapping[str, str] = TIME_PHASES
+        #: Seconds per time category over the steps whose breakdown is final, and how many they are.
+        self.time_total: dict[str, float] = {}
+        self.time_steps = 0
+        #: The first step's breakdown (start-up and the first compilation), left out of the verdict.
+        self.first_breakdown: dict[str, float] = {}
+        #: A window of steps to profile (ap.profile, ACCELPORT_PROFILE), None if none.
+        self.profile: StepProfile | None = None
 
     def bind(self, backend: Backend, host: PluginHost, engine: Diagnostics | None,
              numerics: NumericsWatch | None, shapes: ShapeTrace | None = None,
@@ -86,6 +106,18 @@ class StepTracker:
         self._shapes = shapes
         self.memory = memory
         self._recording = engine is not None or host.has_step_observers
+        phases = self._phases = backend.time_phases()
+        backend.time_with(self.clock)
+        if phases.get("body") != phases.get("tail"):  # the end of a backward parts the body from the tail
+            watch_backward(self.clock)
+        if self.profile is not None:
+            self.profile.arm(backend, self.steps)
+
+    def profile_steps(self, profile: StepProfile) -> None:
+        """Profile ``profile``'s window of this run's steps (armed now if the run is bound)."""
+        self.profile = profile
+        if self._backend is not None:
+            profile.arm(self._backend, self.steps)
 
     def inspector(self) -> Any:
         """What ``ap.loader`` runs on each host batch in its reading thread (None: nothing)."""
@@ -94,8 +126,10 @@ class StepTracker:
         # it is looked at only if the step's gradients turn out non-finite.
         return watch.inspect if watch is not None and watch.deferred else None
 
-    def batch_arrived(self, wait: float, sig: Any, batch: Any = None) -> None:
-        """The loop got a batch after ``wait`` seconds; ``batch`` itself where the host is the device."""
+    def batch_arrived(self, wait: float, sig: Any, batch: Any = None, *, blocked: float | None = None,
+                      transfer: float = 0.0) -> None:
+        """The loop got a batch after ``wait`` seconds of waiting for data; ``batch`` itself where the host is the
+        device. ``blocked``: all the loop waited (default ``wait``), of which ``transfer`` for the backend's copies."""
         search = self.nan_search
         if search is not None:  # (what the loader's thread found in a host batch, else the batch)
             search.batch(sig.info if type(sig) is not tuple else batch)
@@ -106,8 +140,12 @@ class StepTracker:
                 sig = sig.signature
             elif batch is not None and not watch.deferred:
                 watch.batch(batch)
+        now = time.perf_counter()
+        if blocked is None:
+            blocked = wait
+        self.clock.arrived(now, blocked, wait, transfer)
         if self._last_end is None:  # the first step starts when the loop first asks for data
-            self._last_end = time.perf_counter() - wait
+            self._last_end = now - blocked
         self.data_wait += wait
         self._pending_wait += wait
         if sig is not self._last_signature:  # ap.loader hands equal signatures as one object
@@ -115,6 +153,10 @@ class StepTracker:
                 self._fresh = True
                 self.signatures.add(sig)
             self._last_signature = sig
+
+    def optimizer_started(self) -> None:
+        """The optimizer step starts (its time is the body's, as the forward and backward are)."""
+        self.clock.body()
 
     def step_end(self, optimizer: Any = None) -> None:
         """An optimizer step ended (``optimizer``: the one stepped, for the step checks)."""
@@ -149,10 +191,20 @@ class StepTracker:
         self.step_seconds += seconds
         self._last_end = now
         wait, self._pending_wait = self._pending_wait, 0.0
-        if not self._recording:
-            return
         pending = self._pending
-        pending.append((step, seconds, wait, self._last_signature, now + self._wall_offset))
+        pending.append((step, seconds, wait, self._last_signature, now + self._wall_offset, self.clock.close(now)))
+        profile = self.profile
+        if profile is not None and step >= profile.next_step:
+            state = profile.state
+            profile.step_ended(step)
+            if profile.state != state:
+                if profile.state == "stopped" or len(pending) >= self._every:
+                    self._hand_over()  # (the window's last step: its record carries the profile)
+                # Starting or stopping the profiler (writing its trace) is accelport's time, not the run's:
+                # the next step starts after it.
+                self._last_end = time.perf_counter()
+                self.clock.skip(self._last_end)
+                return
         if len(pending) >= self._every:
             self._hand_over()
 
@@ -201,9 +253,22 @@ class StepTracker:
         if nodes:
             self._unsaid += engine.graph_ran(int(nodes), where)
 
-    def _hand_over(self) -> None:
+    def end_run(self) -> None:
+        """The run is over (the process exits, the diagnosed script ended): every step handed over, and a
+        profile window still open closed (or said to have been missed)."""
+        self.flush()
+        profile = self.profile
+        if profile is not None:
+            profile.run_ended(self.steps)
+
+    def hand_over_finished(self) -> None:
+        """Hand over the finished steps (their breakdowns made final), leaving a step that waits for its sync."""
+        self._hand_over(finish_open=False)
+
+    def _hand_over(self, finish_open: bool = True) -> None:
         """Read the counters and hand every finished step to the rules and the observers."""
-        self.synced()  # a loop left early: its last step is finished as it stands
+        if finish_open:
+            self.synced()  # a loop left early: its last step is finished as it stands
         pending = self._pending
         backend, host = self._backend, self._host
         if not pending or backend is None or host is None:
@@ -222,15 +287,60 @@ class StepTracker:
                 self._shapes.arm()  # it compiled on batch shapes seen before: which tensor changed?
         self._fresh = False
         self._every = 1 if last < self._close_until else self.QUIET_EVERY
+        breakdowns = self._breakdowns(pending, delta.get("compile_seconds", 0.0))
+        result = None
+        profile = self.profile
+        if profile is not None:
+            for entry, breakdown in zip(pending, breakdowns, strict=True):
+                profile.add(entry[0], breakdown)
+            result = profile.settle()
+        if not self._recording:
+            return
         name, lazy, loader = backend.name, backend.lazy, self.loader_info
         # Steps read together: the change is known only for all of them, so it goes on
         # the last, which says how many steps it covers; the others say theirs was not read.
-        for step, seconds, wait, signature, at in pending[:-1]:
-            self._record(host, StepRecord(step, name, lazy, seconds, wait, signature, {}, at, loader, 0))
-        step, seconds, wait, signature, at = pending[-1]
+        for (step, seconds, wait, signature, at, _), breakdown in zip(pending[:-1], breakdowns, strict=False):
+            record = StepRecord(step, name, lazy, seconds, wait, signature, {}, at, loader, 0, breakdown=breakdown)
+            if result is not None and step == result["steps"][1]:
+                record.profile = result
+            self._record(host, record)
+        step, seconds, wait, signature, at, _ = pending[-1]
         memory = self.memory.read(step) if self.memory is not None else None
-        self._record(host, StepRecord(step, name, lazy, seconds, wait, signature, delta, at, loader, len(pending),
-                                      memory=memory))
+        record = StepRecord(step, name, lazy, seconds, wait, signature, delta, at, loader, len(pending),
+                            memory=memory, breakdown=breakdowns[-1])
+        if result is not None:
+            record.profile = result  # (on the window's last step: the one that stopped it, or one before)
+        self._record(host, record)
+
+    def _breakdowns(self, pending: list[tuple[Any, ...]], compile_seconds: float) -> list[dict[str, float]]:
+        """The final breakdown of each step read together, with the compile time carved out, added to the totals.
+
+        Compilation is known for the steps together: one step's share is carved out of it; steps read
+        together that compiled say ``compile`` joined with what it may have been in (the run's totals
+        are carved exactly, from the steps' sum).
+        """
+        phases = self._phases
+        out = [categories(entry[5], phases) for entry in pending]
+        compile_seconds = float(compile_seconds or 0.0)
+        if compile_seconds > 0:
+            together: dict[str, float] = {}
+            for breakdown in out:
+                add_into(together, breakdown)
+            carve_compile(together, compile_seconds, phases)
+            if len(out) == 1:
+                out[0] = dict(together)
+            else:
+                for breakdown in out:
+                    carve_compile(breakdown, compile_seconds, phases, split=False)
+            add_into(self.time_total, together)
+        else:  # (the steps' own breakdowns, added as they are: no dict of their sum per hand-over)
+            total = self.time_total
+            for breakdown in out:
+                add_into(total, breakdown)
+        if self.time_steps == 0 and pending[0][0] == 1:
+            self.first_breakdown = dict(out[0])
+        self.time_steps += len(out)
+        return out
 
     def _record(self, host: PluginHost, record: StepRecord) -> None:
         found = self._engine.step_end(record) if self._engine is not None else ()

@@ -57,12 +57,14 @@ from accelport.lazy import OWN_CLOSURE
 from accelport.observe import tracer
 from accelport.observe.dynamo import CompileEvents
 from accelport.observe.frames import library_file, user_site
+from accelport.observe.steptime import watch_backward
 from accelport.runtime.state import Runtime
 from accelport.runtime.tracker import StepTracker
 
 if TYPE_CHECKING:
     from accelport.contract import Backend
     from accelport.diagnose.rule import Diagnosis
+    from accelport.observe.profile import StepProfile
     from accelport.plugins.host import PluginHost
     from accelport.redact import Redactor
 
@@ -197,14 +199,16 @@ class Watcher:
     the diagnoses shown while the script runs go through. ``find_nan``: the first step to
     check op by op for the operation that made the first NaN (``--find-nan``; None: no
     search), its repro written in ``find_nan_dir``; ``command``: the arguments diagnose ran
-    the script with, for the findings that say how to run it again.
+    the script with, for the findings that say how to run it again; ``profile``, a window of
+    steps to profile (``--profile``), whose messages become notes.
 
     A process the script forks is not watched: its copy of the watcher stops at the fork.
     """
 
     def __init__(self, environ: Mapping[str, str] | None = None, *, backend: str | None = None,
                  metrics_file: str | None = None, redactor: Redactor | None = None, find_nan: int | None = None,
-                 find_nan_dir: str | None = None, command: Sequence[str] | None = None) -> None:
+                 find_nan_dir: str | None = None, command: Sequence[str] | None = None,
+                 profile: StepProfile | None = None) -> None:
         self._environ = os.environ if environ is None else environ
         self._find_nan = find_nan
         self._find_nan_dir = find_nan_dir
@@ -253,6 +257,14 @@ class Watcher:
         self._copies: Callable[[], int] | None = None
         self._prebuilt: Runtime | None = None
         self._compile_events: CompileEvents | None = None
+        self._pre_hook: Any = None
+        #: Seconds torch_xla's loaders spent uploading batches (their threads), for the transfer share.
+        self.transfer_seconds = 0.0
+        self._uploaded = 0.0
+        if profile is not None:
+            # Why it was not profiled is a note at the end; what it found comes after the findings.
+            profile.on_message, profile.say_result = self.notes.append, False
+            self.tracker.profile = profile  # armed when the backend is chosen, at the first step
 
     # -- installing and removing -------------------------------------------------------
     def install(self) -> None:
@@ -294,6 +306,9 @@ class Watcher:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self._pre_hook is not None:
+            self._pre_hook.remove()
+            self._pre_hook = None
         for owner, name, original, wrapper in reversed(self._patches):
             if vars(owner).get(name) is wrapper:
                 setattr(owner, name, original)
@@ -352,6 +367,10 @@ class Watcher:
             self.notes.append("this torch has no global optimizer step hook (torch < 2.0): no step was seen")
             return
         self._hook = register(self._after_step)
+        before = getattr(module, "register_optimizer_step_pre_hook", None)
+        if before is not None:  # the optimizer's time is the step's body (see accelport.observe.steptime)
+            self._pre_hook = before(self._before_step)
+        watch_backward(self.tracker.clock)
 
     def _on_dataloader(self, module: types.ModuleType) -> None:
         watcher = self
@@ -386,8 +405,9 @@ class Watcher:
         for cls in base.__subclasses__() if base is not None else ():
             self._patch(cls, "_next_data", make_next)
 
-    def _batch(self, wait: float, batch: Any, on_host: bool = True) -> None:
-        """A batch reached the loop after ``wait`` seconds; ``on_host``: a DataLoader's, not yet moved."""
+    def _batch(self, wait: float, batch: Any, on_host: bool = True, transfer: float = 0.0) -> None:
+        """A batch reached the loop after ``wait`` seconds (and ``transfer`` more waiting for the loader's
+        uploads); ``on_host``: a DataLoader's, not yet moved."""
         try:
             sig = signature(batch)
             sig = self._interned.setdefault(sig, sig)  # equal shapes, one object: as ap.loader hands them
@@ -401,11 +421,16 @@ class Watcher:
             watch = self.tracker.numerics if on_host else None
             if watch is not None and watch.deferred:
                 sig = watch.inspect(batch, sig)
-            self.tracker.batch_arrived(wait, sig, batch if on_host else None)
+            self.tracker.batch_arrived(wait, sig, batch if on_host else None, blocked=wait + transfer,
+                                       transfer=transfer)
         except Exception as exc:
             self._stop(exc)
 
     # -- steps -----------------------------------------------------------------------------
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._feeding and threading.get_ident() == self._main:
+            self.tracker.optimizer_started()
+
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.steps += 1
         if not self._feeding:
@@ -636,16 +661,22 @@ class Watcher:
     def _sync_wrapper(self, original: Any) -> Any:
         watcher = self
         clock = time.perf_counter
+        get_ident = threading.get_ident
 
         def sync(*args: Any, **kwargs: Any) -> Any:
             if watcher._sync_depth or not watcher._active:  # (xm.mark_step calling torch_xla.sync: one sync)
                 return original(*args, **kwargs)
             watcher._sync_depth += 1
             start = clock()
+            timed = watcher._feeding and get_ident() == watcher._main
+            if timed:  # the loop waits for the device here (see accelport.lazy)
+                watcher.tracker.clock.enter("sync")
             try:
                 return original(*args, **kwargs)
             finally:
                 watcher._sync_depth -= 1
+                if timed:
+                    watcher.tracker.clock.leave("sync")
                 watcher._synced(clock() - start)
 
         return sync
@@ -671,18 +702,33 @@ class Watcher:
                 synced = watcher._sync_seconds
                 start = clock()
                 batch = original(loader)
-                # It syncs first (the step before runs then, and its record ends), then waits for data.
-                wait = clock() - start - (watcher._sync_seconds - synced)
+                # It syncs first (the step before runs then, and its record ends), then waits for data;
+                # what of that wait went to the loader's uploads since the last batch is transfer.
+                wait = max(clock() - start - (watcher._sync_seconds - synced), 0.0)
+                uploaded, watcher._uploaded = watcher.transfer_seconds - watcher._uploaded, watcher.transfer_seconds
+                transfer = min(wait, uploaded)
                 if watcher._open is not None and watcher._feeding:
                     try:
                         watcher._close()  # it did not sync this time (batches_per_execution > 1)
                     except Exception as exc:  # never into the script's next(loader)
                         watcher._stop(exc)
-                watcher._batch(max(wait, 0.0), batch, on_host=False)
+                watcher._batch(wait - transfer, batch, on_host=False, transfer=transfer)
                 return batch
             return next_batch
 
+        def make_send(original: Any) -> Any:
+            def send_cpu_data_to_device(loader: Any, *args: Any, **kwargs: Any) -> Any:
+                start = clock()
+                try:
+                    return original(loader, *args, **kwargs)
+                finally:  # (in the loader's upload thread: a float added, read by the loop's thread)
+                    watcher.transfer_seconds += clock() - start
+            return send_cpu_data_to_device
+
         self._patch(module.PerDeviceLoader, "next", make)
+        parallel = getattr(module, "ParallelLoader", None)
+        if parallel is not None:
+            self._patch(parallel, "send_cpu_data_to_device", make_send)
 
     # -- warnings --------------------------------------------------------------------------
     def _show_warning(self, message: Any, category: type[Warning], filename: str, lineno: int,
@@ -721,7 +767,9 @@ class Watcher:
             if self._feeding:
                 if self._open is not None:
                     self._close()
-                self.tracker.flush()
+                self.tracker.end_run()
+            elif self.tracker.profile is not None and self.tracker.profile.state in ("running", "stopped"):
+                self.tracker.profile.run_ended(self.tracker.steps)  # (watching stopped: its traces still written)
         except Exception as exc:
             self._stop(exc)
         finally:
@@ -756,6 +804,13 @@ class Watcher:
     @property
     def backend_name(self) -> str | None:
         return self.backend.name if self.backend is not None else None
+
+    def time_summary(self) -> list[str]:
+        """Where the watched run's step time went, and the verdict (none when no step was read)."""
+        if self.runtime is None or self.backend is None:
+            return []
+        self.tracker.hand_over_finished()
+        return self.runtime.time_summary()
 
     def metrics(self) -> dict[str, Any]:
         """``ap.metrics()`` of the watched run as a dict; empty when no backend was read."""

@@ -1,0 +1,315 @@
+"""Where the training loop's wall time goes, attributed as it passes: the step clock.
+
+A :class:`StepClock` charges every moment of the loop's thread to the phase it is in
+(``accelport.contract.TIME_PHASES``), telling them apart by the boundaries it is told of:
+
+- a batch's arrival (``ap.loader``, or the DataLoader under ``accelport diagnose``): the
+  wait is split into ``data`` (what the source itself took to give the batch), ``transfer``
+  (the backend's copies of it to the device, as far as the loop waited for them) and the
+  rest of the wait (a loader thread not yet scheduled: ``other``); after it comes the body;
+- the start and the end of every ``torch.autograd.backward`` (``loss.backward()``) of the
+  loop's thread (:func:`watch_backward`), and the start of the optimizer step: after a
+  backward, and after the optimizer step, the script runs its own code (the tail);
+- what a backend marks itself (:meth:`accelport.contract.Backend.time_with`): its syncs,
+  its waits for the other replicas, host reads of its tensors (the tracer times those).
+
+The time between two boundaries goes to the phase on top of the clock's stack. A step's
+phases add up to its wall time exactly (each moment is charged once); the backend maps them
+to categories (``Backend.time_phases``). Compile time is not a boundary: the compiler runs
+inside a phase (the forward pass, a sync) and its seconds, read from the backend's counters,
+are carved out of that phase's category afterwards (:func:`carve_compile`).
+
+Nothing here imports torch until a backward is to be watched, and the clock's hot path is a
+clock read and a dict update per boundary.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from accelport.contract import TIME_CATEGORIES
+
+__all__ = ["StepClock", "watch_backward", "categories", "carve_compile", "joined", "add_into", "ordered",
+           "breakdown_line", "MIN_SECONDS"]
+
+_clock = time.perf_counter
+_get_ident = threading.get_ident
+#: Below this a category holds nothing worth telling apart (the tolerance of a step's sum).
+MIN_SECONDS = 50e-6
+#: Phases whose category does not depend on the backend.
+_DIRECT = {"data": "data", "transfer": "transfer", "sched": "other"}
+_ORDER = {name: i for i, name in enumerate(TIME_CATEGORIES)}
+
+
+class StepClock:
+    """Charges the loop thread's time to the phase it is in; :meth:`close` hands over a step's phases."""
+
+    __slots__ = ("_stack", "_mark", "parts", "thread", "__weakref__")
+
+    def __init__(self) -> None:
+        self._stack = ["pre"]
+        self._mark: float | None = None  # the last boundary; None before the first step starts
+        #: Seconds per phase of the step so far.
+        self.parts: dict[str, float] = {}
+        #: The loop's thread (events from other threads are not the loop's and are ignored).
+        self.thread: int | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._mark is not None
+
+    def _charge(self, now: float) -> None:
+        mark = self._mark
+        if mark is not None:
+            top = self._stack[-1]
+            parts = self.parts
+            parts[top] = parts.get(top, 0.0) + (now - mark)
+            self._mark = now
+
+    def arrived(self, now: float, blocked: float, data: float, transfer: float) -> None:
+        """A batch reached the loop at ``now`` after ``blocked`` seconds, of which ``data`` the source took and
+        ``transfer`` the backend's copies; the loop's body starts."""
+        start = now - blocked
+        mark = self._mark
+        if mark is None:
+            self._mark = start
+            self.thread = threading.get_ident()
+        elif start > mark:
+            self._charge(start)
+        elif start < mark:
+            # The wait began before this step did (the step before was finished during it, as a loader that
+            # syncs first finishes it): that part is the step before's. Only what is left is this step's,
+            # data first.
+            blocked = max(now - mark, 0.0)
+            data = min(data, blocked)
+            transfer = min(transfer, blocked - data)
+        parts = self.parts
+        parts["data"] = parts.get("data", 0.0) + data
+        if transfer:
+            parts["transfer"] = parts.get("transfer", 0.0) + transfer
+        rest = blocked - data - transfer
+        if rest > 0:
+            parts["sched"] = parts.get("sched", 0.0) + rest
+        self._mark = now
+        stack = self._stack
+        if stack[0] == "pre":
+            # What ran before the loop asked for the batch was the script's own code (the forward
+            # pass comes after the batch): the tail of the step before, not the body.
+            pre = parts.pop("pre", 0.0)
+            if pre:
+                parts["tail"] = parts.get("tail", 0.0) + pre
+        stack[0] = "body"
+
+    def body(self) -> None:
+        """The body starts (a backward, the optimizer step): the forward, backward and optimizer run now."""
+        self._base("body")  # (a step's start before any batch stays "pre": the forward is in it)
+
+    def tail(self) -> None:
+        """A backward ended: the script's own code runs until the next body."""
+        self._base("tail")
+
+    def _base(self, phase: str) -> None:
+        # On every backward and optimizer step: kept to a clock read and a dict update.
+        thread = self.thread
+        if thread is not None and _get_ident() != thread:
+            return
+        stack = self._stack
+        mark = self._mark
+        if mark is not None:
+            now = _clock()
+            top = stack[-1]
+            parts = self.parts
+            parts[top] = parts.get(top, 0.0) + (now - mark)
+            self._mark = now
+        stack[0] = phase
+
+    def enter(self, phase: str) -> None:
+        """A phase that nests (a sync, a host read, a collective) starts in the loop's thread."""
+        if self.thread is not None and threading.get_ident() != self.thread:
+            return
+        self._charge(time.perf_counter())
+        self._stack.append(phase)
+
+    def leave(self, phase: str) -> None:
+        """The phase :meth:`enter` started ends (said by name: a leave without its enter changes nothing)."""
+        if self.thread is not None and threading.get_ident() != self.thread:
+            return
+        stack = self._stack
+        if len(stack) > 1 and stack[-1] == phase:
+            self._charge(time.perf_counter())
+            stack.pop()
+
+    def span(self, phase: str, since: float) -> None:
+        """The loop spent the time from ``since`` until now in ``phase`` (known only once it ended: a copy
+        that turned out to be a host read). Inside a sync it stays the sync's: what a sync runs after the
+        step (torch_xla's step closures, ``ap.after_step``) reads values the step already made."""
+        if self.thread is not None and threading.get_ident() != self.thread:
+            return
+        mark = self._mark
+        if mark is None or self._stack[-1] in ("sync", "sync_collective"):
+            return
+        now = time.perf_counter()
+        if since > mark:
+            self._charge(since)
+        else:
+            since = mark
+        parts = self.parts
+        parts[phase] = parts.get(phase, 0.0) + (now - since)
+        self._mark = now
+
+    def skip(self, now: float) -> None:
+        """The time until ``now`` is no step's (accelport's own work between two steps)."""
+        if self._mark is not None:
+            self._mark = now
+
+    def close(self, now: float) -> dict[str, float]:
+        """A step ended at ``now``: its phases (adding up to its wall time), and the next step starts."""
+        if self._mark is None:  # the first step, of a loop without batches: it starts here
+            self._mark = now
+            self.thread = threading.get_ident()
+            return {}
+        self._charge(now)
+        out, self.parts = self.parts, {}
+        self._stack[0] = "pre"
+        return out
+
+
+def categories(parts: Mapping[str, float], phases: Mapping[str, str]) -> dict[str, float]:
+    """A step's phases as time categories, on a backend whose phases map as ``phases`` says."""
+    out: dict[str, float] = {}
+    get = out.get
+    for phase, seconds in parts.items():
+        category = _DIRECT.get(phase) or phases.get(phase, "other")
+        out[category] = get(category, 0.0) + seconds
+    return out
+
+
+def joined(names: Iterable[str]) -> str:
+    """Categories that cannot be told apart, as one: their parts in TIME_CATEGORIES order, joined by '+'."""
+    parts = {part for name in names for part in name.split("+")}
+    return "+".join(sorted(parts, key=lambda p: (_ORDER.get(p, len(_ORDER)), p)))
+
+
+def carve_compile(breakdown: dict[str, float], seconds: float, phases: Mapping[str, str],
+                  split: bool = True) -> None:
+    """Move ``seconds`` of compilation out of the categories of the phases compilers run in, into ``compile``.
+
+    A compiler runs inside a sync or a host read (XLA graphs) or the forward pass (torch.compile):
+    their categories are carved first, then the body's, then the script's own code. Where the
+    compilation may have been in either of two categories that both hold time, what is left is said
+    as one category (``device+host_sync``): which one held it is not known. ``split=False`` (one
+    figure for several steps, each of which may or may not have compiled) carves nothing and joins
+    ``compile`` with those categories instead.
+    """
+    if seconds <= 0:
+        return
+    groups: list[list[str]] = []
+    used: set[str] = set()
+    for names in (("sync", "read"), ("body",), ("pre",), ("tail",)):
+        group = []
+        for phase in names:
+            category = phases.get(phase, "other")
+            if category not in used:
+                used.add(category)
+                group.append(category)
+        if group:
+            groups.append(group)
+    for group in groups:
+        present = [c for c in group if breakdown.get(c, 0.0) > MIN_SECONDS]
+        if not present:
+            continue
+        held = sum(breakdown.pop(c) for c in present)
+        if not split:
+            label = joined(["compile", *present])
+            breakdown[label] = breakdown.get(label, 0.0) + held
+            return
+        taken = min(seconds, held)
+        label = present[0] if len(present) == 1 else joined(present)
+        if held - taken > 0:
+            breakdown[label] = breakdown.get(label, 0.0) + held - taken
+        breakdown["compile"] = breakdown.get("compile", 0.0) + taken
+        seconds -= taken
+        if seconds <= 0:
+            return
+
+
+def add_into(total: dict[str, float], breakdown: Mapping[str, float]) -> None:
+    for key, value in breakdown.items():
+        total[key] = total.get(key, 0.0) + value
+
+
+def _rank(name: str) -> tuple[int, str]:
+    return _ORDER.get(name.split("+")[0], len(_ORDER)), name
+
+
+def ordered(breakdown: Mapping[str, float]) -> list[tuple[str, float]]:
+    """The categories of ``breakdown`` in TIME_CATEGORIES order (a joined one at the place of its first part)."""
+    return sorted(breakdown.items(), key=lambda item: _rank(item[0]))
+
+
+def breakdown_line(breakdown: Mapping[str, float], per_step: float, steps: int) -> str:
+    """``time per step 41.2 ms: data 17.0 (41%), device 20.1 (49%), host_sync 2.9 (7%), other 1.2 (3%)``:
+    milliseconds per step and share of ``breakdown`` (seconds over ``steps`` steps); empty categories left out."""
+    total = sum(breakdown.values()) or 1e-12
+    shown = ", ".join(f"{k} {v / steps * 1e3:.1f} ({v / total:.0%})" for k, v in ordered(breakdown)
+                      if v / total >= 0.005)
+    return f"time per step {per_step * 1e3:.1f} ms: {shown or 'nothing measured'}"
+
+
+# -- loss.backward(): where the forward pass ends ---------------------------------------------------
+
+_clocks: list[weakref.ReferenceType[StepClock]] = []
+_installed: list[Any] = []  # [the original torch.autograd.backward] once wrapped
+
+
+def watch_backward(clock: StepClock) -> None:
+    """Tell ``clock`` when each backward pass starts and ends (wraps ``torch.autograd.backward`` once per
+    process; ``Tensor.backward`` calls it). torch must be imported already."""
+    for ref in _clocks:
+        if ref() is clock:
+            return
+    _clocks[:] = [ref for ref in _clocks if ref() is not None]
+    _clocks.append(weakref.ref(clock))
+    if _installed:
+        return
+    autograd = sys.modules.get("torch.autograd")
+    original = getattr(autograd, "backward", None)
+    if original is None:
+        return
+    compiler = getattr(sys.modules.get("torch"), "compiler", None)
+    is_compiling = getattr(compiler, "is_compiling", None) or (lambda: False)
+    clocks = _clocks
+
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        # Under torch.compile's tracing the plain call: a clock read would break the graph.
+        if is_compiling():
+            return original(*args, **kwargs)
+        for ref in clocks:  # (on every backward: no list built)
+            clock = ref()
+            if clock is not None:
+                clock._base("body")
+        try:
+            return original(*args, **kwargs)
+        finally:
+            for ref in clocks:
+                clock = ref()
+                if clock is not None:
+                    clock._base("tail")
+
+    backward.__wrapped__ = original  # type: ignore[attr-defined]
+    backward.__doc__ = original.__doc__
+    backward._accelport_clock = True  # type: ignore[attr-defined]
+    autograd.backward = backward  # type: ignore[union-attr]
+    _installed.append(original)
+    # A frame dynamo compiles would break at the clock read: have it run this one as it is.
+    skip = getattr(sys.modules.get("torch._dynamo.eval_frame"), "skip_code", None)
+    if skip is not None:
+        try:
+            skip(backward.__code__)
+        except Exception:  # noqa: BLE001 - an older dynamo: is_compiling() covers its tracing
+            pass

@@ -433,7 +433,8 @@ class Runtime:
 
         engine = self._engine
         return explain(t.time_total, t.time_steps, first=t.first_breakdown, loader=t.loader_info,
-                       findings=engine.findings if engine is not None else (),
+                       # (the findings as the whole run has them: the fix the summary says for the same kind)
+                       findings=engine.current() if engine is not None else (),
                        lazy=bool(self._backend is not None and self._backend.lazy), style=self._style)
 
 

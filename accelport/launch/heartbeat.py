@@ -7,10 +7,10 @@ second as its steps end (a built-in plugin on ``accelport_step_end``, named
 ``launch-heartbeat``, active only where the worker wrapper set
 ``ACCELPORT_HEARTBEAT``). A worker that ended a step and whose last beat is older
 than the timeout has stopped making progress; before its first step, the time since
-the launch counts, against ``--startup-timeout``. When its script returns, the
-worker writes ``done-rank<N>.json``: a rank that finished is never taken for one
-that hangs, and a rank that finished while the others still ran is named as the
-cause of their failure.
+the launch (or the restart, for a later attempt) counts, against ``--startup-timeout``.
+When its script returns, the worker writes ``done-rank<N>.json``: a rank that finished
+is never taken for one that hangs, and a rank that finished while the others still ran
+is named as the cause of their failure.
 
 When something looks wrong (a rank stopped making progress, or a rank finished
 while the others still run), the launcher asks every worker where its script is:
@@ -20,7 +20,10 @@ waits in, if any (:mod:`accelport.launch.worker`). A rank stuck outside any
 collective is the one that hangs; a rank waiting in one waits for another.
 
 The files hold small JSON objects, written to a temporary name and renamed, so
-the launcher never reads half of one.
+the launcher never reads half of one. Each says which attempt wrote it
+(``"attempt"``, ``TORCHELASTIC_RESTART_COUNT``): after a restart the files of the
+attempt before are still there until each rank's new worker replaces them, and the
+launcher never takes them for the new attempt's.
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ from typing import Any
 
 from accelport.plugins.hookspecs import hookimpl
 
-__all__ = ["HEARTBEAT_PREFIX", "DONE_PREFIX", "WHERE_PREFIX", "PROBE_FILE", "INTERVAL_S", "Heartbeat", "beat",
-           "create_plugin", "read", "write_json"]
+__all__ = ["HEARTBEAT_PREFIX", "DONE_PREFIX", "WHERE_PREFIX", "PROBE_FILE", "INTERVAL_S", "ATTEMPT_ENV", "Heartbeat",
+           "attempt", "attempt_of", "beat", "create_plugin", "read", "write_json"]
 
 HEARTBEAT_PREFIX = "heartbeat-rank"
 DONE_PREFIX = "done-rank"
@@ -43,6 +46,23 @@ PROBE_FILE = "probe"
 WHERE_PREFIX = "where-rank"
 #: At most one beat per this many seconds: a file write per second, not per step.
 INTERVAL_S = 1.0
+#: Which attempt of the launch a worker belongs to: 0, then 1 after the first restart (torchrun's agent sets it,
+#: and accelport's own loop on XLA backends).
+ATTEMPT_ENV = "TORCHELASTIC_RESTART_COUNT"
+
+
+def attempt(environ: Mapping[str, str]) -> int:
+    """The attempt a worker with this environment belongs to (0 where it is unset or not a number)."""
+    try:
+        return max(0, int((environ.get(ATTEMPT_ENV) or "0").strip()))
+    except ValueError:
+        return 0
+
+
+def attempt_of(record: Mapping[str, Any]) -> int:
+    """The attempt that wrote ``record`` (0 for a record that does not say)."""
+    value = record.get("attempt")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def write_json(path: str, record: Mapping[str, Any], *, replace: bool = True) -> bool:
@@ -103,7 +123,7 @@ def read(path: str) -> dict[str, Any] | None:
 
 def beat(path: str, step: int) -> None:
     """Say this worker is alive at ``step`` (0: started, before any step)."""
-    write_json(path, {"pid": os.getpid(), "step": step, "time": time.time()})
+    write_json(path, {"pid": os.getpid(), "step": step, "time": time.time(), "attempt": attempt(os.environ)})
 
 
 class Heartbeat:

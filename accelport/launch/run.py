@@ -22,7 +22,16 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from accelport.errors import AccelportError
-from accelport.launch.heartbeat import DONE_PREFIX, HEARTBEAT_PREFIX, PROBE_FILE, WHERE_PREFIX, read, write_json
+from accelport.launch.heartbeat import (
+    ATTEMPT_ENV,
+    DONE_PREFIX,
+    HEARTBEAT_PREFIX,
+    PROBE_FILE,
+    WHERE_PREFIX,
+    attempt_of,
+    read,
+    write_json,
+)
 from accelport.launch.plan import LaunchError, LaunchPlan, check_resolves
 from accelport.launch.stop import EXIT_PREEMPTED, LAUNCHER_MARGIN_S, deadline_s, stopped_launch
 
@@ -147,9 +156,10 @@ def run_plan(plan: LaunchPlan, environ: Mapping[str, str] | None = None) -> None
             _run_torchrun(plan, env, launch_dir)
         else:
             for attempt in range(plan.max_restarts + 1):  # torch_xla's launcher has no restarts: start it again
-                env["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
+                env[ATTEMPT_ENV] = str(attempt)
+                _forget(launch_dir)  # what the failed attempt's workers said is not about the next one
                 try:
-                    _run_subprocess(plan, env, launch_dir, stop_wait)
+                    _run_subprocess(plan, env, launch_dir, stop_wait, attempt)
                     break
                 except WorkerFailedError:
                     if attempt == plan.max_restarts:
@@ -164,7 +174,21 @@ def run_plan(plan: LaunchPlan, environ: Mapping[str, str] | None = None) -> None
 STOP_GRACE_S = 10.0
 
 
-def _ranked(launch_dir: str, prefix: str, suffix: str = "") -> dict[int, dict[str, Any]]:
+def _forget(launch_dir: str) -> None:
+    """Remove every file the workers and the monitor wrote in ``launch_dir`` (none of them runs now)."""
+    try:
+        names = os.listdir(launch_dir)
+    except OSError:
+        return
+    for name in names:
+        try:
+            os.unlink(os.path.join(launch_dir, name))
+        except OSError:
+            pass
+
+
+def _ranked(launch_dir: str, prefix: str, suffix: str = "", attempt: int | None = None) -> dict[int, dict[str, Any]]:
+    """Rank -> its record ``<prefix><rank><suffix>``; only those ``attempt`` wrote, when it is given."""
     out: dict[int, dict[str, Any]] = {}
     try:
         names = os.listdir(launch_dir)
@@ -174,7 +198,7 @@ def _ranked(launch_dir: str, prefix: str, suffix: str = "") -> dict[int, dict[st
         number = name[len(prefix):len(name) - len(suffix)] if suffix else name[len(prefix):]
         if name.startswith(prefix) and name.endswith(suffix) and number.isdigit():
             record = read(os.path.join(launch_dir, name))
-            if record is not None:
+            if record is not None and (attempt is None or attempt_of(record) == attempt):
                 out[int(number)] = record
     return out
 
@@ -197,6 +221,22 @@ def _children(pid: int) -> list[int]:
         if len(fields) > 1 and fields[1] == str(pid):
             found.append(int(entry))
     return found
+
+
+def _attempt_of_process(pid: int) -> int | None:
+    """The attempt the engine started ``pid`` for (its ``TORCHELASTIC_RESTART_COUNT``, Linux /proc); None where
+    that cannot be read or it has none."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            entries = f.read().split(b"\0")
+    except OSError:
+        return None
+    key = ATTEMPT_ENV.encode() + b"="
+    for entry in entries:
+        if entry.startswith(key):
+            value = entry[len(key):].strip()
+            return int(value) if value.isdigit() else None
+    return None
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -367,8 +407,9 @@ class _Monitor(threading.Thread):
 
     - **A rank stopped making progress**: it ended a training step and then went
       ``timeout`` seconds without another (``--timeout``), or did not end its first step
-      within ``startup`` seconds of the launch (``--startup-timeout``: starting Python,
-      imports, data and a first compilation are not steps, and a busy host takes its time).
+      within ``startup`` seconds of the launch, or of the restart for a later attempt
+      (``--startup-timeout``: starting Python, imports, data and a first compilation are
+      not steps, and a busy host takes its time).
     - **A rank ended early**: its script returned while another rank waits for it in one
       of accelport's world collectives, on two probes :data:`PROBE_GAP_S` apart, at the
       same step (not fewer steps than it took). That collective can never complete; the
@@ -379,13 +420,21 @@ class _Monitor(threading.Thread):
     one wait for it. The verdict is written as the ranks' failure records, then every
     worker is stopped and the engine reports them as failed, so the launch ends like any
     other failure. A monitor without ``timeout`` or ``startup`` judges only early ends.
+
+    One monitor watches every attempt of a launch that restarts (torchrun's agent restarts
+    the workers inside one run): it follows the attempt of the engine's workers (each one's
+    ``TORCHELASTIC_RESTART_COUNT``, and each record's ``attempt``), judges only the records
+    of the attempt that runs now, and measures that attempt's start-up from when it saw it
+    begin. After a verdict it waits for the next attempt, if the engine starts one.
     """
 
     def __init__(self, launch_dir: str, *, timeout: int | None, startup: int | None, expected: int | None,
-                 workers: Callable[[], list[int]]) -> None:
+                 workers: Callable[[], list[int]], attempt: int = 0) -> None:
         super().__init__(name="accelport-launch-monitor", daemon=True)
         self.launch_dir, self.timeout, self.startup = launch_dir, timeout, startup
         self.expected, self.workers = expected, workers
+        #: The attempt watched now (0 until a restart), when it began, and whether the monitor stopped it.
+        self.attempt = attempt
         self.started_at = time.time()
         self.fired = False
         self._done = threading.Event()
@@ -396,21 +445,48 @@ class _Monitor(threading.Thread):
     def close(self) -> None:
         self._done.set()
 
+    def finish(self) -> None:
+        """Stop watching, once a verdict under way is written and its workers stopped (they have ended already
+        when the engine reports them)."""
+        self.close()
+        if self.is_alive():
+            self.join(STOP_GRACE_S + PROBE_WAIT_S)
+
     def run(self) -> None:
         poll = min(1.0, self.timeout / 5) if self.timeout else 1.0
         while not self._done.wait(poll):
-            if self.check(time.time()):
-                return
+            self.check(time.time())  # after a verdict too: the engine may start another attempt
+
+    def follow(self, now: float, workers: Sequence[int] | None = None) -> bool:
+        """Start watching a newer attempt, if the engine's workers (or their heartbeats) belong to one; True
+        when it did."""
+        running = [p for p in (self.workers() if workers is None else workers) if _alive(p)]
+        newest = max([self.attempt, *(a for p in running if (a := _attempt_of_process(p)) is not None),
+                      *(attempt_of(b) for b in _ranked(self.launch_dir, HEARTBEAT_PREFIX).values())])
+        if newest <= self.attempt:
+            return False
+        self.attempt, self.started_at, self.fired = newest, now, False
+        self._asked_at, self._answers = float("-inf"), {}
+        return True
+
+    def _since(self) -> str:
+        return "the launch" if self.attempt == 0 else f"restart {self.attempt}"
 
     def check(self, now: float) -> bool:
-        """Stop the job if it cannot end well at ``now``; True when it did."""
-        beats = _ranked(self.launch_dir, HEARTBEAT_PREFIX)
-        done = _ranked(self.launch_dir, DONE_PREFIX, ".json")
+        """Stop the job if it cannot end well at ``now``; True when it did (once an attempt)."""
+        workers = self.workers()
+        self.follow(now, workers)
+        if self.fired:
+            return False  # this attempt is being stopped already
+        beats = _ranked(self.launch_dir, HEARTBEAT_PREFIX, attempt=self.attempt)
+        done = _ranked(self.launch_dir, DONE_PREFIX, ".json", attempt=self.attempt)
         self._read_answers()
         running = sorted(r for r in beats if r not in done)
-        stalled = self._stalled(now, beats, done)
+        stalled = self._stalled(now, beats, done, workers)
         missing = (self.expected or 0) - len(beats)
-        late = missing > 0 and self.startup is not None and now - self.started_at > self.startup
+        # (Only while workers run: between two attempts, or before the first, there is nobody to stop.)
+        late = missing > 0 and self.startup is not None and now - self.started_at > self.startup and \
+            any(_alive(p) for p in workers)
         if stalled or late:
             stepped = any(int(beats[r].get("step") or 0) for r in stalled)
             why = f"--timeout {self.timeout}" if stepped else f"--startup-timeout {self.startup}"
@@ -419,15 +495,19 @@ class _Monitor(threading.Thread):
             records = self._ended_early(now, beats, done, running)
             if not records:
                 return False
+        if self.follow(time.time()):
+            return False  # the attempt ended while its workers were asked, and the engine started another
         self.fired = True
         from accelport.launch.worker import FAILURE_PREFIX
 
         for rank, rec in records.items():
-            write_json(os.path.join(self.launch_dir, f"{FAILURE_PREFIX}{rank}.json"), rec, replace=False)
+            write_json(os.path.join(self.launch_dir, f"{FAILURE_PREFIX}{rank}.json"), {**rec, "attempt": self.attempt},
+                       replace=False)
         # The ranks that caused it last: the others are gone before they can see it go and
         # fail with a lost connection of their own.
         causes = {r for r, rec in records.items() if rec["cause"] in ("stalled", "ended-early")}
-        workers = self.workers()
+        # Again (the probe took seconds), and only the judged attempt's: never a newer one's.
+        workers = [p for p in self.workers() if _attempt_of_process(p) in (None, self.attempt)]
         pids = {r: p for r, b in {**done, **beats}.items()
                 if isinstance(p := b.get("pid"), int) and _still_worker(p, workers)}
         first = [p for r, p in pids.items() if r not in causes]
@@ -436,11 +516,15 @@ class _Monitor(threading.Thread):
         return True
 
     def _stalled(self, now: float, beats: Mapping[int, Mapping[str, Any]],
-                 done: Mapping[int, Mapping[str, Any]]) -> dict[int, str]:
-        """Rank -> how it stopped making progress, for each running rank past its limit."""
+                 done: Mapping[int, Mapping[str, Any]], workers: Sequence[int]) -> dict[int, str]:
+        """Rank -> how it stopped making progress, for each running rank past its limit.
+
+        A rank whose process has ended is not judged: the engine reports how it ended.
+        """
         out: dict[int, str] = {}
         for rank, beat in beats.items():
-            if rank in done:
+            pid = beat.get("pid")
+            if rank in done or (isinstance(pid, int) and pid > 0 and not _still_worker(pid, workers)):
                 continue
             step = int(beat.get("step") or 0)
             if step:
@@ -449,7 +533,7 @@ class _Monitor(threading.Thread):
                     out[rank] = (f"no training step ended for {since:.0f} s (last heartbeat at step {step}), "
                                  f"more than --timeout {self.timeout}")
             elif self.startup is not None and now - self.started_at > self.startup:
-                out[rank] = (f"did not end its first training step within {self.startup} s of the launch "
+                out[rank] = (f"did not end its first training step within {self.startup} s of {self._since()} "
                              f"(--startup-timeout {self.startup})")
         return out
 
@@ -459,7 +543,7 @@ class _Monitor(threading.Thread):
         write_json(os.path.join(self.launch_dir, PROBE_FILE), {"seq": self._seq, "time": now})
 
     def _read_answers(self) -> None:
-        for rank, answer in _ranked(self.launch_dir, WHERE_PREFIX, ".json").items():
+        for rank, answer in _ranked(self.launch_dir, WHERE_PREFIX, ".json", attempt=self.attempt).items():
             history = self._answers.setdefault(rank, [])
             if not history or history[-1].get("seq") != answer.get("seq"):
                 history.append(answer)
@@ -503,9 +587,9 @@ class _Monitor(threading.Thread):
         return {}
 
 
-def _monitor(plan: LaunchPlan, launch_dir: str, workers: Callable[[], list[int]]) -> _Monitor:
+def _monitor(plan: LaunchPlan, launch_dir: str, workers: Callable[[], list[int]], attempt: int = 0) -> _Monitor:
     monitor = _Monitor(launch_dir, timeout=plan.timeout, startup=plan.startup_timeout,
-                       expected=plan.nprocs if plan.engine == "torchrun" else None, workers=workers)
+                       expected=plan.nprocs if plan.engine == "torchrun" else None, workers=workers, attempt=attempt)
     monitor.start()
     return monitor
 
@@ -515,33 +599,35 @@ _LOST_PEER = re.compile(r"Connection (closed|reset) by peer|Broken pipe|DistNetw
                         r"gloo|NCCL|timed out|Timeout", re.IGNORECASE)
 
 
-def _explain(failures: list[WorkerFailure], launch_dir: str,
-             monitor: _Monitor | None) -> tuple[WorkerFailure, list[WorkerFailure]]:
+def _explain(failures: list[WorkerFailure], launch_dir: str, monitor: _Monitor | None,
+             attempt: int = 0) -> tuple[WorkerFailure, list[WorkerFailure]]:
     """The first failure and all of them, with a rank that finished early named as the cause.
 
-    The monitor's verdict, when it stopped the job, is in the failure records already. A
+    ``attempt`` is the attempt that failed: only its records count. The monitor's verdict,
+    when it stopped that attempt, is in the failure records already. A
     rank whose script returned (exit status 0) while the others still ran leaves them
     waiting for it in a collective it never joins; once it is gone they fail with a lost
     connection, and the one torchrun reports first is a victim, not the cause.
     """
-    if monitor is not None and monitor.fired:
-        beats = _ranked(launch_dir, HEARTBEAT_PREFIX)
+    if monitor is not None and monitor.fired and monitor.attempt == attempt:
+        beats = _ranked(launch_dir, HEARTBEAT_PREFIX, attempt=attempt)
+        since = "the launch" if attempt == 0 else f"restart {attempt}"
         for i, f in enumerate(failures):
             if f.cause == "stopped" and f.rank not in beats:  # (a rank with a heartbeat has its verdict)
                 failures[i] = WorkerFailure(
                     f.rank, f.exitcode, f"never started its script within --startup-timeout {monitor.startup} s "
-                    "of the launch (stuck starting Python or importing?); stopped by the launcher", "", f.host,
+                    f"of {since} (stuck starting Python or importing?); stopped by the launcher", "", f.host,
                     f.pid, f.time, "stalled")
         # A rank the monitor found to have ended early may have left its exit barrier (status 0,
         # so not among the engine's failures) before it was stopped.
         seen = {f.rank for f in failures}
-        for rank, rec in sorted(_records(launch_dir).items()):
+        for rank, rec in sorted(_records(launch_dir, attempt).items()):
             if rank not in seen and rec.get("cause") == "ended-early":
                 failures.append(_failure_from(rank, 0, rec))
     first = _first(failures)
     if first.cause == "ended-early":
         return first, [first, *(f for f in failures if f is not first)]
-    early = [d for d in _ranked(launch_dir, DONE_PREFIX, ".json").values()
+    early = [d for d in _ranked(launch_dir, DONE_PREFIX, ".json", attempt=attempt).values()
              if d.get("peers_met") is not True and isinstance(d.get("rank"), int)
              and float(d.get("time") or 0) <= (first.time or float("inf"))]
     if first.cause == "stalled" or not early or not _LOST_PEER.search(first.error):
@@ -555,7 +641,8 @@ def _explain(failures: list[WorkerFailure], launch_dir: str,
     return cause, [cause, *rest]
 
 
-def _records(launch_dir: str) -> dict[int, dict[str, Any]]:
+def _records(launch_dir: str, attempt: int | None = None) -> dict[int, dict[str, Any]]:
+    """Rank -> its failure record (its own, or the monitor's verdict); only ``attempt``'s, when it is given."""
     from accelport.launch.worker import FAILURE_PREFIX
 
     out: dict[int, dict[str, Any]] = {}
@@ -564,8 +651,9 @@ def _records(launch_dir: str) -> dict[int, dict[str, Any]]:
             try:
                 with open(os.path.join(launch_dir, name)) as f:
                     record = json.load(f)
-                out[int(record["rank"])] = record
-            except (OSError, ValueError, KeyError):
+                if attempt is None or attempt_of(record) == attempt:
+                    out[int(record["rank"])] = record
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 continue
     return out
 
@@ -639,12 +727,16 @@ def _run_torchrun(plan: LaunchPlan, env: dict[str, str], launch_dir: str) -> Non
         except ChildFailedError as exc:
             if all(pf.exitcode == EXIT_PREEMPTED for pf in exc.failures.values()):
                 raise _stopped_workers(launch_dir, plan.nprocs) from None  # they got the stop request themselves
-            records = _records(launch_dir)
+            # The attempt that failed last: the monitor's, or a later one it had no time to see.
+            monitor.finish()
+            monitor.follow(time.time(), [])
+            records = _records(launch_dir, monitor.attempt)
             failures = [
-                _failure_from(int(rank), pf.exitcode, records.get(int(rank)), pf.pid, float(pf.timestamp))
+                _failure_from(int(rank), pf.exitcode, _own(records.get(int(rank)), pf.pid), pf.pid,
+                              float(pf.timestamp))
                 for rank, pf in sorted(exc.failures.items())
             ]
-            raise WorkerFailedError(*_explain(failures, launch_dir, monitor)) from None
+            raise WorkerFailedError(*_explain(failures, launch_dir, monitor, monitor.attempt)) from None
         except (RendezvousError, DistError) as exc:
             # A static rendezvous (--master-addr) fails with the store's DistError (a client that
             # cannot connect, a master whose clients never came); c10d with a RendezvousError.
@@ -666,6 +758,13 @@ def _run_torchrun(plan: LaunchPlan, env: dict[str, str], launch_dir: str) -> Non
         os.environ.update(saved)
 
 
+def _own(record: dict[str, Any] | None, pid: int) -> dict[str, Any] | None:
+    """``record`` where it is about the process ``pid`` (torchrun's worker writes its own), else None."""
+    if record is None or record.get("pid") in (None, pid):
+        return record
+    return None
+
+
 def _stopped_workers(launch_dir: str, expected: int | None) -> Exception:
     from accelport.launch.stop import read_stops
 
@@ -674,10 +773,11 @@ def _stopped_workers(launch_dir: str, expected: int | None) -> Exception:
     return stopped_launch(launch_dir, sig, expected)
 
 
-def _run_subprocess(plan: LaunchPlan, env: dict[str, str], launch_dir: str, stop_wait: float) -> None:
+def _run_subprocess(plan: LaunchPlan, env: dict[str, str], launch_dir: str, stop_wait: float,
+                    attempt: int = 0) -> None:
     # A session of its own: the monitor (and an interrupt) stop torch_xla's replicas with it.
     proc = subprocess.Popen(plan.command, env=env, start_new_session=True)
-    monitor = _monitor(plan, launch_dir, lambda: [proc.pid])
+    monitor = _monitor(plan, launch_dir, lambda: [proc.pid], attempt)
     stops: list[int] = []
     forwarded = _forward_stops(proc.pid, stops)
     try:
@@ -687,7 +787,7 @@ def _run_subprocess(plan: LaunchPlan, env: dict[str, str], launch_dir: str, stop
         proc.wait()
         raise
     finally:
-        monitor.close()
+        monitor.finish()
         for sig, handler in forwarded.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
     if stops:
@@ -696,11 +796,11 @@ def _run_subprocess(plan: LaunchPlan, env: dict[str, str], launch_dir: str, stop
         raise _stopped_workers(launch_dir, plan.nprocs or 1)
     if code == 0:
         return
-    records = _records(launch_dir)
+    records = _records(launch_dir, attempt)
     failures = [_failure_from(rank, code, rec) for rank, rec in sorted(records.items())]
     if not failures:
         failures = [_failure_from(0, code, None)]
-    raise WorkerFailedError(*_explain(failures, launch_dir, monitor))
+    raise WorkerFailedError(*_explain(failures, launch_dir, monitor, attempt))
 
 
 def _forward_stops(pid: int, stops: list[int]) -> dict[int, Any]:

@@ -41,7 +41,16 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from accelport.launch.heartbeat import DONE_PREFIX, HEARTBEAT_PREFIX, PROBE_FILE, WHERE_PREFIX, beat, read, write_json
+from accelport.launch.heartbeat import (
+    DONE_PREFIX,
+    HEARTBEAT_PREFIX,
+    PROBE_FILE,
+    WHERE_PREFIX,
+    attempt,
+    beat,
+    read,
+    write_json,
+)
 from accelport.launch.stop import EXIT_PREEMPTED, STOPPED_PREFIX
 
 __all__ = ["main", "run_script", "die_with_parent", "locate", "api_functions", "FAILURE_PREFIX"]
@@ -77,6 +86,7 @@ def _record_failure(rank: int, exc: BaseException) -> None:
         "time": time.time(),
         "error": _describe(exc),
         "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "attempt": attempt(os.environ),
     }
     # Not over a verdict the launcher wrote before it stopped this worker (a peer's failure
     # seen while the stop was under way is not this rank's own). If it cannot be written,
@@ -141,7 +151,8 @@ def _finished(rank: int, directory: str | None) -> None:
     from accelport.eager import teardown_process_group
 
     path = os.path.join(directory, f"{DONE_PREFIX}{rank}.json") if directory else None
-    record = {"rank": rank, "pid": os.getpid(), "time": time.time(), "steps": _steps_taken()}
+    record = {"rank": rank, "pid": os.getpid(), "time": time.time(), "steps": _steps_taken(),
+              "attempt": attempt(os.environ)}
     if path:
         write_json(path, record)  # before the wait: a rank that finished is not one that hangs
     met = teardown_process_group()
@@ -236,13 +247,13 @@ class _Responder(threading.Thread):
             except Exception as exc:  # an answer without a place is still an answer
                 place = {"where": None, "code": "", "waiting": None, "world": False, "error": repr(exc)}
             write_json(self.answer, {"seq": seq, "pid": os.getpid(), "time": time.time(), "steps": self.steps(),
-                                     **place})
+                                     "attempt": attempt(os.environ), **place})
 
 
 def run_script(rank: int, script: str, args: list[str]) -> None:
     """Run ``script`` as ``__main__`` with ``args``; record a failure before it propagates."""
     directory = os.environ.get("ACCELPORT_LAUNCH_DIR") or None
-    if directory and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
+    if directory and attempt(os.environ):
         _forget_attempt(directory, rank)
     if directory:
         _Responder(directory, rank, threading.get_ident(), _steps_taken, _waiting_in).start()

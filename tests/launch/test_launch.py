@@ -811,6 +811,87 @@ def test_a_rank_that_ends_early_is_named_within_seconds_not_the_peer_it_left_wai
     assert took < 150, took  # it used to take the whole exit barrier (300 s here)
 
 
+#: Two ranks that step in lockstep (a gradient all-reduce a step, 0.1 s apart), for --max-restarts with --timeout.
+#: "crash": in the first attempt, rank 1 SIGKILLs itself once CRASH_AFTER seconds have passed since LAUNCHED (the
+#: time before the launch began); later attempts take 20 steps and end. "hang": rank 1 hangs after step 3, in
+#: every attempt. Each rank records which attempts it started, finished or hung in.
+RESTARTING = """
+import os, signal, sys, time
+import torch
+import accelport as ap
+
+out, launched, mode, crash_after = sys.argv[1], float(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+attempt, rank = os.environ["TORCHELASTIC_RESTART_COUNT"], ap.rank()
+open(os.path.join(out, f"started-{attempt}-{rank}"), "w").close()
+model = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+step = 0
+while step < 20 or (mode == "crash" and attempt == "0"):
+    model(torch.ones(4, 2)).sum().backward()
+    ap.optimizer_step(opt)
+    opt.zero_grad()
+    step += 1
+    if rank == 1 and mode == "hang" and step == 3:
+        open(os.path.join(out, f"hung-{attempt}-{rank}"), "w").close()
+        time.sleep(600)
+    if rank == 1 and mode == "crash" and attempt == "0" and time.time() > launched + crash_after:
+        with open(os.path.join(out, "crashed"), "w") as f:
+            f.write(str(time.time() - launched))
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.1)
+open(os.path.join(out, f"finished-{attempt}-{rank}"), "w").close()
+"""
+
+
+def test_a_restart_after_the_start_up_allowance_has_passed_is_watched_from_its_own_start(tmp_path: Path) -> None:
+    import time
+
+    job = tmp_path / "restarting.py"
+    job.write_text(RESTARTING)
+    out = tmp_path / "out"
+    out.mkdir()
+    # Rank 1 crashes 45 s into the launch, past --startup-timeout 40; the restarted workers
+    # start from nothing (Python, torch, the process group) and step again well within 40 s of
+    # the restart. The monitor used to measure their start-up from the launch and stopped them
+    # at once ("did not end its first training step within 40 s of the launch").
+    proc = launch("--json", "--backend", "cpu", "--nprocs", "2", "--max-restarts", "1", "--timeout", "10",
+                  "--startup-timeout", "40", str(job), str(out), str(time.time()), "crash", "45", timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float((out / "crashed").read_text()) > 40  # the first attempt outlived the start-up allowance
+    assert "exitcode: -9" in proc.stderr  # rank 1 really died (torchrun's report), and the group was restarted
+    assert sorted(p.name for p in out.iterdir()) == ["crashed", "finished-1-0", "finished-1-1", "started-0-0",
+                                                      "started-0-1", "started-1-0", "started-1-1"]
+
+
+def test_a_restarted_attempt_that_hangs_is_stopped_by_the_timeout_too(tmp_path: Path) -> None:
+    import time
+
+    job = tmp_path / "restarting.py"
+    job.write_text(RESTARTING)
+    out = tmp_path / "out"
+    out.mkdir()
+    # Both attempts hang. The monitor used to stop watching after its first verdict: the second
+    # attempt then hung until this test's own bound.
+    proc = launch("--json", "--backend", "cpu", "--nprocs", "2", "--max-restarts", "1", "--timeout", "10",
+                  str(job), str(out), str(time.time()), "hang", "0", timeout=400)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert {"hung-0-1", "hung-1-1"} <= {p.name for p in out.iterdir()}  # each attempt hung, and was stopped
+    assert not any(p.name.startswith("finished-") for p in out.iterdir())
+    data = json.loads(proc.stdout)
+    first = data["first"]
+    assert (first["rank"], first["cause"]) == (1, "stalled"), data
+    assert data["error"].startswith("rank 1 stopped making progress: no training step ended for "), data["error"]
+    assert "more than --timeout 10; its script is at " in first["error"]
+    assert f"restarting.py:{_restarting_line('time.sleep(600)')} (time.sleep(600)) after 3 step(s), outside any " \
+        "collective" in first["error"]
+    waiting = _failures(data)[0]
+    assert waiting["cause"] == "stopped" and "for rank 1, which stopped making progress" in waiting["error"], data
+
+
+def _restarting_line(marker: str) -> int:
+    return next(i for i, text in enumerate(RESTARTING.splitlines(), 1) if marker in text)
+
+
 #: A rank-0-only slow end of its last step, after the gradient all-reduce: a step hook (a plugin).
 SLOW_HOOK = """
 import os, sys, time
@@ -1160,9 +1241,13 @@ def test_a_finished_rank_is_named_only_when_the_stalled_ranks_wait_in_a_collecti
     assert hangs[1]["error"].startswith("had finished its script after 2 step(s) and waited at its exit")
 
 
-def _sleeper() -> subprocess.Popen[bytes]:
-    """A process that stands for a worker: a session of its own, as torchrun starts them."""
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+def _sleeper(attempt: int | None = None) -> subprocess.Popen[bytes]:
+    """A process that stands for a worker: a session of its own, as torchrun starts them, for ``attempt`` (its
+    TORCHELASTIC_RESTART_COUNT; none by default, whatever the test run inherited)."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RESTART_COUNT"}
+    if attempt is not None:
+        env["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env=env, start_new_session=True)
 
 
 def test_the_monitor_ends_a_job_whose_finished_rank_leaves_another_waiting_only_when_it_stays(
@@ -1342,6 +1427,50 @@ def test_a_rank_that_exited_is_not_stopped_through_its_pid(tmp_path: Path, reque
     assert not _gone(stranger)  # it used to be sent SIGTERM too
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads a worker's attempt and parent from /proc")
+def test_the_monitor_watches_each_restart_from_its_own_start_and_never_judges_the_attempt_before(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    from accelport.launch import run
+    from accelport.launch.heartbeat import write_json
+
+    stopped: list[list[int]] = []
+    monkeypatch.setattr(run, "_stop", stopped.append)  # a spy: the verdicts and their order, nothing stopped
+    monkeypatch.setattr(run, "PROBE_WAIT_S", 0.0)  # nobody answers the probes here
+    started: list[subprocess.Popen[bytes]] = []
+    request.addfinalizer(lambda: [p.kill() or p.wait() for p in started])  # type: ignore[func-returns-value]
+
+    def attempt(n: int) -> list[int]:  # two workers, as torchrun's agent starts them for attempt n
+        started.extend(_sleeper(n) for _ in range(2))
+        return [p.pid for p in started[-2:]]
+
+    d = str(tmp_path)
+    workers: list[int] = attempt(0)
+    monitor = run._Monitor(d, timeout=5, startup=30, expected=2, workers=lambda: workers)
+    monitor.started_at = 0.0  # the launch
+    write_json(os.path.join(d, "heartbeat-rank0"), {**_beat(8, 100.0, pid=workers[0]), "attempt": 0})
+    write_json(os.path.join(d, "heartbeat-rank1"), {**_beat(5, 90.0, pid=workers[1]), "attempt": 0})
+    assert monitor.check(96.0) and stopped == [[workers[0], workers[1]]]  # rank 1 hangs: stopped last
+    assert read(os.path.join(d, "failure-rank1.json"))["attempt"] == 0  # type: ignore[index]
+    assert not monitor.check(97.0)  # one verdict an attempt
+    for p in started:  # the engine ends attempt 0 ...
+        p.kill()
+        p.wait()
+    workers = []
+    assert not monitor.check(300.0) and len(stopped) == 1  # (its heartbeats are old, and nobody runs)
+    workers = attempt(1)  # ... and starts attempt 1, 300 s into the launch: past --startup-timeout 30
+    assert not monitor.check(400.0) and (monitor.attempt, monitor.fired) == (1, False)
+    assert not monitor.check(425.0)  # the old heartbeats are older than --timeout 5: not judged
+    for rank in (0, 1):  # the new worker of each rank forgets what its rank said in attempt 0 (worker.py)
+        os.unlink(os.path.join(d, f"failure-rank{rank}.json"))
+    write_json(os.path.join(d, "heartbeat-rank0"), {**_beat(0, 410.0, pid=workers[0]), "attempt": 1})
+    assert not monitor.check(429.0) and len(stopped) == 1  # 29 s since the restart: still starting
+    assert monitor.check(431.0) and stopped[1] == [workers[1], workers[0]]
+    verdict = read(os.path.join(d, "failure-rank0.json"))
+    assert verdict is not None and (verdict["cause"], verdict["attempt"]) == ("stalled", 1), verdict
+    assert verdict["error"].startswith("did not end its first training step within 30 s of restart 1 "
+                                       "(--startup-timeout 30)"), verdict
+
+
 def test_a_long_backend_name_is_quoted_cut_and_redacted_as_ap_use_quotes_it(
         script: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     huge = "x" * 100_000
@@ -1372,14 +1501,16 @@ def test_a_failing_worker_leaves_its_process_group_alone_at_exit(monkeypatch: py
     assert worker._describe(SystemExit(True)) == "SystemExit: exit status 1"
 
 
-def test_the_heartbeat_is_written_at_most_once_an_interval(tmp_path: Path) -> None:
+def test_the_heartbeat_is_written_at_most_once_an_interval(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from accelport.contract import StepRecord
     from accelport.launch.heartbeat import Heartbeat, create_plugin, read
 
     path = str(tmp_path / "heartbeat-rank0")
     plugin = Heartbeat(path)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")  # the third attempt of a launch
     plugin.accelport_step_end(StepRecord(1, "cpu", False, 0.01, 0.0, None, {}, 1.0, {}))
-    assert read(path) == {"pid": os.getpid(), "step": 1, "time": read(path)["time"]}  # type: ignore[index]
+    assert read(path) == {"pid": os.getpid(), "step": 1, "time": read(path)["time"],  # type: ignore[index]
+                          "attempt": 2}
     plugin.accelport_step_end(StepRecord(2, "cpu", False, 0.01, 0.0, None, {}, 1.0, {}))
     assert read(path)["step"] == 1  # type: ignore[index]  # within the interval: no write
     plugin._next = 0.0  # the interval has passed

@@ -1,9 +1,8 @@
 """A training job that checkpoints itself with ap.Checkpointer (tests/test_resume.py, tests/launch/).
 
-    python resume_job.py OUT CKPT [--steps 60] [--every 10] [--kill-at STEP --kill-rank R]
+    python resume_job.py OUT CKPT [--steps 60] [--every 10] [--kill-at STEP --kill-rank R] [--hang-at STEP]
                          [--pause-at STEP] [--shard] [--workers N [--persistent]] [--generator] [--numpy-sampler]
-                         [--stateful]
-                         [--background] [--prefetch N]
+                         [--stateful] [--background] [--prefetch N]
 
 A seeded, shuffled DataLoader (a DistributedSampler with several ranks), dropout, AdamW,
 a learning-rate schedule, and draws from Python's and numpy's global generators every
@@ -12,7 +11,9 @@ writes OUT/seen-rank<r>-<pid>.json (the sample indices of each step it took) and
 end, OUT/final-rank<r>.pt (its parameters, gathered whole when sharded).
 
 ``--kill-at STEP --kill-rank R``: rank R SIGKILLs itself after that step's update, in the
-first attempt only (TORCHELASTIC_RESTART_COUNT unset or 0); ``--kill-in-save STEP``: each rank
+first attempt only (TORCHELASTIC_RESTART_COUNT unset or 0); ``--hang-at STEP``: rank R hangs
+there instead (asleep, outside any collective; first attempt only) until ``accelport launch
+--timeout`` stops it; ``--kill-in-save STEP``: each rank
 SIGKILLs itself in that step's save, once its own part is written (first attempt only). ``--pause-at STEP``: every
 rank stops there (before the step's checkpoint call) and writes OUT/ready-rank<r> until
 it gets a stop request (the test then signals the launch).
@@ -56,6 +57,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--kill-rank", type=int, default=0)
+    parser.add_argument("--hang-at", type=int, default=None)
     parser.add_argument("--pause-at", type=int, default=None)
     parser.add_argument("--kill-in-save", type=int, default=None)
     parser.add_argument("--shard", action="store_true")
@@ -131,6 +133,9 @@ def main() -> None:
                 json.dump({"start": step - len(seen), "seen": seen}, f)
             if step == args.kill_at and rank == args.kill_rank and first_attempt:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if step == args.hang_at and rank == args.kill_rank and first_attempt:
+                while True:
+                    time.sleep(1)
             if step == args.pause_at:
                 open(os.path.join(args.out, f"ready-rank{rank}"), "w").close()
                 while not ckpt.stop_requested:

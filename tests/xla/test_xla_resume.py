@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -78,6 +79,20 @@ def test_the_xla_launcher_restarts_a_failed_worker_and_forwards_sigterm(tmp_path
     assert again.returncode == 0, again.stderr
     assert len(list(part.glob("seen-rank0-*.json"))) == 2
     a, b = torch.load(full / "final-rank0.pt"), torch.load(part / "final-rank0.pt")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    # A first attempt that hangs at step 12 is stopped by --timeout; the next one is watched from its own
+    # start, never judged by the hung attempt's heartbeat (older than --timeout by then, which used to stop
+    # it at once), and resumes from step 10.
+    hung = tmp_path / "hung"
+    hung.mkdir()
+    again = subprocess.run(_launch("--max-restarts", "1", "--timeout", "20", "--startup-timeout", "300", JOB,
+                                   str(hung), str(hung / "ckpt"), *common, "--hang-at", "12"), capture_output=True,
+                           text=True, env=_launch_env(), timeout=900, cwd=REPO)
+    assert again.returncode == 0, again.stderr
+    runs = [json.loads(p.read_text()) for p in hung.glob("seen-rank0-*.json")]
+    assert sorted(r["start"] for r in runs) == [0, 10] and max(r["seen"][-1][0] for r in runs) == 30, runs
+    b = torch.load(hung / "final-rank0.pt")
     for key in a:
         assert torch.equal(a[key], b[key]), key
     # SIGTERM to the launcher reaches the replica, which saves; the launch exits 75.

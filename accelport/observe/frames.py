@@ -10,7 +10,7 @@ import os
 import sys
 import types
 
-__all__ = ["LIBRARIES", "FRAMEWORKS", "user_site", "library_file", "library_of", "running_in"]
+__all__ = ["LIBRARIES", "FRAMEWORKS", "FORWARDING", "user_site", "library_file", "library_of", "running_in"]
 
 #: Top-level packages of the frameworks a training loop may live in: their frames are never "the user's
 #: line" either (a finding points at the user's dataset, collator or call instead), and a cause inside
@@ -43,6 +43,11 @@ def user_site(frame: types.FrameType | None = None, also: frozenset[str] = froze
 _PARTS = (("torch.utils.data", "data"), ("torch.optim", "optimizer"), ("torch.nn.utils.clip_grad", "clipping"))
 
 
+#: accelport's modules whose wrappers of torch's calls only pass the script's own call on (the step clock's
+#: and diagnose's watcher's ``torch.autograd.backward``): what runs under them is the script's, not accelport's.
+FORWARDING = frozenset({"accelport.observe.steptime", "accelport.runtime.watch"})
+
+
 def running_in(frame: types.FrameType | None = None, skip: frozenset[str] = frozenset()) -> str:
     """What the code running at ``frame`` (and the frames that called it) is part of: "data" (torch's data
     loading), "optimizer" (a torch.optim optimizer's step), "clipping" (torch.nn.utils' gradient clipping),
@@ -51,7 +56,7 @@ def running_in(frame: types.FrameType | None = None, skip: frozenset[str] = froz
     frame = frame or sys._getframe(1)
     while frame is not None:
         module = frame.f_globals.get("__name__") or ""
-        if module not in skip:
+        if module not in skip and module not in FORWARDING:
             for prefix, part in _PARTS:
                 if module == prefix or module.startswith(prefix + "."):
                     return part

@@ -400,10 +400,7 @@ class NanSearch:
     :meth:`attach` starts it once torch is imported; the result is :attr:`found`.
     """
 
-    def __init__(self, first_step: int, directory: str, *, option: str = ENV_DIR, steps_before: int = 0,
-                 forwarding: frozenset[str] = frozenset()) -> None:
-        """``forwarding``: modules whose frames only pass the script's own calls on (a watcher's wrapper of
-        ``torch.autograd.backward``): an op run under them is the script's, not accelport's."""
+    def __init__(self, first_step: int, directory: str, *, option: str = ENV_DIR, steps_before: int = 0) -> None:
         self.first_step = first_step
         self.directory = directory
         self.option = option
@@ -423,7 +420,6 @@ class NanSearch:
         #: Nondeterministic ops seen on cuda in checked steps.
         self.nondeterministic: set[str] = set()
         self.checking = False
-        self._skip = _HERE | forwarding
         self._attached = False
         self._finished = False
         self._thread = threading.get_ident()
@@ -702,7 +698,7 @@ class NanSearch:
     def _event(self, func: Any, info: _OpInfo, args: Any, kwargs: Mapping[str, Any], outs: list[Any],
                bad: list[Any], before: list[tuple[Any, Any, Any]] | None) -> None:
         """An op's output holds a NaN or Inf: made here, followed from an input, or come from outside."""
-        part = running_in(sys._getframe(1), skip=self._skip)
+        part = running_in(sys._getframe(1), skip=_HERE)
         if part == "accelport":
             return  # accelport's own reads (the step checks): not the script's
         overwritten = {id(t): held for t, held, _ in before or ()}

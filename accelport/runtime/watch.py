@@ -348,9 +348,7 @@ class Watcher:
         is to be checked (the ops before the first optimizer step are step 1's)."""
         from accelport.observe.nan_search import NanSearch
 
-        # The wrappers here pass the script's calls on (its backward pass runs under one): not accelport's ops.
-        search = NanSearch(int(self._find_nan or 1), self._find_nan_dir or os.getcwd(), option="--find-nan-dir",
-                           forwarding=frozenset({__name__}))
+        search = NanSearch(int(self._find_nan or 1), self._find_nan_dir or os.getcwd(), option="--find-nan-dir")
         self.tracker.nan_search = search
 
         def on_torch(module: types.ModuleType) -> None:

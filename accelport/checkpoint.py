@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from accelport.errors import AccelportError, CheckpointError
-from accelport.safe_io import remove_orphans, replace_with, temp_beside
+from accelport.safe_io import fsync_dir, remove_orphans, replace_with, temp_beside
 from accelport.tensors import tree_map_tensors
 
 __all__ = ["save", "load", "save_file", "load_file", "atomic_torch_save", "agree", "PendingSave", "MANIFEST"]
@@ -371,17 +371,6 @@ def _remove(path: str) -> None:
         os.unlink(path)
 
 
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _publish(tmp: str, target: str) -> None:
     """Rename the finished ``tmp`` onto ``target``; the previous checkpoint goes only after."""
     old = _old(target)
@@ -389,7 +378,7 @@ def _publish(tmp: str, target: str) -> None:
         _remove(old)
         os.rename(target, old)
     os.rename(tmp, target)
-    _fsync_dir(os.path.dirname(target))
+    fsync_dir(os.path.dirname(target))
     _remove(old)
 
 

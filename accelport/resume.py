@@ -48,6 +48,7 @@ from typing import Any
 from accelport.device_loader import POSITION_ATTRIBUTE
 from accelport.errors import CheckpointError, CheckpointWarning, UsageError, warn_user
 from accelport.launch.stop import EXIT_PREEMPTED, deadline_s, record_stop, signal_name, unsaved_status
+from accelport.safe_io import fsync_dir
 
 __all__ = ["Checkpointer", "CHECKPOINT_DIR_ENV", "EXIT_PREEMPTED", "Found", "find_checkpoints", "newest_complete"]
 
@@ -1089,7 +1090,7 @@ class Checkpointer:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(target, MARKER))
-        _fsync_dir(target)
+        fsync_dir(target)
 
     def _prune(self, step: int) -> None:
         found = find_checkpoints(self.directory)
@@ -1186,14 +1187,3 @@ def _as_checkpoint_error(exc: BaseException) -> CheckpointError:
     error = CheckpointError(str(exc) if str(exc) else f"ap.Checkpointer: {type(exc).__name__}")
     error.__cause__ = exc
     return error
-
-
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -26,7 +26,7 @@ from typing import BinaryIO
 from accelport.errors import AccelportError
 
 __all__ = ["read_regular_file", "open_append", "same_file", "output_target", "temp_beside", "replace_with",
-           "remove_orphans", "write_atomic"]
+           "remove_orphans", "write_atomic", "fsync_dir"]
 
 
 def _kind(mode: int) -> str:
@@ -185,15 +185,21 @@ def replace_with(tmp: str, path: str) -> None:
         os.close(fd)
     os.replace(tmp, path)
     try:  # the rename itself, durable
-        dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        fsync_dir(os.path.dirname(path) or ".")
+    except OSError:
+        pass
+
+
+def fsync_dir(directory: str) -> None:
+    """Make the entries of ``directory`` (a rename into it) durable; nothing where it cannot be opened."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
     except OSError:
         return
     try:
-        os.fsync(dfd)
-    except OSError:
-        pass
+        os.fsync(fd)
     finally:
-        os.close(dfd)
+        os.close(fd)
 
 
 def write_atomic(path: str, data: bytes, *, what: str) -> str:

@@ -322,7 +322,10 @@ def job_big(path: str) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(2.0)
-    print(f"saving {ap.rank()} {os.getpid()}", flush=True)
+    # One write of the whole line: both ranks share the launcher's stdout, and print() writes the text and its
+    # newline apart, so two ranks' lines could run together ("saving 0 2725saving 1 2731").
+    sys.stdout.write(f"saving {ap.rank()} {os.getpid()}\n")
+    sys.stdout.flush()
     ap.save({"model": model, "version": 2}, path)
     print("saved", flush=True)
 

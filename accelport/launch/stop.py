@@ -6,7 +6,11 @@ again later"); one that could not save within the deadline
 (``ACCELPORT_STOP_DEADLINE_S``, default :data:`DEADLINE_S`) exits as the signal would
 have ended it, 128 + its number (143 for SIGTERM). Under ``accelport launch`` each
 worker that saved also leaves ``stopped-rank<N>.json`` in the launch directory, and the
-launcher exits with :data:`EXIT_PREEMPTED` only when every worker of its host did.
+launcher exits with :data:`EXIT_PREEMPTED` only when every worker of its host did. A
+request can also come too late to matter: the ranks act on it at the step they agree on
+(every few steps), and a script that ends first has nothing left to save; when every
+worker of the host finished its script (``done-rank<N>.json``) and none saved, the launch
+exits 0, as the job did.
 
 Torch-free: the launcher, the worker wrapper and the checkpointer all read it.
 """
@@ -77,6 +81,12 @@ def record_stop(directory: str | None, rank: int, record: Mapping[str, Any]) -> 
 
 def read_stops(directory: str) -> dict[int, dict[str, Any]]:
     """Rank -> its stop record, for the ranks of this host that saved and exited on a stop request."""
+    return _records(directory, STOPPED_PREFIX)
+
+
+def _records(directory: str, prefix: str) -> dict[int, dict[str, Any]]:
+    """Rank -> its record ``<prefix><rank>.json`` in ``directory``. (A restarted worker removes its rank's
+    records of the attempt before, so what is here is the last attempt's.)"""
     from accelport.launch.heartbeat import read
 
     out: dict[int, dict[str, Any]] = {}
@@ -85,8 +95,8 @@ def read_stops(directory: str) -> dict[int, dict[str, Any]]:
     except OSError:
         return out
     for name in names:
-        number = name[len(STOPPED_PREFIX):-len(".json")]
-        if name.startswith(STOPPED_PREFIX) and name.endswith(".json") and number.isdigit():
+        number = name[len(prefix):-len(".json")]
+        if name.startswith(prefix) and name.endswith(".json") and number.isdigit():
             record = read(os.path.join(directory, name))
             if record is not None:
                 out[int(number)] = record
@@ -96,15 +106,25 @@ def read_stops(directory: str) -> dict[int, dict[str, Any]]:
 class LaunchStopped(AccelportError):
     """The launch was stopped on request (a signal); ``exit_status`` says whether every worker saved."""
 
-    def __init__(self, signum: int, saved: Mapping[int, Mapping[str, Any]], expected: int | None) -> None:
+    def __init__(self, signum: int, saved: Mapping[int, Mapping[str, Any]], expected: int | None,
+                 finished: Mapping[int, Mapping[str, Any]] | None = None) -> None:
         self.signum = signum
         self.saved = dict(saved)
+        #: Workers of this host whose script returned (the stop came too late to matter to them).
+        self.finished = {r: dict(v) for r, v in (finished or {}).items() if r not in self.saved}
         #: Workers of this host that ended without saving.
         self.not_saved = max(0, (expected or 0) - len(self.saved)) if expected else (0 if self.saved else 1)
         name = signal_name(signum)
         steps = sorted({int(r["step"]) for r in self.saved.values() if isinstance(r.get("step"), int)})
         where = sorted({str(r.get("path")) for r in self.saved.values() if r.get("path")})
-        if self.saved and not self.not_saved:
+        if not self.saved and expected and len(self.finished) >= expected:
+            self.exit_status = 0
+            self.not_saved = 0
+            taken = sorted({int(r["steps"]) for r in self.finished.values() if isinstance(r.get("steps"), int)})
+            after = f" after {', '.join(map(str, taken))} steps" if taken and taken != [0] else ""
+            message = (f"stopped by {name} as the job ended: every rank had finished its script{after} before the "
+                       "ranks reached a step to stop at, so there was nothing left to save (exit status 0)")
+        elif self.saved and not self.not_saved:
             self.exit_status = EXIT_PREEMPTED
             message = (f"stopped by {name}: every rank saved its checkpoint (step {', '.join(map(str, steps))}, "
                        f"{', '.join(where)}) and exited; run the same command again to resume from it "
@@ -124,9 +144,13 @@ class LaunchStopped(AccelportError):
 
     def to_dict(self) -> dict[str, Any]:
         return {"signal": signal_name(self.signum), "exit_status": self.exit_status,
-                "saved": {str(k): dict(v) for k, v in sorted(self.saved.items())}, "not_saved": self.not_saved}
+                "saved": {str(k): dict(v) for k, v in sorted(self.saved.items())}, "not_saved": self.not_saved,
+                "finished": sorted(self.finished)}
 
 
 def stopped_launch(directory: str, signum: int, expected: int | None) -> LaunchStopped:
-    """The outcome of a launch stopped by ``signum``: which of this host's ``expected`` workers saved."""
-    return LaunchStopped(signum, read_stops(directory), expected)
+    """The outcome of a launch stopped by ``signum``: which of this host's ``expected`` workers saved, and
+    which had finished their script."""
+    from accelport.launch.heartbeat import DONE_PREFIX
+
+    return LaunchStopped(signum, read_stops(directory), expected, _records(directory, DONE_PREFIX))

@@ -84,7 +84,11 @@ def test_a_rank_killed_at_step_23_is_restarted_and_the_job_ends_bit_identical(un
 def test_sigterm_to_the_launch_saves_on_every_rank_and_a_second_launch_resumes_bit_identical(
         uninterrupted: Path, tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    proc = subprocess.Popen(_command("--nprocs", "2", JOB, str(tmp_path), str(ckpt), "--pause-at", "25"),
+    # The ranks act on the stop at a step they agree on, about every 0.25 s of steps: at 10 ms or more a
+    # step, that is at most 25 steps after 25, before the job's 60th (a faster machine only agrees sooner).
+    # Without a floor, 35 steps of a few ms can end the script before any agreement.
+    proc = subprocess.Popen(_command("--nprocs", "2", JOB, str(tmp_path), str(ckpt), "--pause-at", "25",
+                                     "--step-seconds", "0.01"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
     deadline = time.monotonic() + 600  # only guards a hang
     while not all((tmp_path / f"ready-rank{r}").exists() for r in (0, 1)):
@@ -148,6 +152,48 @@ def test_a_stopped_launch_whose_script_saves_nothing_exits_as_the_signal(tmp_pat
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "stopped by SIGTERM: no worker saved a checkpoint" in err
+
+
+def test_a_stop_that_comes_as_the_scripts_end_is_a_launch_that_ended_well(tmp_path: Path) -> None:
+    # The request reaches the workers, but their scripts return before any step boundary acts on it
+    # (here: they never call ckpt.step() again), as when the ranks' next agreement is past the run's end.
+    script = tmp_path / "ends.py"
+    script.write_text("import pathlib, sys, time\nimport accelport as ap\n"
+                      "ckpt = ap.Checkpointer(sys.argv[2])\n"
+                      "pathlib.Path(sys.argv[1] + str(ap.rank())).touch()\n"
+                      "while not ckpt.stop_requested:\n    time.sleep(0.05)\n"
+                      "ckpt.close()\n")
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen(_command("--nprocs", "2", str(script), str(ready), str(tmp_path / "ckpt")),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
+    deadline = time.monotonic() + 300  # only guards a hang
+    while not all(Path(f"{ready}{r}").exists() for r in (0, 1)):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "stopped by SIGTERM as the job ended: every rank had finished its script" in err
+    assert "no worker saved" not in err
+
+
+def test_a_stop_outcome_counts_saved_finished_and_lost_workers(tmp_path: Path) -> None:
+    from accelport.launch.heartbeat import write_json
+    from accelport.launch.stop import record_stop, stopped_launch
+
+    write_json(str(tmp_path / "done-rank0.json"), {"rank": 0, "steps": 60})
+    write_json(str(tmp_path / "done-rank1.json"), {"rank": 1, "steps": 60})
+    ended = stopped_launch(str(tmp_path), signal.SIGTERM, 2)
+    assert ended.exit_status == 0 and ended.to_dict()["finished"] == [0, 1]
+    assert "after 60 steps" in str(ended)
+    one_short = stopped_launch(str(tmp_path), signal.SIGTERM, 3)  # a third worker neither saved nor finished
+    assert one_short.exit_status == 143 and "no worker saved a checkpoint" in str(one_short)
+    record_stop(str(tmp_path), 1, {"step": 27, "path": "/ckpt/step-00000027"})
+    mixed = stopped_launch(str(tmp_path), signal.SIGTERM, 2)  # rank 1 saved, rank 0 had finished: no resume point
+    assert mixed.exit_status == 143 and mixed.to_dict()["finished"] == [0]
+    record_stop(str(tmp_path), 0, {"step": 27, "path": "/ckpt/step-00000027"})
+    both = stopped_launch(str(tmp_path), signal.SIGTERM, 2)
+    assert both.exit_status == EXIT_PREEMPTED and "every rank saved its checkpoint (step 27" in str(both)
 
 
 def test_max_restarts_is_passed_to_torchrun_and_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,7 +2,7 @@
 
     python resume_job.py OUT CKPT [--steps 60] [--every 10] [--kill-at STEP --kill-rank R] [--hang-at STEP]
                          [--pause-at STEP] [--shard] [--workers N [--persistent]] [--generator] [--numpy-sampler]
-                         [--stateful] [--background] [--prefetch N]
+                         [--stateful] [--background] [--prefetch N] [--step-seconds S]
 
 A seeded, shuffled DataLoader (a DistributedSampler with several ranks), dropout, AdamW,
 a learning-rate schedule, and draws from Python's and numpy's global generators every
@@ -16,7 +16,9 @@ there instead (asleep, outside any collective; first attempt only) until ``accel
 --timeout`` stops it; ``--kill-in-save STEP``: each rank
 SIGKILLs itself in that step's save, once its own part is written (first attempt only). ``--pause-at STEP``: every
 rank stops there (before the step's checkpoint call) and writes OUT/ready-rank<r> until
-it gets a stop request (the test then signals the launch).
+it gets a stop request (the test then signals the launch). ``--step-seconds S``: each step takes at
+least S seconds (a sleep), so that the ranks' stop agreement, which comes about every 0.25 s of
+steps, falls within a known number of steps (0.01: at most every 25 steps).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def main() -> None:
     parser.add_argument("--hang-at", type=int, default=None)
     parser.add_argument("--pause-at", type=int, default=None)
     parser.add_argument("--kill-in-save", type=int, default=None)
+    parser.add_argument("--step-seconds", type=float, default=0.0)
     parser.add_argument("--shard", action="store_true")
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--stateful", action="store_true")
@@ -127,6 +130,8 @@ def main() -> None:
             ap.optimizer_step(opt)
             opt.zero_grad()
             sched.step()
+            if args.step_seconds:
+                time.sleep(args.step_seconds)
             step += 1
             seen.append([step, *idx.tolist()])
             with open(record, "w") as f:

@@ -1,8 +1,16 @@
-"""Shared fixtures: every test starts from a fresh accelport runtime and a clean environment."""
+"""Shared fixtures: every test starts from a fresh accelport runtime and a clean environment.
+
+The suite's verdicts must not depend on where it was started from: a cluster job's
+launcher variables (``WORLD_SIZE``, torchrun's ``PET_*`` defaults), accelport's own
+settings, or stop signals the run inherited ignored or blocked (``nohup``, ``make test &``
+in a script, some CI runners). The environment is scrubbed once, before anything runs,
+and child processes start with their stop signals at the default action.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -14,6 +22,47 @@ from accelport import _packages
 from accelport.runtime.state import RUNTIME
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: What a process of a distributed launch inherits (torchrun's, a cluster's job): in the suite's own
+#: environment it would make every in-process backend join a process group, or change torchrun's defaults
+#: (``PET_<OPTION>``: ``PET_REDIRECTS=3`` hides every worker's output) and its shutdown timeout.
+_LAUNCH_VARIABLES = frozenset({"WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                               "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR",
+                               "MASTER_PORT"})
+_LAUNCH_PREFIXES = ("ACCELPORT_", "TORCHELASTIC_", "TORCH_ELASTIC_", "PET_")
+#: The signals that stop a process, which a test's child must answer as a user's process would.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+#: ``[sys.executable, "-c", DEFAULT_SIGNALS, ...]`` runs ``python ...`` with the stop signals unblocked and at
+#: their default action, whatever the test run inherited (a blocked mask and ignored dispositions both
+#: survive exec).
+DEFAULT_SIGNALS = ("import os, signal, sys\n"
+                   f"stops = ({', '.join(f'signal.{s.name}' for s in STOP_SIGNALS)})\n"
+                   "signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)\n"
+                   "for s in stops:\n"
+                   "    signal.signal(s, signal.SIG_DFL)\n"
+                   "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n")
+
+
+def default_signals(ignore: tuple[int, ...] = ()) -> None:
+    """In a child before it starts (``preexec_fn``): the stop signals unblocked and at their default action
+    (``ignore``: these ignored)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN if signum in ignore else signal.SIG_DFL)
+
+
+def scrub_environment(environ: dict[str, str] | os._Environ[str]) -> None:
+    """Remove what a launch or a user's shell exported that would change the suite's verdicts, and put this
+    checkout first on PYTHONPATH: a script run by path imports this accelport, not another clone's."""
+    for key in list(environ):
+        if key in _LAUNCH_VARIABLES or key.startswith(_LAUNCH_PREFIXES) or key == "PYTHONSAFEPATH":
+            del environ[key]
+    paths = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != REPO]
+    environ["PYTHONPATH"] = os.pathsep.join([REPO, *paths])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    scrub_environment(os.environ)  # before any fixture, module-scoped ones included
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the mark must be there by then

@@ -17,15 +17,9 @@ import pytest
 import accelport as ap
 from accelport.launch.stop import EXIT_PREEMPTED
 from accelport.resume import find_checkpoints
-from tests.conftest import REPO
+from tests.conftest import DEFAULT_SIGNALS, REPO
 
 JOB = Path(REPO) / "tests" / "scripts" / "resume_job.py"
-
-#: Run the rest of argv in a fresh Python with the stop signals at their defaults, whatever the test run inherited.
-DEFAULT_SIGNALS = ("import os, signal, sys\n"
-                   "for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):\n"
-                   "    signal.signal(s, signal.SIG_DFL)\n"
-                   "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n")
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -137,7 +131,9 @@ def test_a_run_killed_in_its_second_pass_resumes_the_same_order(reference: dict[
 def test_sigterm_saves_at_the_next_step_and_exits_75_then_the_rerun_matches(reference: dict[str, Path],
                                                                             tmp_path: Path, kind: str) -> None:
     ckpt = tmp_path / "ckpt"
-    proc = start_job(str(tmp_path), str(ckpt), "--pause-at", "25", *LOADERS[kind])
+    # Step 26: the second batch of pass 2, from its second loader worker, so both of that pass's fresh workers
+    # have run their worker_init_fn (which shields them from the group's SIGTERM) before the signal.
+    proc = start_job(str(tmp_path), str(ckpt), "--pause-at", "26", *LOADERS[kind])
     wait_for(tmp_path / "ready-rank0", proc)
     if kind == "workers":
         # As torchrun stops a worker: the signal to its whole process group, its DataLoader workers too.
@@ -146,8 +142,8 @@ def test_sigterm_saves_at_the_next_step_and_exits_75_then_the_rerun_matches(refe
         proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_PREEMPTED, err
-    assert "SIGTERM: saved the checkpoint of step 25" in err and "exit status 75" in err
-    assert [f.step for f in find_checkpoints(ckpt) if f.complete] == [10, 20, 25]
+    assert "SIGTERM: saved the checkpoint of step 26" in err and "exit status 75" in err
+    assert [f.step for f in find_checkpoints(ckpt) if f.complete] == [10, 20, 26]
     resumed = job(str(tmp_path), str(ckpt), *LOADERS[kind])
     assert resumed.returncode == 0, resumed.stderr
     assert_identical(final(reference[kind]), final(tmp_path))

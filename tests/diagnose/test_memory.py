@@ -22,6 +22,7 @@ import torch
 import accelport as ap
 from accelport.diagnose.report import render_html
 from accelport.observe.memory import parse_size
+from tests.diagnose_cli.runs import allocator_free
 
 REPO = str(Path(__file__).resolve().parents[2])
 
@@ -119,7 +120,8 @@ def test_parse_size_reads_the_runtimes_sizes() -> None:
 #: glibc serves a 4 MiB buffer from its heap once one of that size was freed (its mmap threshold rises), and a
 #: small tensor kept between two such buffers (a detached loss) then stops the heap from shrinking: the
 #: process's memory really grows by megabytes a step (measured: 1 GB after 300 steps of the "detach" loop,
-#: flat with a fixed threshold). The loops run with a fixed threshold, so what they keep decides alone.
+#: flat with a fixed threshold). The loops run with a fixed threshold and no other allocator setting the test
+#: run inherited (another glibc tunable, a preloaded allocator), so what they keep decides alone.
 FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": "1048576"}
 
 
@@ -127,7 +129,7 @@ def run_loop(loop: str) -> list[dict[str, Any]]:
     """The diagnoses of one of memory_loops.py's loops, run in a process of its own."""
     out = subprocess.run([sys.executable, str(Path(__file__).with_name("memory_loops.py")), loop],
                          capture_output=True, text=True, timeout=600, cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": REPO, **FIXED_MMAP})
+                         env={**allocator_free(os.environ), "PYTHONPATH": REPO, **FIXED_MMAP})
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["steps"] == 60

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 from collections.abc import Mapping
+
+from tests.conftest import default_signals
+
+__all__ = ["SCRIPTS", "REPO", "child_env", "default_signals", "run", "run_bytes", "allocator_free"]
 
 SCRIPTS = pathlib.Path(__file__).resolve().parent / "scripts"
 REPO = SCRIPTS.parent.parent.parent
@@ -25,19 +28,19 @@ _DROPPED = frozenset({
     "PYTHONOPTIMIZE", "PYTHONBREAKPOINT", "PYTHONSTARTUP", "PYTHONFAULTHANDLER", "PYTHONTRACEMALLOC",
     "PYTHONASYNCIODEBUG", "PYTHONLEGACYWINDOWSSTDIO", "TORCH_LOGS", "TORCH_COMPILE_DEBUG", "TORCHDYNAMO_VERBOSE",
 })
-_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def allocator_free(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` without what changes how the C allocator grows the heap (glibc's ``MALLOC_*`` and tunables, a
+    preloaded jemalloc or tcmalloc): the memory rules judge growth from resident memory, and a run judged
+    silent on one allocator's settings must be the run every machine sees."""
+    return {k: v for k, v in environ.items() if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES",
+                                                                                          "LD_PRELOAD")}
 
 
 def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELPORT_") and k not in _DROPPED}
+    env = {k: v for k, v in allocator_free(os.environ).items() if not k.startswith("ACCELPORT_") and k not in _DROPPED}
     return {**env, **(extra or {})}
-
-
-def default_signals(ignore: tuple[int, ...] = ()) -> None:
-    """In the child, before it starts: SIGINT and SIGTERM act by default (``ignore``: these are ignored)."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
-    for signum in _SIGNALS:
-        signal.signal(signum, signal.SIG_IGN if signum in ignore else signal.SIG_DFL)
 
 
 def run(*args: str, cwd: pathlib.Path | str = REPO, stdin: str | None = None, diagnose: bool = True,

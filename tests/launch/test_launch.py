@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,24 +19,15 @@ from accelport.device_loader import shard_batches
 from accelport.eager import EagerBackend
 from accelport.launch.plan import LaunchError, Rendezvous, build_plan, engine_for
 from accelport.launch.run import parent_launch_env
-from tests.conftest import REPO
+from tests.conftest import DEFAULT_SIGNALS, REPO, default_signals
 
 SCRIPTS = Path(REPO) / "tests" / "scripts"
-
-
-#: Run the rest of argv in a fresh Python with the stop signals at their defaults: a test run
-#: that inherited them ignored (a background job, some CI runners) must not change how
-#: torchrun's SIGTERM stops the workers.
-_DEFAULT_SIGNALS = ("import os, signal, sys\n"
-                    "for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):\n"
-                    "    signal.signal(s, signal.SIG_DFL)\n"
-                    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n")
 
 
 def launch(*args: str, timeout: float = 180, **extra: str) -> subprocess.CompletedProcess[str]:
     """`accelport launch ...` in a fresh process, as a user runs it. The timeout only guards a hang."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELPORT_")} | extra
-    return subprocess.run([sys.executable, "-c", _DEFAULT_SIGNALS, "-m", "accelport", "launch", *args],
+    return subprocess.run([sys.executable, "-c", DEFAULT_SIGNALS, "-m", "accelport", "launch", *args],
                           capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
 
 
@@ -746,6 +738,15 @@ def _line(marker: str) -> int:
     return next(i for i, text in enumerate(STEPPING.splitlines(), 1) if marker in text)
 
 
+def _stalled_for(error: str, timeout: int) -> bool:
+    """Whether ``error`` says rank 1 stopped making progress past ``--timeout``. Both ranks last beat at the
+    same step, milliseconds apart: if the monitor's look falls between them, rank 0 (waiting for rank 1 in a
+    collective) crossed the limit first, and rank 1 is named through it; the verdict is the same."""
+    return re.match(r"rank 1 stopped making progress: (rank 0 waited for it in a collective \()?no training step "
+                    rf"ended for \d+ s \(last heartbeat at step \d+\), more than --timeout {timeout}\)?; "
+                    "its script is at ", error) is not None
+
+
 def _failures(data: dict[str, Any]) -> dict[int, dict[str, Any]]:
     return {f["rank"]: f for f in data["failures"]}
 
@@ -763,8 +764,7 @@ def test_a_job_that_stops_making_progress_names_the_rank_that_hangs_not_a_slow_s
     assert data["kind"] == "WorkerFailedError", data
     first, ranks = data["first"], _failures(data)
     assert (first["rank"], first["cause"]) == (1, "stalled"), data
-    assert data["error"].startswith("rank 1 stopped making progress: no training step ended for "), data["error"]
-    assert "more than --timeout 5; its script is at " in first["error"]
+    assert _stalled_for(data["error"], 5), data["error"]
     assert f"hang.py:{_line('HANG')} (time.sleep(300)" in first["error"]
     assert "after 3 step(s), outside any collective; stopped by the launcher" in first["error"]
     waiting = ranks[0]
@@ -880,8 +880,7 @@ def test_a_restarted_attempt_that_hangs_is_stopped_by_the_timeout_too(tmp_path: 
     data = json.loads(proc.stdout)
     first = data["first"]
     assert (first["rank"], first["cause"]) == (1, "stalled"), data
-    assert data["error"].startswith("rank 1 stopped making progress: no training step ended for "), data["error"]
-    assert "more than --timeout 10; its script is at " in first["error"]
+    assert _stalled_for(data["error"], 10), data["error"]
     assert f"restarting.py:{_restarting_line('time.sleep(600)')} (time.sleep(600)) after 3 step(s), outside any " \
         "collective" in first["error"]
     waiting = _failures(data)[0]
@@ -1247,7 +1246,8 @@ def _sleeper(attempt: int | None = None) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RESTART_COUNT"}
     if attempt is not None:
         env["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env=env, start_new_session=True)
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env=env, start_new_session=True,
+                            preexec_fn=default_signals)  # it answers SIGTERM as a worker would
 
 
 def test_the_monitor_ends_a_job_whose_finished_rank_leaves_another_waiting_only_when_it_stays(
@@ -1503,8 +1503,10 @@ def test_a_failing_worker_leaves_its_process_group_alone_at_exit(monkeypatch: py
 
 def test_the_heartbeat_is_written_at_most_once_an_interval(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from accelport.contract import StepRecord
+    from accelport.launch import heartbeat
     from accelport.launch.heartbeat import Heartbeat, create_plugin, read
 
+    monkeypatch.setattr(heartbeat, "INTERVAL_S", 3600.0)  # step 2 is within the interval, however slow the machine
     path = str(tmp_path / "heartbeat-rank0")
     plugin = Heartbeat(path)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")  # the third attempt of a launch

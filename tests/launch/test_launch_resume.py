@@ -19,17 +19,10 @@ from accelport.cli import main
 from accelport.launch.plan import build_plan
 from accelport.launch.stop import EXIT_PREEMPTED
 from accelport.resume import find_checkpoints
-from tests.conftest import REPO
+from tests.conftest import DEFAULT_SIGNALS, REPO
 from tests.launch.test_launch import XlaStandIn, cpu
 
 JOB = str(Path(REPO) / "tests" / "scripts" / "resume_job.py")
-
-#: Run the rest of argv in a fresh Python with the stop signals at their defaults, whatever the test run inherited.
-DEFAULT_SIGNALS = ("import os, signal, sys\n"
-                   "for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):\n"
-                   "    signal.signal(s, signal.SIG_DFL)\n"
-                   "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n")
-
 
 def _command(*args: str) -> list[str]:
     return [sys.executable, "-c", DEFAULT_SIGNALS, "-m", "accelport", "launch", "--backend", "cpu", *args]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import DEFAULT_SIGNALS, REPO
 
 pytestmark = pytest.mark.xla
 
@@ -48,9 +48,8 @@ def test_a_run_killed_at_step_17_resumes_bit_identical_on_xla(tmp_path: Path) ->
 
 def _launch(*args: str) -> list[str]:
     # The stop signals at their defaults in the launcher, whatever the test run inherited.
-    reset = ("import os, signal, sys\nfor s in (signal.SIGINT, signal.SIGTERM):\n    signal.signal(s, signal.SIG_DFL)\n"
-             "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n")
-    return [sys.executable, "-c", reset, "-m", "accelport", "launch", "--backend", "xla", "--nprocs", "1", *args]
+    return [sys.executable, "-c", DEFAULT_SIGNALS, "-m", "accelport", "launch", "--backend", "xla", "--nprocs", "1",
+            *args]
 
 
 def _launch_env() -> dict[str, str]:
@@ -83,10 +82,11 @@ def test_the_xla_launcher_restarts_a_failed_worker_and_forwards_sigterm(tmp_path
         assert torch.equal(a[key], b[key]), key
     # A first attempt that hangs at step 12 is stopped by --timeout; the next one is watched from its own
     # start, never judged by the hung attempt's heartbeat (older than --timeout by then, which used to stop
-    # it at once), and resumes from step 10.
+    # it at once), and resumes from step 10. The timeout also bounds every gap between two steps that end,
+    # recompilations and saves included: 60 s leaves them a wide margin on a busy machine.
     hung = tmp_path / "hung"
     hung.mkdir()
-    again = subprocess.run(_launch("--max-restarts", "1", "--timeout", "20", "--startup-timeout", "300", JOB,
+    again = subprocess.run(_launch("--max-restarts", "1", "--timeout", "60", "--startup-timeout", "300", JOB,
                                    str(hung), str(hung / "ckpt"), *common, "--hang-at", "12"), capture_output=True,
                            text=True, env=_launch_env(), timeout=900, cwd=REPO)
     assert again.returncode == 0, again.stderr

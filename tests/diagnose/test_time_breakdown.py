@@ -152,20 +152,21 @@ def test_an_accelerator_says_device_and_host_sync_joined_and_times_its_host_read
     # A host read on an accelerator waits for the device: its time is the device's and the read's at
     # once. A big read after the optimizer step (logging) goes there, not to the script's own code.
     big = torch.zeros(4_000_000)
-    read_seconds = min(timed_read(big) for _ in range(3))  # (the least of three: a busy machine only adds)
     model = torch.nn.Linear(8, 1).to(ap.device())
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     data = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(6)]
+    reads = []
     for x, y in ap.loader(data, prefetch=0):
         torch.nn.functional.mse_loss(model(x), y).backward()
         ap.optimizer_step(opt)
         opt.zero_grad()
-        big.tolist()
+        reads.append(timed_read(big))  # timed as it happens: a busy machine slows the read and its charge alike
     m = ap.metrics()
     assert "device+host_sync" in m.time_breakdown and "device" not in m.time_breakdown
     assert "host_sync" not in m.time_breakdown
-    # Five reads after the steps' ends fell inside steps 2 to 6 (the last one is after the run).
-    assert m.time_breakdown["device+host_sync"] >= 2 * read_seconds
+    # Five reads after the steps' ends fell inside steps 2 to 6 (the last one is after the run); at least
+    # three of them are charged here, by their own measure (the clock's, taken as they ran).
+    assert m.time_breakdown["device+host_sync"] >= sum(sorted(reads[:5])[:3]), (m.time_breakdown, reads)
     assert m.time_breakdown.get("other", 0.0) < m.time_breakdown["device+host_sync"]
     assert "device-bound or sync-bound" in m.time_verdict and "--profile" in m.time_fix
 

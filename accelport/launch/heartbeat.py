@@ -37,7 +37,7 @@ from typing import Any
 from accelport.plugins.hookspecs import hookimpl
 
 __all__ = ["HEARTBEAT_PREFIX", "DONE_PREFIX", "WHERE_PREFIX", "PROBE_FILE", "INTERVAL_S", "ATTEMPT_ENV", "Heartbeat",
-           "attempt", "attempt_of", "beat", "create_plugin", "read", "write_json"]
+           "attempt", "attempt_of", "beat", "create_plugin", "read", "read_ranked", "write_json"]
 
 HEARTBEAT_PREFIX = "heartbeat-rank"
 DONE_PREFIX = "done-rank"
@@ -124,6 +124,23 @@ def read(path: str) -> dict[str, Any] | None:
 def beat(path: str, step: int) -> None:
     """Say this worker is alive at ``step`` (0: started, before any step)."""
     write_json(path, {"pid": os.getpid(), "step": step, "time": time.time(), "attempt": attempt(os.environ)})
+
+
+def read_ranked(directory: str, prefix: str, suffix: str = "", attempt: int | None = None) -> dict[int, dict[str, Any]]:
+    """Rank -> its record ``<prefix><rank><suffix>`` in ``directory``; only those ``attempt`` wrote, when it is
+    given."""
+    out: dict[int, dict[str, Any]] = {}
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return out
+    for name in names:
+        number = name[len(prefix):len(name) - len(suffix)] if suffix else name[len(prefix):]
+        if name.startswith(prefix) and name.endswith(suffix) and number.isdigit():
+            record = read(os.path.join(directory, name))
+            if record is not None and (attempt is None or attempt_of(record) == attempt):
+                out[int(number)] = record
+    return out
 
 
 class Heartbeat:

@@ -29,7 +29,7 @@ from accelport.launch.heartbeat import (
     PROBE_FILE,
     WHERE_PREFIX,
     attempt_of,
-    read,
+    read_ranked,
     write_json,
 )
 from accelport.launch.plan import LaunchError, LaunchPlan, check_resolves
@@ -185,22 +185,6 @@ def _forget(launch_dir: str) -> None:
             os.unlink(os.path.join(launch_dir, name))
         except OSError:
             pass
-
-
-def _ranked(launch_dir: str, prefix: str, suffix: str = "", attempt: int | None = None) -> dict[int, dict[str, Any]]:
-    """Rank -> its record ``<prefix><rank><suffix>``; only those ``attempt`` wrote, when it is given."""
-    out: dict[int, dict[str, Any]] = {}
-    try:
-        names = os.listdir(launch_dir)
-    except OSError:
-        return out
-    for name in names:
-        number = name[len(prefix):len(name) - len(suffix)] if suffix else name[len(prefix):]
-        if name.startswith(prefix) and name.endswith(suffix) and number.isdigit():
-            record = read(os.path.join(launch_dir, name))
-            if record is not None and (attempt is None or attempt_of(record) == attempt):
-                out[int(number)] = record
-    return out
 
 
 def _children(pid: int) -> list[int]:
@@ -462,7 +446,7 @@ class _Monitor(threading.Thread):
         when it did."""
         running = [p for p in (self.workers() if workers is None else workers) if _alive(p)]
         newest = max([self.attempt, *(a for p in running if (a := _attempt_of_process(p)) is not None),
-                      *(attempt_of(b) for b in _ranked(self.launch_dir, HEARTBEAT_PREFIX).values())])
+                      *(attempt_of(b) for b in read_ranked(self.launch_dir, HEARTBEAT_PREFIX).values())])
         if newest <= self.attempt:
             return False
         self.attempt, self.started_at, self.fired = newest, now, False
@@ -478,8 +462,8 @@ class _Monitor(threading.Thread):
         self.follow(now, workers)
         if self.fired:
             return False  # this attempt is being stopped already
-        beats = _ranked(self.launch_dir, HEARTBEAT_PREFIX, attempt=self.attempt)
-        done = _ranked(self.launch_dir, DONE_PREFIX, ".json", attempt=self.attempt)
+        beats = read_ranked(self.launch_dir, HEARTBEAT_PREFIX, attempt=self.attempt)
+        done = read_ranked(self.launch_dir, DONE_PREFIX, ".json", attempt=self.attempt)
         self._read_answers()
         running = sorted(r for r in beats if r not in done)
         stalled = self._stalled(now, beats, done, workers)
@@ -543,7 +527,7 @@ class _Monitor(threading.Thread):
         write_json(os.path.join(self.launch_dir, PROBE_FILE), {"seq": self._seq, "time": now})
 
     def _read_answers(self) -> None:
-        for rank, answer in _ranked(self.launch_dir, WHERE_PREFIX, ".json", attempt=self.attempt).items():
+        for rank, answer in read_ranked(self.launch_dir, WHERE_PREFIX, ".json", attempt=self.attempt).items():
             history = self._answers.setdefault(rank, [])
             if not history or history[-1].get("seq") != answer.get("seq"):
                 history.append(answer)
@@ -610,7 +594,7 @@ def _explain(failures: list[WorkerFailure], launch_dir: str, monitor: _Monitor |
     connection, and the one torchrun reports first is a victim, not the cause.
     """
     if monitor is not None and monitor.fired and monitor.attempt == attempt:
-        beats = _ranked(launch_dir, HEARTBEAT_PREFIX, attempt=attempt)
+        beats = read_ranked(launch_dir, HEARTBEAT_PREFIX, attempt=attempt)
         since = "the launch" if attempt == 0 else f"restart {attempt}"
         for i, f in enumerate(failures):
             if f.cause == "stopped" and f.rank not in beats:  # (a rank with a heartbeat has its verdict)
@@ -627,7 +611,7 @@ def _explain(failures: list[WorkerFailure], launch_dir: str, monitor: _Monitor |
     first = _first(failures)
     if first.cause == "ended-early":
         return first, [first, *(f for f in failures if f is not first)]
-    early = [d for d in _ranked(launch_dir, DONE_PREFIX, ".json", attempt=attempt).values()
+    early = [d for d in read_ranked(launch_dir, DONE_PREFIX, ".json", attempt=attempt).values()
              if d.get("peers_met") is not True and isinstance(d.get("rank"), int)
              and float(d.get("time") or 0) <= (first.time or float("inf"))]
     if first.cause == "stalled" or not early or not _LOST_PEER.search(first.error):

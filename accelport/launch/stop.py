@@ -80,27 +80,11 @@ def record_stop(directory: str | None, rank: int, record: Mapping[str, Any]) -> 
 
 
 def read_stops(directory: str) -> dict[int, dict[str, Any]]:
-    """Rank -> its stop record, for the ranks of this host that saved and exited on a stop request."""
-    return _records(directory, STOPPED_PREFIX)
+    """Rank -> its stop record, for the ranks of this host that saved and exited on a stop request. (A
+    restarted worker removes its rank's records of the attempt before, so what is here is the last one's.)"""
+    from accelport.launch.heartbeat import read_ranked
 
-
-def _records(directory: str, prefix: str) -> dict[int, dict[str, Any]]:
-    """Rank -> its record ``<prefix><rank>.json`` in ``directory``. (A restarted worker removes its rank's
-    records of the attempt before, so what is here is the last attempt's.)"""
-    from accelport.launch.heartbeat import read
-
-    out: dict[int, dict[str, Any]] = {}
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return out
-    for name in names:
-        number = name[len(prefix):-len(".json")]
-        if name.startswith(prefix) and name.endswith(".json") and number.isdigit():
-            record = read(os.path.join(directory, name))
-            if record is not None:
-                out[int(number)] = record
-    return out
+    return read_ranked(directory, STOPPED_PREFIX, ".json")
 
 
 class LaunchStopped(AccelportError):
@@ -151,6 +135,6 @@ class LaunchStopped(AccelportError):
 def stopped_launch(directory: str, signum: int, expected: int | None) -> LaunchStopped:
     """The outcome of a launch stopped by ``signum``: which of this host's ``expected`` workers saved, and
     which had finished their script."""
-    from accelport.launch.heartbeat import DONE_PREFIX
+    from accelport.launch.heartbeat import DONE_PREFIX, read_ranked
 
-    return LaunchStopped(signum, read_stops(directory), expected, _records(directory, DONE_PREFIX))
+    return LaunchStopped(signum, read_stops(directory), expected, read_ranked(directory, DONE_PREFIX, ".json"))

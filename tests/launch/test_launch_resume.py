@@ -24,6 +24,7 @@ from tests.launch.test_launch import XlaStandIn, cpu
 
 JOB = str(Path(REPO) / "tests" / "scripts" / "resume_job.py")
 
+
 def _command(*args: str) -> list[str]:
     return [sys.executable, "-c", DEFAULT_SIGNALS, "-m", "accelport", "launch", "--backend", "cpu", *args]
 

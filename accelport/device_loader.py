@@ -119,6 +119,57 @@ class _Failure:
         self.exc = exc
 
 
+#: How long the interpreter's exit waits for prefetch threads to finish the batch they are reading.
+EXIT_WAIT_S = 60.0
+
+#: Prefetch threads still running, with the event that stops each (see :func:`_stop_producers_at_exit`).
+_PRODUCERS: dict[threading.Thread, threading.Event] = {}
+_PRODUCERS_LOCK = threading.Lock()
+
+
+def _stop_producers_at_exit(wait: float | None = None) -> list[threading.Thread]:
+    """Stop every prefetch thread and wait for it; return those still running after ``wait`` seconds.
+
+    A prefetch thread is a daemon (a source that never returns must not hold the exit
+    forever), and a daemon thread inside a torch op when the interpreter finalises
+    aborts the whole process ("terminate called without an active exception", status
+    134): torch's bindings release the GIL around an op, and taking it back after
+    finalisation unwinds the thread through C++ that cannot be unwound. A loop that
+    ends with ``break`` leaves its thread reading the next batch. At exit, daemon
+    threads still run normally, so each one is asked to stop and waited for here.
+    """
+    with _PRODUCERS_LOCK:
+        live = dict(_PRODUCERS)
+    for stop in live.values():
+        stop.set()
+    deadline = time.monotonic() + (EXIT_WAIT_S if wait is None else wait)
+    for thread in live:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    late = [t for t in live if t.is_alive()]
+    if late:
+        warnings.warn(f"accelport: {len(late)} ap.loader prefetch thread(s) still reading a batch after "
+                      f"{EXIT_WAIT_S if wait is None else wait:g} s at exit; the process may abort as it ends. "
+                      "A source whose batches take that long should be read with prefetch=0.",
+                      DiagnosticWarning, stacklevel=1)
+    return late
+
+
+def _register(thread: threading.Thread, stop: threading.Event) -> None:
+    with _PRODUCERS_LOCK:
+        if not _PRODUCERS:
+            import atexit
+
+            # Registered again after each time the set empties: at most once at any time (unregister first).
+            atexit.unregister(_stop_producers_at_exit)
+            atexit.register(_stop_producers_at_exit)
+        _PRODUCERS[thread] = stop
+
+
+def _unregister(thread: threading.Thread) -> None:
+    with _PRODUCERS_LOCK:
+        _PRODUCERS.pop(thread, None)
+
+
 def prefetch_iter(
     iterable: Iterable[Any],
     *,
@@ -129,7 +180,8 @@ def prefetch_iter(
 
     ``transform`` (e.g. a non-blocking host-to-device copy) runs in the thread
     too. An exception in the producer is re-raised in the consumer; a consumer
-    that stops early (``break``) stops the producer.
+    that stops early (``break``) stops the producer after the batch it is reading,
+    and the interpreter's exit waits for that batch (:func:`_stop_producers_at_exit`).
     """
     if depth < 0:
         raise ValueError(f"prefetch depth must be >= 0, not {depth}")
@@ -152,7 +204,11 @@ def prefetch_iter(
 
     def produce() -> None:
         try:
-            for item in iterable:
+            it = iter(iterable)
+            while not stop.is_set():  # checked before each batch: a stopped loop reads no further
+                item = next(it, _DONE)
+                if item is _DONE:
+                    break
                 if transform is not None:
                     item = transform(item)
                 if not put(item):
@@ -160,8 +216,11 @@ def prefetch_iter(
             put(_DONE)
         except BaseException as exc:  # forwarded to the consumer
             put(_Failure(exc))
+        finally:
+            _unregister(threading.current_thread())
 
     thread = threading.Thread(target=produce, name="accelport-prefetch", daemon=True)
+    _register(thread, stop)
     thread.start()
     try:
         while True:

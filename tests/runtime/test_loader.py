@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
 import pytest
 
 import accelport as ap
-from accelport.device_loader import prefetch_iter, signature
+from accelport.device_loader import _stop_producers_at_exit, prefetch_iter, signature
+from accelport.errors import DiagnosticWarning
+from tests.conftest import REPO
 
 
 def test_signature_reads_shapes_and_dtypes_of_nested_batches() -> None:
@@ -53,6 +58,62 @@ def test_breaking_out_stops_the_producer_thread() -> None:
         time.sleep(0.02)
     assert not any(t.name == "accelport-prefetch" for t in threading.enumerate())
     assert len(produced) <= 3 + 2 + 1  # consumed + queue depth + the one being put
+
+
+#: A script whose prefetch thread is always inside torch ops (as a collate or a host-to-device copy is),
+#: then ends its loop as the test's ``END`` says. A daemon thread inside a torch op when the interpreter
+#: finalises aborts the process (status 134), so the exit must stop and wait for it.
+_ENDS = """
+import sys, torch, accelport as ap
+def batches():
+    x = torch.randn(256, 256)
+    while True:
+        for _ in range(300):
+            x = x.clone().mul_(1.0)
+        yield x
+loop = ap.loader(batches(), prefetch=2)
+it = iter(loop)
+next(it)
+{end}
+"""
+
+
+@pytest.mark.parametrize("end, status", [
+    ("for b in it: break", 0),  # the loop is closed: the common `break`
+    ("print('left open')", 0),  # the iterator is still open at exit
+    ("raise SystemExit(3)", 3),
+    ("raise KeyError('bad sample')", 1),  # an uncaught error keeps its own status and traceback
+])
+def test_a_run_that_ends_while_its_prefetch_thread_runs_torch_ops_exits_with_its_own_status(
+        end: str, status: int) -> None:
+    script = textwrap.dedent(_ENDS).format(end=end)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert "terminate called" not in done.stderr
+    assert done.returncode == status, done.stderr
+
+
+def test_at_exit_each_prefetch_thread_is_stopped_and_one_still_reading_is_named() -> None:
+    reading, release = threading.Event(), threading.Event()
+    produced = []
+
+    def source():  # type: ignore[no-untyped-def]
+        for i in range(1000):
+            produced.append(i)
+            if i == 3:
+                reading.set()
+                release.wait()  # a batch that takes longer than the exit waits
+            yield i
+
+    it = prefetch_iter(source(), depth=2)
+    assert next(it) == 0
+    assert reading.wait(300)  # (only a guard against a hang) the thread is inside batch 3, two ahead
+    with pytest.warns(DiagnosticWarning, match="1 ap.loader prefetch thread.* still reading a batch after 0.2 s"):
+        late = _stop_producers_at_exit(wait=0.2)  # the consumer never closed it: at exit, stopped all the same
+    assert [t.name for t in late] == ["accelport-prefetch"]
+    release.set()
+    late[0].join()
+    assert len(produced) == 4  # it stopped after the batch it was reading
+    assert _stop_producers_at_exit(wait=0.2) == []
 
 
 def test_bad_prefetch_and_non_iterables_are_rejected_with_advice() -> None:

@@ -202,7 +202,7 @@ def prefetch_iter(
                 continue
         return False
 
-    def produce() -> None:
+    def read() -> None:
         try:
             it = iter(iterable)
             while not stop.is_set():  # checked before each batch: a stopped loop reads no further
@@ -216,7 +216,13 @@ def prefetch_iter(
             put(_DONE)
         except BaseException as exc:  # forwarded to the consumer
             put(_Failure(exc))
+
+    def produce() -> None:
+        try:
+            read()
         finally:
+            # Only once read()'s frame is gone: the source's iterator went with it, in this thread (a
+            # DataLoader ends its workers there), so the exit waited for that too.
             _unregister(threading.current_thread())
 
     thread = threading.Thread(target=produce, name="accelport-prefetch", daemon=True)

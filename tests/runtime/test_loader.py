@@ -116,6 +116,28 @@ def test_at_exit_each_prefetch_thread_is_stopped_and_one_still_reading_is_named(
     assert _stop_producers_at_exit(wait=0.2) == []
 
 
+def test_the_exit_also_waits_for_the_source_to_end_its_workers() -> None:
+    cleaning, release = threading.Event(), threading.Event()
+
+    class Source:  # as a DataLoader: each pass a new iterator, which ends its worker processes when it goes
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            try:
+                yield from range(1000)
+            finally:
+                cleaning.set()
+                release.wait()
+
+    it = prefetch_iter(Source(), depth=2)
+    assert next(it) == 0
+    it.close()
+    assert cleaning.wait(300)  # (only a guard against a hang) the thread is letting go of the source
+    with pytest.warns(DiagnosticWarning, match="still reading a batch"):
+        late = _stop_producers_at_exit(wait=0.2)
+    assert [t.name for t in late] == ["accelport-prefetch"]  # still counted: the exit waits for it
+    release.set()
+    late[0].join()
+
+
 def test_bad_prefetch_and_non_iterables_are_rejected_with_advice() -> None:
     with pytest.raises(ValueError, match="non-negative int"):
         ap.loader([1], prefetch=-1)

@@ -224,8 +224,9 @@ def loader(
     default (2 on eager devices; torch_xla's ParallelLoader defaults on XLA, which
     upload several batches per transfer). 0 loads each batch in the loop's thread.
     A loop that ends early (``break``) stops the prefetch thread after the batch it
-    is reading, and the interpreter's exit waits for that batch (up to 60 s): a
-    thread left inside a torch op as Python finalises would abort the process.
+    is reading. At exit every prefetch thread still running is stopped and waited
+    for (up to 60 s): a thread left inside a torch op as Python finalises would
+    abort the process with SIGABRT.
 
     The time the loop waits for data and each batch's shapes are recorded for
     ``ap.metrics()`` and the diagnostics. With several replicas, ``shard=True``

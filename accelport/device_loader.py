@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import queue
 import sys
 import threading
@@ -131,24 +132,33 @@ def _stop_producers_at_exit(wait: float | None = None) -> list[threading.Thread]
     """Stop every prefetch thread and wait for it; return those still running after ``wait`` seconds.
 
     A prefetch thread is a daemon (a source that never returns must not hold the exit
-    forever), and a daemon thread inside a torch op when the interpreter finalises
-    aborts the whole process ("terminate called without an active exception", status
-    134): torch's bindings release the GIL around an op, and taking it back after
-    finalisation unwinds the thread through C++ that cannot be unwound. A loop that
-    ends with ``break`` leaves its thread reading the next batch. At exit, daemon
-    threads still run normally, so each one is asked to stop and waited for here.
+    forever), and on Python up to 3.13 a daemon thread inside a torch op when the
+    interpreter finalises aborts the whole process with SIGABRT ("terminate called
+    without an active exception"): torch's bindings release the GIL around an op, and
+    taking it back after finalisation unwinds the thread through C++ that cannot be
+    unwound. A loop that ends with ``break`` leaves its thread reading the next batch.
+    At-exit hooks run while daemon threads still run normally, so each one is asked to
+    stop here and waited for; one started meanwhile (a loader read by another loader's
+    thread) is stopped too.
     """
-    with _PRODUCERS_LOCK:
-        live = dict(_PRODUCERS)
-    for stop in live.values():
-        stop.set()
-    deadline = time.monotonic() + (EXIT_WAIT_S if wait is None else wait)
-    for thread in live:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    late = [t for t in live if t.is_alive()]
+    limit = EXIT_WAIT_S if wait is None else wait
+    deadline = time.monotonic() + limit
+    seen: dict[threading.Thread, threading.Event] = {}
+    while True:
+        with _PRODUCERS_LOCK:
+            live = {t: stop for t, stop in _PRODUCERS.items() if t not in seen}
+        if not live:
+            break
+        seen.update(live)
+        for stop in live.values():
+            stop.set()
+        for thread in live:
+            if thread.is_alive():  # (one whose start failed has nothing to wait for)
+                thread.join(max(0.0, deadline - time.monotonic()))
+    late = [t for t in seen if t.is_alive()]
     if late:
         warnings.warn(f"accelport: {len(late)} ap.loader prefetch thread(s) still reading a batch after "
-                      f"{EXIT_WAIT_S if wait is None else wait:g} s at exit; the process may abort as it ends. "
+                      f"{limit:g} s at exit; the process may abort as it ends. "
                       "A source whose batches take that long should be read with prefetch=0.",
                       DiagnosticWarning, stacklevel=1)
     return late
@@ -170,6 +180,18 @@ def _unregister(thread: threading.Thread) -> None:
         _PRODUCERS.pop(thread, None)
 
 
+def _forget_producers_in_child() -> None:
+    # A forked child has none of its parent's threads, and a lock that one of them held at the fork
+    # would stay held there for good.
+    global _PRODUCERS_LOCK
+    _PRODUCERS_LOCK = threading.Lock()
+    _PRODUCERS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_producers_in_child)
+
+
 def prefetch_iter(
     iterable: Iterable[Any],
     *,
@@ -180,8 +202,9 @@ def prefetch_iter(
 
     ``transform`` (e.g. a non-blocking host-to-device copy) runs in the thread
     too. An exception in the producer is re-raised in the consumer; a consumer
-    that stops early (``break``) stops the producer after the batch it is reading,
-    and the interpreter's exit waits for that batch (:func:`_stop_producers_at_exit`).
+    that stops early (``break``) stops the producer after the batch it is reading.
+    The interpreter's exit stops every producer and waits for it
+    (:func:`_stop_producers_at_exit`); a loop still open then simply ends.
     """
     if depth < 0:
         raise ValueError(f"prefetch depth must be >= 0, not {depth}")
@@ -192,6 +215,9 @@ def prefetch_iter(
 
     q: queue.Queue[Any] = queue.Queue(maxsize=depth)
     stop = threading.Event()
+    # read() takes the source out of here: the thread's closures must not keep it alive once read() is
+    # done, so that its iterator goes in this thread, before the thread leaves the at-exit set.
+    source = [iterable]
 
     def put(item: Any) -> bool:
         while not stop.is_set():
@@ -204,10 +230,10 @@ def prefetch_iter(
 
     def read() -> None:
         try:
-            it = iter(iterable)
+            it = iter(source.pop())
             while not stop.is_set():  # checked before each batch: a stopped loop reads no further
                 item = next(it, _DONE)
-                if item is _DONE:
+                if item is _DONE or stop.is_set():
                     break
                 if transform is not None:
                     item = transform(item)
@@ -227,10 +253,22 @@ def prefetch_iter(
 
     thread = threading.Thread(target=produce, name="accelport-prefetch", daemon=True)
     _register(thread, stop)
-    thread.start()
+    try:
+        thread.start()
+    except BaseException:
+        _unregister(thread)
+        raise
     try:
         while True:
-            item = q.get()
+            try:
+                item = q.get(timeout=0.1)
+            except queue.Empty:
+                if thread.is_alive():
+                    continue
+                try:
+                    item = q.get_nowait()  # what it put just before it ended
+                except queue.Empty:
+                    return  # stopped from outside (the interpreter's exit): nothing more comes
             if item is _DONE:
                 return
             if isinstance(item, _Failure):

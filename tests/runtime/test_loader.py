@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -11,7 +12,7 @@ import time
 import pytest
 
 import accelport as ap
-from accelport.device_loader import _stop_producers_at_exit, prefetch_iter, signature
+from accelport.device_loader import _PRODUCERS, _stop_producers_at_exit, prefetch_iter, signature
 from accelport.errors import DiagnosticWarning
 from tests.conftest import REPO
 
@@ -60,29 +61,26 @@ def test_breaking_out_stops_the_producer_thread() -> None:
     assert len(produced) <= 3 + 2 + 1  # consumed + queue depth + the one being put
 
 
-#: A script whose prefetch thread is always inside torch ops (as a collate or a host-to-device copy is),
-#: then ends its loop as the test's ``END`` says. A daemon thread inside a torch op when the interpreter
-#: finalises aborts the process (status 134), so the exit must stop and wait for it.
+#: A script whose prefetch thread is always inside torch ops (as a collate or a host-to-device copy is) when
+#: the script ends as ``{end}`` says. A daemon thread inside a torch op when the interpreter finalises aborts
+#: the process (SIGABRT), so the exit must stop it and wait for it.
 _ENDS = """
 import sys, torch, accelport as ap
 def batches():
     x = torch.randn(256, 256)
     while True:
-        for _ in range(300):
+        for _ in range(1000):
             x = x.clone().mul_(1.0)
         yield x
-loop = ap.loader(batches(), prefetch=2)
-it = iter(loop)
-next(it)
 {end}
 """
 
 
 @pytest.mark.parametrize("end, status", [
-    ("for b in it: break", 0),  # the loop is closed: the common `break`
-    ("print('left open')", 0),  # the iterator is still open at exit
-    ("raise SystemExit(3)", 3),
-    ("raise KeyError('bad sample')", 1),  # an uncaught error keeps its own status and traceback
+    ("for b in ap.loader(batches(), prefetch=2): break", 0),  # the common `break`: the loop is closed
+    ("next(iter(loop := ap.loader(batches(), prefetch=2)))", 0),  # the loop is still open at exit
+    ("for b in ap.loader(batches(), prefetch=2): raise SystemExit(3)", 3),
+    ("for b in ap.loader(batches(), prefetch=2): raise KeyError('bad sample')", 1),  # its own traceback
 ])
 def test_a_run_that_ends_while_its_prefetch_thread_runs_torch_ops_exits_with_its_own_status(
         end: str, status: int) -> None:
@@ -90,6 +88,11 @@ def test_a_run_that_ends_while_its_prefetch_thread_runs_torch_ops_exits_with_its
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert "terminate called" not in done.stderr
     assert done.returncode == status, done.stderr
+
+
+def _new_producers(before: set[threading.Thread]) -> list[threading.Thread]:
+    """The prefetch threads registered since ``before`` (other tests' may still be ending)."""
+    return [t for t in _PRODUCERS if t not in before]
 
 
 def test_at_exit_each_prefetch_thread_is_stopped_and_one_still_reading_is_named() -> None:
@@ -104,38 +107,82 @@ def test_at_exit_each_prefetch_thread_is_stopped_and_one_still_reading_is_named(
                 release.wait()  # a batch that takes longer than the exit waits
             yield i
 
+    before = set(_PRODUCERS)
     it = prefetch_iter(source(), depth=2)
-    assert next(it) == 0
-    assert reading.wait(300)  # (only a guard against a hang) the thread is inside batch 3, two ahead
-    with pytest.warns(DiagnosticWarning, match="1 ap.loader prefetch thread.* still reading a batch after 0.2 s"):
-        late = _stop_producers_at_exit(wait=0.2)  # the consumer never closed it: at exit, stopped all the same
-    assert [t.name for t in late] == ["accelport-prefetch"]
-    release.set()
-    late[0].join()
+    try:
+        assert next(it) == 0
+        [ours] = _new_producers(before)
+        assert reading.wait(300)  # (only a guard against a hang) the thread is inside batch 3, two ahead
+        with pytest.warns(DiagnosticWarning, match=r"prefetch thread\(s\) still reading a batch after 0.2 s"):
+            late = _stop_producers_at_exit(wait=0.2)  # the consumer never closed it: stopped all the same
+        assert ours in late
+    finally:
+        release.set()
+    ours.join()
     assert len(produced) == 4  # it stopped after the batch it was reading
-    assert _stop_producers_at_exit(wait=0.2) == []
+    assert list(it) == [1, 2]  # the open loop gets what was read, then ends: nothing more comes
 
 
 def test_the_exit_also_waits_for_the_source_to_end_its_workers() -> None:
     cleaning, release = threading.Event(), threading.Event()
 
-    class Source:  # as a DataLoader: each pass a new iterator, which ends its worker processes when it goes
-        def __iter__(self):  # type: ignore[no-untyped-def]
-            try:
-                yield from range(1000)
-            finally:
-                cleaning.set()
-                release.wait()
+    def source():  # type: ignore[no-untyped-def]
+        try:
+            yield from range(1000)
+        finally:  # as a DataLoader's iterator ends its worker processes when it goes
+            cleaning.set()
+            release.wait()
 
-    it = prefetch_iter(Source(), depth=2)
-    assert next(it) == 0
-    it.close()
-    assert cleaning.wait(300)  # (only a guard against a hang) the thread is letting go of the source
-    with pytest.warns(DiagnosticWarning, match="still reading a batch"):
-        late = _stop_producers_at_exit(wait=0.2)
-    assert [t.name for t in late] == ["accelport-prefetch"]  # still counted: the exit waits for it
-    release.set()
-    late[0].join()
+    def signed(batches):  # type: ignore[no-untyped-def]
+        yield from batches  # as ap.loader hands the backend a generator over the loader
+
+    before = set(_PRODUCERS)
+    it = prefetch_iter(signed(source()), depth=2)
+    try:
+        assert next(it) == 0
+        [ours] = _new_producers(before)
+        it.close()
+        assert cleaning.wait(300)  # (only a guard against a hang) the thread is letting go of the source
+        with pytest.warns(DiagnosticWarning, match="still reading a batch"):
+            late = _stop_producers_at_exit(wait=0.2)
+        assert ours in late  # still counted: the exit waits for it
+    finally:
+        release.set()
+    ours.join()
+
+
+def test_a_loader_read_by_another_loaders_thread_does_not_hold_the_exit() -> None:
+    before = set(_PRODUCERS)
+    outer = prefetch_iter(prefetch_iter(iter(range(10**9)), depth=2), depth=2)
+    assert next(outer) == 0
+    inner_and_outer = _new_producers(before)
+    assert len(inner_and_outer) == 2
+    # Stopped from outside, the inner loop ends the outer thread's read instead of leaving it waiting.
+    late = _stop_producers_at_exit(wait=300)  # (the limit only guards a hang)
+    assert not set(inner_and_outer) & set(late)
+    assert not any(t.is_alive() for t in inner_and_outer)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
+def test_a_forked_child_has_no_prefetch_threads_of_its_parent() -> None:
+    release = threading.Event()
+
+    def source():  # type: ignore[no-untyped-def]
+        yield 0
+        release.wait()
+        yield 1
+
+    it = prefetch_iter(source(), depth=1)
+    try:
+        assert next(it) == 0
+        pid = os.fork()
+        if pid == 0:  # the child: nothing to stop, and the registry's lock is free
+            os._exit(0 if not _stop_producers_at_exit(wait=0) and not _PRODUCERS else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        release.set()
+        it.close()
 
 
 def test_bad_prefetch_and_non_iterables_are_rejected_with_advice() -> None:

@@ -1,7 +1,8 @@
 """Where each step's time goes (cpu and the eager stand-ins): the step clock, the records, the verdict.
 
-Injected times are sleeps of tens of milliseconds: a sleep is not slowed by a busy machine the way
-computation is, so two CPU-bound processes beside the suite cannot move them out of their 20%.
+Injected times are sleeps of tens of milliseconds, judged one-sided: a sleep never ends early, so each
+category holds at least what was injected into it; a busy machine only adds (the wake-up waits for a
+core), and never as much as half of the other category's sleep, which is what a mischarge would move.
 The rest of a step (forward, backward, bookkeeping) is a few milliseconds on any machine here.
 """
 
@@ -30,6 +31,7 @@ from tests.diagnose_cli.runs import run
 SAMPLE_SLEEP = 0.02  # per sample, 4 samples a batch: 80 ms of data per step
 STEP_SLEEP = 0.08  # the loop's own code after the optimizer step
 STEPS = 8
+COLLECTIVE_SLEEP = 0.25  # the slower replica's, per step
 
 
 class Slow(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -41,8 +43,9 @@ class Slow(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return torch.full((8,), float(i)), torch.ones(1)
 
 
-def within(measured: float, injected: float, share: float = 0.2) -> bool:
-    return abs(measured - injected) <= share * injected
+def charged(measured: float, injected: float) -> bool:
+    """At least the injected sleep (less 2% for the clocks' grain), and less than half a sleep more."""
+    return 0.98 * injected <= measured <= injected + 0.5 * min(4 * SAMPLE_SLEEP, STEP_SLEEP)
 
 
 def adds_up(record: dict[str, Any]) -> bool:
@@ -74,8 +77,8 @@ def test_a_ported_loop_says_where_its_steps_time_went(tmp_path, monkeypatch) -> 
     # The loop's sleep comes after the optimizer step: the next step's "other" (step 1 has none before it).
     data = statistics.median(r["breakdown"]["data"] for r in records)
     other = statistics.median(r["breakdown"]["other"] for r in records[1:])
-    assert within(data, 4 * SAMPLE_SLEEP), data
-    assert within(other, STEP_SLEEP), other
+    assert charged(data, 4 * SAMPLE_SLEEP), data
+    assert charged(other, STEP_SLEEP), other
     m = ap.metrics()
     assert sum(m.time_breakdown.values()) == pytest.approx(m.step_seconds, rel=0.02)
     assert m.time_breakdown_per_step == pytest.approx({k: v / STEPS for k, v in m.time_breakdown.items()})
@@ -112,8 +115,8 @@ for x, y in torch.utils.data.DataLoader(Slow(), batch_size=4):
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert len(records) == STEPS and all(adds_up(r) for r in records)
-    assert within(statistics.median(r["breakdown"]["data"] for r in records), 4 * SAMPLE_SLEEP)
-    assert within(statistics.median(r["breakdown"]["other"] for r in records[1:]), STEP_SLEEP)
+    assert charged(statistics.median(r["breakdown"]["data"] for r in records), 4 * SAMPLE_SLEEP)
+    assert charged(statistics.median(r["breakdown"]["other"] for r in records[1:]), STEP_SLEEP)
     said = [line for line in done.stderr.splitlines() if line.startswith("  [time] time per step ")]
     assert len(said) == 1 and " data " in said[0], done.stderr
     metrics = json.loads((tmp_path / "out.json").read_text())["metrics"]
@@ -175,15 +178,16 @@ def test_a_replica_waiting_for_a_slower_one_says_collective(tmp_path) -> None:  
     script = os.path.join(REPO, "tests", "scripts", "time_collective.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELPORT_")}
     done = subprocess.run([sys.executable, "-m", "accelport", "launch", "--backend", "cpu", "--nprocs", "2",
-                           "--oversubscribe", script, str(tmp_path), str(STEP_SLEEP), "8"], capture_output=True,
+                           "--oversubscribe", script, str(tmp_path), str(COLLECTIVE_SLEEP), "8"], capture_output=True,
                           text=True, env=env, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-4000:]
     fast, slow = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     # Rank 0 waits in ap.optimizer_step's all-reduce while rank 1 sleeps, every step but the first few
     # milliseconds of work: most of the sleep (the first step's set-up evens out by the end).
-    assert fast["per_step"].get("collective", 0.0) >= 0.6 * STEP_SLEEP, fast
+    # The sleep is long beside what a busy machine can delay one rank's work by (tens of milliseconds).
+    assert fast["per_step"].get("collective", 0.0) >= 0.6 * COLLECTIVE_SLEEP, fast
     assert fast["verdict"].startswith("sync-bound: ") and fast["fix"].startswith("The replicas wait for each other")
-    assert slow["per_step"]["other"] >= 0.8 * STEP_SLEEP, slow
+    assert slow["per_step"]["other"] >= 0.8 * COLLECTIVE_SLEEP, slow
     assert slow["per_step"].get("collective", 0.0) < fast["per_step"]["collective"]
 
 

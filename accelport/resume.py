@@ -270,8 +270,10 @@ class _Position:
 
     def advance(self) -> None:
         self.consumed += self._per_batch
-        if self._snapshots:
-            self._state = self._snapshots.popleft()
+        # One snapshot per source batch read: a sharded loop's batch is the last of its run of per_batch.
+        snapshots = self._snapshots
+        for _ in range(min(self._per_batch, len(snapshots))):
+            self._state = snapshots.popleft()
 
     def _length_of(self, loader: Any) -> int | None:
         try:
@@ -332,7 +334,10 @@ class _Position:
     def _stateful_pass(self, resume: dict[str, Any] | None) -> Iterator[Any]:
         loader = self.loader
         self._length = self._length_of(loader)
-        self._snapshots.clear()
+        # This pass's own: a previous pass's prefetch thread, still reading when its loop left it (a break),
+        # appends to its own pass's deque, never to this one.
+        snapshots: deque[Any] = deque()
+        self._snapshots = snapshots
         self._state = None
         # Read ahead in another thread (a prefetch thread), the loader's state is past the loop's: keep its
         # state after each batch (state_dict() costs about a batch's loading), to hand the loop's on.
@@ -370,10 +375,10 @@ class _Position:
             yield first
             yield from it
             return
-        self._snapshots.append(loader.state_dict())
+        snapshots.append(loader.state_dict())
         yield first
         for batch in it:
-            self._snapshots.append(loader.state_dict())  # in the thread that reads the loader
+            snapshots.append(loader.state_dict())  # in the thread that reads the loader
             yield batch
 
     def _sequence_pass(self, items: Iterable[Any], resume: dict[str, Any] | None) -> Iterator[Any]:

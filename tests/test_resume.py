@@ -418,3 +418,72 @@ def test_signal_handlers_are_given_back_on_close(tmp_path: Path) -> None:
     assert signal.getsignal(signal.SIGTERM) is not before
     ckpt.close()
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+# -- a StatefulDataLoader read ahead by a prefetch thread: the position a save records ---------------------------
+# In process, with the real StatefulDataLoader, prefetch thread and sharding that ap.loader composes (the
+# position is accelport's internal piece between them; a 2-rank job would only add its start-up).
+
+
+def _stateful(dataset: Any) -> Any:
+    pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata (StatefulDataLoader) is not installed")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    return StatefulDataLoader(dataset, batch_size=1)
+
+
+def _yielded(position: Any) -> int:
+    return int(position.state()["state"]["_num_yielded"])
+
+
+def test_a_sharded_replica_read_ahead_saves_the_position_of_every_source_batch_it_passed() -> None:
+    from accelport.device_loader import prefetch_iter, shard_batches
+    from accelport.resume import _Position
+
+    loader = _stateful(list(range(24)))
+    position = _Position(loader, "stateful")
+    seen = []
+    # Rank 0 of 2: each batch it takes is the first of a run of two source batches; the run's second is rank 1's.
+    for batch in prefetch_iter(shard_batches(position.begin(loader, 2), 0, 2), depth=3):
+        position.advance()
+        seen.append((int(batch), _yielded(position)))
+        if len(seen) == 5:
+            break
+    assert seen == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]  # it used to say one source batch per batch
+
+
+def test_a_pass_left_early_cannot_move_the_next_pass_position() -> None:
+    import threading
+
+    from accelport.device_loader import prefetch_iter
+    from accelport.resume import _Position
+
+    gate, held = threading.Event(), threading.Event()
+
+    class Gated(list):  # type: ignore[type-arg]
+        def __getitem__(self, i: Any) -> Any:
+            if i == 5 and not held.is_set():  # the first pass's read-ahead stops inside batch 5 until told
+                held.set()
+                assert gate.wait(60)
+            return super().__getitem__(i)
+
+    loader = _stateful(Gated(range(12)))
+    position = _Position(loader, "stateful")
+    first = prefetch_iter(position.begin(loader, 1), depth=2)
+    taken = [next(first) for _ in range(3)]
+    assert held.wait(60)  # the first pass's thread is inside the loader now
+    first.close()  # the loop leaves the pass (a break) and starts the next one
+    try:
+        second = prefetch_iter(position.begin(loader, 1), depth=2)
+        states = []
+        for i, batch in enumerate(second):
+            position.advance()
+            states.append((int(batch), _yielded(position)))
+            if i == 3:
+                gate.set()  # the first pass's thread ends its batch now, amid the second pass
+    finally:
+        gate.set()
+    assert [int(b) for b in taken] == [0, 1, 2]
+    # Each batch's saved position is its own: the first pass's late batch used to add its snapshot to this
+    # pass's, and every later save recorded the batch before (a batch repeated on resume).
+    assert states == [(i, i + 1) for i in range(12)]

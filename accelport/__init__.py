@@ -224,9 +224,11 @@ def loader(
     default (2 on eager devices; torch_xla's ParallelLoader defaults on XLA, which
     upload several batches per transfer). 0 loads each batch in the loop's thread.
     A loop that ends early (``break``) stops the prefetch thread after the batch it
-    is reading. At exit every prefetch thread still running is stopped and waited
-    for (up to 60 s): a thread left inside a torch op as Python finalises would
-    abort the process with SIGABRT.
+    is reading, and goes on once that batch is read (the next pass must not share
+    the loader with it: persistent workers hand every pass one iterator). At exit
+    every prefetch thread still running is stopped and waited for (up to 60 s): a
+    thread left inside a torch op as Python finalises would abort the process with
+    SIGABRT.
 
     The time the loop waits for data and each batch's shapes are recorded for
     ``ap.metrics()`` and the diagnostics. With several replicas, ``shard=True``

@@ -120,7 +120,8 @@ class _Failure:
         self.exc = exc
 
 
-#: How long the interpreter's exit waits for prefetch threads to finish the batch they are reading.
+#: How long the interpreter's exit, or a loop left early, waits for prefetch threads to finish the batch they
+#: are reading.
 EXIT_WAIT_S = 60.0
 
 #: Prefetch threads still running, with the event that stops each (see :func:`_stop_producers_at_exit`).
@@ -151,10 +152,12 @@ def _stop_producers_at_exit(wait: float | None = None) -> list[threading.Thread]
             break
         seen.update(live)
         for stop in live.values():
-            stop.set()
+            stop.set()  # (one not started yet ends at its start, reading nothing)
         for thread in live:
             if thread.is_alive():  # (one whose start failed has nothing to wait for)
                 thread.join(max(0.0, deadline - time.monotonic()))
+        if time.monotonic() >= deadline:
+            break
     late = [t for t in seen if t.is_alive()]
     if late:
         warnings.warn(f"accelport: {len(late)} ap.loader prefetch thread(s) still reading a batch after "
@@ -202,7 +205,8 @@ def prefetch_iter(
 
     ``transform`` (e.g. a non-blocking host-to-device copy) runs in the thread
     too. An exception in the producer is re-raised in the consumer; a consumer
-    that stops early (``break``) stops the producer after the batch it is reading.
+    that stops early (``break``) stops the producer after the batch it is reading,
+    and waits for that.
     The interpreter's exit stops every producer and waits for it
     (:func:`_stop_producers_at_exit`); a loop still open then simply ends.
     """
@@ -218,6 +222,7 @@ def prefetch_iter(
     # read() takes the source out of here: the thread's closures must not keep it alive once read() is
     # done, so that its iterator goes in this thread, before the thread leaves the at-exit set.
     source = [iterable]
+    del iterable
 
     def put(item: Any) -> bool:
         while not stop.is_set():
@@ -229,7 +234,10 @@ def prefetch_iter(
         return False
 
     def read() -> None:
+        it: Any = None
         try:
+            if stop.is_set():  # stopped before it started (the exit): not even the iterator is made
+                return
             it = iter(source.pop())
             while not stop.is_set():  # checked before each batch: a stopped loop reads no further
                 item = next(it, _DONE)
@@ -241,6 +249,7 @@ def prefetch_iter(
                     return
             put(_DONE)
         except BaseException as exc:  # forwarded to the consumer
+            it = None  # the exception's traceback keeps this frame: not the source with it
             put(_Failure(exc))
 
     def produce() -> None:
@@ -263,12 +272,15 @@ def prefetch_iter(
             try:
                 item = q.get(timeout=0.1)
             except queue.Empty:
-                if thread.is_alive():
+                # Ended without a last word: stopped from outside (the interpreter's exit). A loop read
+                # by another loader's thread ends so that this thread can end too; any other waits, as
+                # it would for a batch (its loop must not go on as if the pass had ended).
+                if thread.is_alive() or threading.current_thread() not in _PRODUCERS:
                     continue
                 try:
                     item = q.get_nowait()  # what it put just before it ended
                 except queue.Empty:
-                    return  # stopped from outside (the interpreter's exit): nothing more comes
+                    return
             if item is _DONE:
                 return
             if isinstance(item, _Failure):
@@ -276,6 +288,17 @@ def prefetch_iter(
             yield item
     finally:
         stop.set()
+        if thread is not threading.current_thread():
+            # A loop left early (break) goes on once the thread has ended the batch it was reading: the
+            # next pass must not share the source with it (a DataLoader with persistent workers hands
+            # every pass the same iterator, and two readers at once break it).
+            thread.join(EXIT_WAIT_S)
+            if thread.is_alive():
+                warnings.warn(f"accelport: an ap.loader prefetch thread was still reading a batch "
+                              f"{EXIT_WAIT_S:g} s after its loop left it; a next pass over the same loader "
+                              "may read beside it. "
+                              "A source whose batches take that long should be read with prefetch=0.",
+                              DiagnosticWarning, stacklevel=2)
 
 
 def describe_loader(iterable: Any) -> dict[str, Any]:
@@ -450,6 +473,7 @@ class DeviceLoader:
         busy = _Busy()
         it = iter(backend.wrap_loader(_signed(self._source(backend, source), signatures, busy, inspect),
                                       prefetch=self.prefetch))
+        del source  # (a pass's generator) only what reads it holds it: a prefetch thread lets go of it itself
         next_signature = signatures.popleft
         # Eager backends neither run a graph between batches nor defer a step's record.
         between = getattr(backend.end_of_batch, "__func__", None) is not Backend.end_of_batch or \

@@ -51,13 +51,12 @@ def test_breaking_out_stops_the_producer_thread() -> None:
             yield i
             i += 1
 
+    before = set(_PRODUCERS)
     it = prefetch_iter(endless(), depth=2)
     assert [next(it) for _ in range(3)] == [0, 1, 2]
+    [ours] = _new_producers(before)
     it.close()
-    deadline = time.time() + 5
-    while any(t.name == "accelport-prefetch" for t in threading.enumerate()) and time.time() < deadline:
-        time.sleep(0.02)
-    assert not any(t.name == "accelport-prefetch" for t in threading.enumerate())
+    assert not ours.is_alive()  # the loop goes on once the thread has ended
     assert len(produced) <= 3 + 2 + 1  # consumed + queue depth + the one being put
 
 
@@ -78,7 +77,7 @@ def batches():
 
 @pytest.mark.parametrize("end, status", [
     ("for b in ap.loader(batches(), prefetch=2): break", 0),  # the common `break`: the loop is closed
-    ("next(iter(loop := ap.loader(batches(), prefetch=2)))", 0),  # the loop is still open at exit
+    ("it = iter(ap.loader(batches(), prefetch=2)); next(it)", 0),  # the loop is still open at exit
     ("for b in ap.loader(batches(), prefetch=2): raise SystemExit(3)", 3),
     ("for b in ap.loader(batches(), prefetch=2): raise KeyError('bad sample')", 1),  # its own traceback
 ])
@@ -92,7 +91,7 @@ def test_a_run_that_ends_while_its_prefetch_thread_runs_torch_ops_exits_with_its
 
 def _new_producers(before: set[threading.Thread]) -> list[threading.Thread]:
     """The prefetch threads registered since ``before`` (other tests' may still be ending)."""
-    return [t for t in _PRODUCERS if t not in before]
+    return [t for t in set(_PRODUCERS) if t not in before]  # (a copy: a thread may leave meanwhile)
 
 
 def test_at_exit_each_prefetch_thread_is_stopped_and_one_still_reading_is_named() -> None:
@@ -120,18 +119,21 @@ def test_at_exit_each_prefetch_thread_is_stopped_and_one_still_reading_is_named(
         release.set()
     ours.join()
     assert len(produced) == 4  # it stopped after the batch it was reading
-    assert list(it) == [1, 2]  # the open loop gets what was read, then ends: nothing more comes
+    # (A loop still open then waits, as for a batch: it must not go on as if the pass had ended.)
 
 
-def test_the_exit_also_waits_for_the_source_to_end_its_workers() -> None:
+@pytest.mark.parametrize("loop", ["closed", "open"])
+def test_the_exit_also_waits_for_the_source_to_end_its_workers(loop: str) -> None:
     cleaning, release = threading.Event(), threading.Event()
+    where = []
 
     def source():  # type: ignore[no-untyped-def]
         try:
             yield from range(1000)
         finally:  # as a DataLoader's iterator ends its worker processes when it goes
+            where.append(threading.current_thread())
             cleaning.set()
-            release.wait()
+            release.wait(300)
 
     def signed(batches):  # type: ignore[no-untyped-def]
         yield from batches  # as ap.loader hands the backend a generator over the loader
@@ -141,14 +143,49 @@ def test_the_exit_also_waits_for_the_source_to_end_its_workers() -> None:
     try:
         assert next(it) == 0
         [ours] = _new_producers(before)
-        it.close()
-        assert cleaning.wait(300)  # (only a guard against a hang) the thread is letting go of the source
+        closing = threading.Thread(target=it.close)
+        if loop == "closed":  # a break: the thread lets go of the source as it stops, and the loop waits
+            closing.start()
+            assert cleaning.wait(300)  # (only a guard against a hang)
+            assert closing.is_alive()
+        # Open at exit (the loop still holds its iterator): the exit's stop makes the thread let go of it.
         with pytest.warns(DiagnosticWarning, match="still reading a batch"):
             late = _stop_producers_at_exit(wait=0.2)
-        assert ours in late  # still counted: the exit waits for it
+        assert cleaning.wait(60), "the source was never let go of"
+        assert where == [ours]  # in the prefetch thread, which the exit waits for: not later, at finalisation
+        assert ours in late  # still counted while the source ends
     finally:
         release.set()
     ours.join()
+    if loop == "closed":
+        closing.join()
+    else:
+        it.close()
+
+
+def _persistent_pass_data() -> object:
+    import torch
+
+    class Slow(torch.utils.data.Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> object:
+            time.sleep(0.2)  # the prefetch thread is inside a batch when the loop leaves the pass
+            return torch.tensor(i)
+
+    return torch.utils.data.DataLoader(Slow(), batch_size=1, num_workers=1, persistent_workers=True)
+
+
+def test_a_pass_left_early_leaves_the_next_pass_the_whole_loader() -> None:
+    ap.use("cpu")
+    loop = ap.loader(_persistent_pass_data(), prefetch=2)
+    for i, _ in enumerate(loop):
+        if i == 1:
+            break  # the usual "steps per epoch" cut
+    # Persistent workers: every pass reads one iterator. The first pass's thread used to be still reading it
+    # as the next pass reset it ("Invalid iterator state: shutdown or no outstanding tasks").
+    assert [int(b) for b in loop] == list(range(8))
 
 
 def test_a_loader_read_by_another_loaders_thread_does_not_hold_the_exit() -> None:

@@ -472,7 +472,10 @@ def test_a_pass_left_early_cannot_move_the_next_pass_position() -> None:
     first = prefetch_iter(position.begin(loader, 1), depth=2)
     taken = [next(first) for _ in range(3)]
     assert held.wait(60)  # the first pass's thread is inside the loader now
-    first.close()  # the loop leaves the pass (a break) and starts the next one
+    # The loop leaves the pass (a break) and starts the next one. A break waits for the batch being read
+    # (up to a limit): left in another thread here, it stands for a batch that outlasts that limit.
+    leaving = threading.Thread(target=first.close)
+    leaving.start()
     try:
         second = prefetch_iter(position.begin(loader, 1), depth=2)
         states = []
@@ -481,8 +484,10 @@ def test_a_pass_left_early_cannot_move_the_next_pass_position() -> None:
             states.append((int(batch), _yielded(position)))
             if i == 3:
                 gate.set()  # the first pass's thread ends its batch now, amid the second pass
+                leaving.join()
     finally:
         gate.set()
+        leaving.join()
     assert [int(b) for b in taken] == [0, 1, 2]
     # Each batch's saved position is its own: the first pass's late batch used to add its snapshot to this
     # pass's, and every later save recorded the batch before (a batch repeated on resume).

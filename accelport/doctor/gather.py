@@ -9,6 +9,7 @@ Backend-specific checks come from plugins through ``accelport_doctor_checks``.
 
 from __future__ import annotations
 
+import math
 import os
 import platform as _pyplatform
 import sys
@@ -148,14 +149,31 @@ def _checkpoints(environ: Mapping[str, str], now: float | None = None) -> dict[s
         row["writable"] = os.access(path, os.W_OK)
         found = find_checkpoints(path)
         row["complete"] = [{"step": f.step, "path": f.path, "world_size": f.world_size,
-                            "age_s": None if f.time is None else max(0.0, now - f.time)} for f in found if f.complete]
+                            **_when(f.time, now)} for f in found if f.complete]
         row["torn"] = [{"step": f.step, "path": f.path, "problem": f.problem} for f in found if not f.complete]
         newest = newest_complete(found)
         row["newest"] = next((c for c in row["complete"] if newest is not None and c["step"] == newest.step), None)
     return row
 
 
-def _age(seconds: float | None) -> str:
+def _when(written: float | None, now: float) -> dict[str, Any]:
+    """``age_s`` (None unless known) and ``time_problem`` of a checkpoint written at ``written`` (its
+    checkpoint.json's time): "not valid" (not a finite time since the epoch), "in the future" (later than
+    ``now``: another host's clock, or a file not written by a save), or None."""
+    if written is None:
+        return {"age_s": None, "time_problem": None}
+    if not math.isfinite(written) or written < 0:
+        return {"age_s": None, "time_problem": "not valid"}
+    if written > now:
+        return {"age_s": None, "time_problem": "in the future"}
+    return {"age_s": now - written, "time_problem": None}
+
+
+def _age(seconds: float | None, problem: str | None = None) -> str:
+    if problem == "in the future":
+        return "at a time in the future (its checkpoint.json's time is later than this host's clock)"
+    if problem is not None:
+        return "at a time not valid (its checkpoint.json's time is not a time since 1970)"
     if seconds is None:
         return "at a time not recorded"
     minutes = int(seconds // 60)
@@ -187,8 +205,9 @@ def _checkpoint_findings(row: Mapping[str, Any] | None) -> list[Finding]:
         found.append(Finding("note", f"{where} holds no complete checkpoint: a run starts at step 0", "", "core"))
     else:
         world = f", written by {newest['world_size']} rank(s)" if newest.get("world_size") else ""
+        written = _age(newest["age_s"], newest.get("time_problem"))
         found.append(Finding("note", f"checkpoints in {row['directory']}: {len(row['complete'])} complete, the newest "
-                             f"at step {newest['step']} ({newest['path']}{world}) written {_age(newest['age_s'])}; "
+                             f"at step {newest['step']} ({newest['path']}{world}) written {written}; "
                              "a run with ap.Checkpointer() resumes from it", "", "core"))
     later = [t for t in row["torn"] if newest is None or t["step"] > newest["step"]]
     for torn in later:

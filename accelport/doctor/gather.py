@@ -83,6 +83,35 @@ def _environment(environ: Mapping[str, str]) -> list[dict[str, str]]:
     return rows
 
 
+#: The PJRT device types torch_xla knows by name; a backend's ``pjrt_devices`` add to them.
+KNOWN_PJRT_DEVICES: tuple[str, ...] = ("TPU", "CPU", "CUDA", "GPU", "ROCM", "NEURON")
+
+
+def _redaction_environ(environ: Mapping[str, str], backends: Mapping[str, Any]) -> dict[str, str]:
+    """``environ`` as the report's redaction reads it: plus, for a ``PJRT_DEVICE`` that names no known device
+    and looks like a credential, every form in which the report quotes it, named as secrets.
+
+    The backends' reasons quote the device type as torch_xla reads it (the part before ``_``,
+    uppercased: :func:`accelport.settings.explicit_pjrt_device`), which the pattern that caught the value
+    no longer matches (an AWS secret key uppercased has no lower-case letter). A known device
+    (``PJRT_DEVICE=TPU``) stays visible.
+    """
+    from accelport.settings import explicit_pjrt_device
+
+    out = dict(environ)
+    raw = (environ.get("PJRT_DEVICE") or "").strip()
+    device = explicit_pjrt_device(environ)
+    known = set(KNOWN_PJRT_DEVICES)
+    for backend in backends.values():
+        known.update(str(d).upper() for d in getattr(backend, "pjrt_devices", ()) or ())
+    if not raw or device in known or redact("PJRT_DEVICE", raw) == raw:
+        return out
+    forms = {raw, raw.upper(), raw.lower(), device or "", (device or "").lower()}
+    for i, form in enumerate(sorted(f for f in forms if f and f not in known)):
+        out[f"PJRT_DEVICE (as quoted, {i}) SECRET"] = form
+    return out
+
+
 def _dir_size(path: str, budget: float = 0.3, max_files: int = 200_000) -> int | None:
     """Bytes under ``path``; None if it cannot be measured within the budget.
 
@@ -488,7 +517,7 @@ def gather(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     }
     # The one pass over the finished report: a secret is hidden whichever section quotes it,
     # and no string is longer than SHOWN_CHARACTERS.
-    return Redactor(env, limit=SHOWN_CHARACTERS).tree(report)
+    return Redactor(_redaction_environ(env, host.backends), limit=SHOWN_CHARACTERS).tree(report)
 
 
 def _recommendation_dict(verdict: Verdict | None) -> dict[str, Any] | None:

@@ -15,9 +15,14 @@ One checkpoint is a directory ``step-<8 digits>/`` under the checkpointer's dire
     checkpoint.json   written last, by rank 0, once every rank's part is in place: the step, the
                       world size, and every file with its size
 
-A directory without ``checkpoint.json``, or whose files are not all there at the sizes
-it lists, is torn (a kill during the save, a copy cut short): :meth:`Checkpointer.restore`
-skips it with a :class:`~accelport.errors.CheckpointWarning` and takes the newest complete one.
+``checkpoint.json`` is also what marks a directory as the checkpointer's: it is written
+first, saying the save has begun, and replaced last by the complete one. A directory
+whose ``checkpoint.json`` says its save did not finish, or whose files are not all there
+at the sizes it lists, is torn (a kill during the save, a copy cut short):
+:meth:`Checkpointer.restore` skips it with a :class:`~accelport.errors.CheckpointWarning`
+and takes the newest complete one. A ``step-N`` directory without accelport's
+``checkpoint.json`` (another tool's checkpoint, a user's results) is foreign: it is
+ignored, never removed, and never saved over.
 
 The data position is kept by the loader given to ``restore``, while its batches come
 through ``ap.loader``: how many batches of the pass in progress the loop consumed and
@@ -78,22 +83,49 @@ class Found:
     #: When it was completed (seconds since the epoch), from checkpoint.json.
     time: float | None = None
     world_size: int | None = None
+    #: Not written by accelport (no checkpoint.json of its own): never loaded, removed or replaced.
+    foreign: bool = False
 
 
 def _step_dir(directory: str, step: int) -> str:
     return os.path.join(directory, f"{_PREFIX}{step:08d}")
 
 
-def _check(path: str, step: int) -> Found:
+def _read_marker(path: str) -> tuple[dict[str, Any] | None, str]:
+    """``path``'s checkpoint.json when accelport wrote it, else None and why it is not accelport's."""
     try:
         with open(os.path.join(path, MARKER)) as f:
             marker = json.load(f)
     except FileNotFoundError:
-        return Found(path, step, False, f"it has no {MARKER}: its save did not finish (killed, or out of space)")
+        return None, f"it has no {MARKER}"
     except (OSError, ValueError) as exc:
-        return Found(path, step, False, f"its {MARKER} cannot be read ({type(exc).__name__})")
-    if not isinstance(marker, dict) or marker.get("format") != FORMAT or not isinstance(marker.get("files"), dict):
-        return Found(path, step, False, f"its {MARKER} is not one accelport wrote")
+        return None, f"its {MARKER} cannot be read ({type(exc).__name__}: {_first_line(exc)})"
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT:
+        return None, f"its {MARKER} is not one accelport wrote"
+    return marker, ""
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def _empty(path: str) -> bool:
+    try:
+        return not os.listdir(path)
+    except OSError:
+        return False
+
+
+def _check(path: str, step: int) -> Found:
+    marker, why = _read_marker(path)
+    if marker is None:
+        if why == f"it has no {MARKER}" and _empty(path):  # a save killed as it made the directory
+            return Found(path, step, False, f"it has no {MARKER} and is empty: its save did not finish (killed, or out "
+                                             "of space)")
+        return Found(path, step, False, f"{why}: accelport did not write it", foreign=True)
+    if not isinstance(marker.get("files"), dict):
+        return Found(path, step, False, f"its {MARKER} says its save did not finish (killed, or out of space)")
     for name, size in sorted(marker["files"].items()):
         try:
             held = os.path.getsize(os.path.join(path, name))
@@ -105,6 +137,17 @@ def _check(path: str, step: int) -> Found:
     world = marker.get("world_size")
     return Found(path, step, True, "", float(when) if isinstance(when, (int, float)) else None,
                  world if isinstance(world, int) else None)
+
+
+def _remove_ours(path: str) -> None:
+    """Remove the checkpoint directory ``path`` if accelport wrote it (its marker), or if it is empty."""
+    if _read_marker(path)[0] is not None:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    try:
+        os.rmdir(path)  # only ever an empty one: a save killed as it made the directory
+    except OSError:
+        pass
 
 
 def find_checkpoints(directory: str | os.PathLike[str]) -> list[Found]:
@@ -838,6 +881,7 @@ class Checkpointer:
         self._objects: dict[str, Any] | None = None
         self._position: _Position | None = None
         self._said_unread = False
+        self._said_foreign: set[str] = set()
         self._agreement: _Agreement | None = None
         self._last_save_time = time.monotonic()
         self._saved_step: int | None = None
@@ -886,8 +930,13 @@ class Checkpointer:
             self._agreement = _Agreement(backend)
         found = find_checkpoints(self.directory)
         chosen = newest_complete(found)
+        for foreign in found:
+            if foreign.foreign and foreign.path not in self._said_foreign:
+                self._said_foreign.add(foreign.path)
+                warn_user(f"ap.Checkpointer: ignored {foreign.path}: {foreign.problem}; it is not loaded, and never "
+                          "removed or saved over. Give the checkpointer a directory of its own", CheckpointWarning)
         for torn in found:
-            if not torn.complete and (chosen is None or torn.step > chosen.step):
+            if not torn.complete and not torn.foreign and (chosen is None or torn.step > chosen.step):
                 warn_user(f"ap.Checkpointer: skipped the checkpoint at {torn.path}: {torn.problem}; "
                           + (f"resuming from step {chosen.step}" if chosen else "no complete checkpoint to resume "
                              "from, starting at step 0"), CheckpointWarning)
@@ -1028,9 +1077,9 @@ class Checkpointer:
         failure: CheckpointError | None = None
         if rank == 0:
             try:
-                if os.path.lexists(target):
-                    shutil.rmtree(target)  # a torn one from an earlier attempt, or this step saved again
-                os.makedirs(target)
+                self._begin(target, step, world)
+            except CheckpointError as exc:
+                failure = exc
             except OSError as exc:
                 failure = CheckpointError(f"ap.Checkpointer: cannot create {target!r}: "
                                           f"{exc.strerror or type(exc).__name__}")
@@ -1077,18 +1126,23 @@ class Checkpointer:
                 shutil.rmtree(target, ignore_errors=True)  # never left to be taken for a checkpoint, nor fill a disk
             raise
 
-    def _mark(self, target: str, step: int, world: int) -> None:
-        files: dict[str, int] = {}
-        for root, _dirs, names in os.walk(target):
-            for name in names:
-                full = os.path.join(root, name)
-                files[os.path.relpath(full, target)] = os.path.getsize(full)
-        missing = [f"rank-{r}.pt" for r in range(world) if f"rank-{r}.pt" not in files]
-        if missing:
-            raise CheckpointError(f"ap.Checkpointer: {target!r} lacks {', '.join(missing)} after every rank wrote its "
-                                  "part: the directory must be on storage every host shares")
-        marker = {"format": FORMAT, "version": 1, "step": step, "world_size": world, "time": time.time(),
-                  "files": files}
+    def _begin(self, target: str, step: int, world: int) -> None:
+        """Make ``target`` this step's checkpoint directory, marked as accelport's before anything is in it.
+
+        What is there already goes only if accelport wrote it (a torn save of this step, or this step saved
+        again); anything else is someone else's, and is refused, never removed."""
+        if os.path.lexists(target):
+            if _read_marker(target)[0] is None and not _empty(target):
+                raise CheckpointError(
+                    f"ap.Checkpointer: {target!r} is already there and accelport did not write it (it has no "
+                    f"{MARKER} of accelport's): saving step {step} would replace it. Give the checkpointer a "
+                    "directory of its own (ap.Checkpointer('ckpt/accelport', ...)), or move that directory away")
+            _remove_ours(target)
+        os.makedirs(target)
+        self._write_marker(target, {"format": FORMAT, "version": 1, "step": step, "world_size": world,
+                                    "complete": False})
+
+    def _write_marker(self, target: str, marker: Mapping[str, Any]) -> None:
         tmp = os.path.join(target, f".{MARKER}.tmp")
         with open(tmp, "w") as f:
             json.dump(marker, f, indent=1)
@@ -1097,14 +1151,30 @@ class Checkpointer:
         os.replace(tmp, os.path.join(target, MARKER))
         fsync_dir(target)
 
+    def _mark(self, target: str, step: int, world: int) -> None:
+        files: dict[str, int] = {}
+        for root, _dirs, names in os.walk(target):
+            for name in names:
+                full = os.path.join(root, name)
+                if root == target and name in (MARKER, f".{MARKER}.tmp"):
+                    continue
+                files[os.path.relpath(full, target)] = os.path.getsize(full)
+        missing = [f"rank-{r}.pt" for r in range(world) if f"rank-{r}.pt" not in files]
+        if missing:
+            raise CheckpointError(f"ap.Checkpointer: {target!r} lacks {', '.join(missing)} after every rank wrote its "
+                                  "part: the directory must be on storage every host shares")
+        marker = {"format": FORMAT, "version": 1, "step": step, "world_size": world, "time": time.time(),
+                  "files": files}
+        self._write_marker(target, marker)
+
     def _prune(self, step: int) -> None:
-        found = find_checkpoints(self.directory)
+        found = [f for f in find_checkpoints(self.directory) if not f.foreign]  # never someone else's
         complete = [f for f in found if f.complete]
         drop = [f for f in found if not f.complete and f.step < step]
         if self.keep_last is not None:
             drop += complete[:-self.keep_last]
         for f in drop:
-            shutil.rmtree(f.path, ignore_errors=True)
+            _remove_ours(f.path)
 
     def _load(self, api: Any, backend: Any, found: Found) -> None:
         objects = self._objects or {}

@@ -1164,7 +1164,8 @@ class Checkpointer:
             raise CheckpointError(f"ap.Checkpointer: {target!r} lacks {', '.join(missing)} after every rank wrote its "
                                   "part: the directory must be on storage every host shares")
         marker = {"format": FORMAT, "version": 1, "step": step, "world_size": world, "time": time.time(),
-                  "files": files}
+                  "files": files, "classes": {k: _class_name(v) for k, v in (self._objects or {}).items()
+                                              if k in ("optimizer", "scheduler")}}
         self._write_marker(target, marker)
 
     def _prune(self, step: int) -> None:
@@ -1178,6 +1179,7 @@ class Checkpointer:
 
     def _load(self, api: Any, backend: Any, found: Found) -> None:
         objects = self._objects or {}
+        self._check_classes(found, objects)
         into = {k: v for k, v in objects.items() if k in ("model", "optimizer")}
         plain = api.load(os.path.join(found.path, STATE), into=into)
         if not isinstance(plain, Mapping) or not isinstance(plain.get("step"), int):
@@ -1217,6 +1219,25 @@ class Checkpointer:
         self._saved_step = self.steps
         self.last_saved = found.path
 
+    def _check_classes(self, found: Found, objects: Mapping[str, Any]) -> None:
+        """Refuse, before anything is loaded, an optimizer or scheduler of another class than the one saved:
+        its state would fail to load later (AdamW's into SGD) or load as the saved class's (AdamW's into Adam)."""
+        marker, _ = _read_marker(found.path)
+        saved = marker.get("classes") if marker is not None else None
+        if not isinstance(saved, Mapping):
+            return  # saved before the classes were recorded
+        for key in ("optimizer", "scheduler"):
+            given = objects.get(key)
+            was = saved.get(key)
+            if given is None or not isinstance(was, str) or was == _class_name(given):
+                continue
+            short = was.rsplit(".", 1)[-1]
+            raise CheckpointError(
+                f"ap.Checkpointer: {found.path} was saved with {key} {short} ({was}), and restore() was given "
+                f"{type(given).__name__} ({_class_name(given)}): its state does not carry over to another class. "
+                f"Restore with {key} class {short}, or start from another directory (or restore without {key}= "
+                "to take the rest alone)")
+
     def _exit(self) -> None:
         assert self._stop is not None
         self._stop.saved = True
@@ -1236,6 +1257,11 @@ def _sharded(model: Any) -> bool:
     from accelport.sharding import is_dtensor
 
     return model is not None and any(is_dtensor(p) for p in model.parameters())
+
+
+def _class_name(value: Any) -> str:
+    kind = type(value)
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 def _is(value: Any, kind: str) -> bool:

@@ -48,7 +48,7 @@ def tests(session: nox.Session) -> None:
     # Training loops that live in a framework, for accelport diagnose's tests (tests/diagnose_cli/
     # test_real_scripts.py): releases that install beside the pinned torch without replacing it.
     session.install("transformers==5.24.0", "accelerate==1.16.0", "lightning==2.6.6")
-    session.run("ruff", "check", "accelport", "backends", "tests", "benchmarks")
+    session.run("ruff", "check", "accelport", "backends", "tests", "benchmarks", "_build")
     session.run("mypy")  # [tool.mypy] in pyproject.toml: the package and backends/
     _pytest(session, "-m", "not xla and not tpu_pkg")
 

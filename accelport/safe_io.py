@@ -9,7 +9,9 @@ An output is written beside its target and renamed over it once complete
 (:func:`write_atomic`; :func:`temp_beside` and :func:`replace_with` for one written
 over a while): a full disk or a kill leaves the earlier file as it was, never a
 truncated one; the temporary file a killed writer leaves is named after its target,
-host and process, so :func:`remove_orphans` can remove it later. :func:`same_file`
+host and process, so :func:`remove_orphans` can remove it later. A file accelport makes up
+the name of (a repro) is written only where nothing is yet (:func:`write_new`): never over a
+user's file, never through a symlink planted at its name. :func:`same_file`
 says whether two paths are one file, through symlinks and hard links, so an output
 is never written over an input.
 """
@@ -26,7 +28,7 @@ from typing import BinaryIO
 from accelport.errors import AccelportError
 
 __all__ = ["read_regular_file", "open_append", "same_file", "output_target", "temp_beside", "replace_with",
-           "remove_orphans", "write_atomic", "fsync_dir"]
+           "remove_orphans", "write_atomic", "write_new", "fsync_dir"]
 
 
 def _kind(mode: int) -> str:
@@ -230,3 +232,64 @@ def write_atomic(path: str, data: bytes, *, what: str) -> str:
         why = "the disk is full; the file that was there is unchanged" if full else (exc.strerror or str(exc))
         raise AccelportError(f"{what} {path!r} cannot be written ({why})") from None
     return target
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def write_new(path: str, data: bytes, *, what: str) -> bool:
+    """Write ``data`` to ``path`` as a new file, whole; False (nothing written) where anything is at ``path``
+    already: a file, a directory, a symlink (also a dangling one), which is never followed or replaced.
+
+    The data goes to a temporary file beside it (:func:`temp_beside`), which is then hard-linked to
+    ``path``: the link fails where the name is taken, so no check-then-write race lets another file
+    in between, and no reader sees the file half written. Where the file system has no hard links,
+    ``path`` is created exclusively (``O_EXCL``, ``O_NOFOLLOW``) and written in place. AccelportError,
+    in ``what``'s name, where it cannot be written; nothing is then left behind.
+    """
+    tmp = None
+    created = False
+    try:
+        tmp = temp_beside(path)
+        fd = os.open(tmp, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)  # (a name that is taken, a symlink too, fails: EEXIST)
+        except FileExistsError:
+            return False
+        except OSError:  # no hard links here (EPERM, ENOTSUP ...): created exclusively instead
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+            except FileExistsError:
+                return False
+            created = True
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        created = True
+        fsync_dir(os.path.dirname(path) or ".")
+        return True
+    except OSError as exc:
+        if created:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        full = exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+        raise AccelportError(f"{what} {path!r} cannot be written "
+                             f"({'the disk is full' if full else exc.strerror or exc})") from None
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass

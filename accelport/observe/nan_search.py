@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import io
+import keyword
 import math
 import os
 import re
@@ -43,12 +44,15 @@ import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from accelport.observe.frames import running_in, user_site
 
+if TYPE_CHECKING:
+    from accelport.redact import Redactor
+
 __all__ = ["NanSearch", "Origin", "TensorFacts", "parse_first_step", "reproducibility", "ENV", "ENV_DIR",
-           "COPY_MAX", "REPRO_MAX_BYTES"]
+           "COPY_MAX", "REPRO_MAX_BYTES", "REPRO_NAMES"]
 
 #: The setting that asks a ported script for the search: 1 (or true, on, yes) from the first step, or the step.
 ENV = "ACCELPORT_FIND_NAN"
@@ -59,6 +63,8 @@ ENV_DIR = "ACCELPORT_FIND_NAN_DIR"
 COPY_MAX = 1 << 26
 #: The most the repro's tensors may hold.
 REPRO_MAX_BYTES = 1 << 28
+#: The names a repro may take in its directory: ``accelport-nan-stepN.py``, then ``-2`` up to this (never over a file).
+REPRO_NAMES = 100
 #: Candidates kept per step (ops that made a NaN or Inf); later ones are followed as the last one's.
 MAX_CANDIDATES = 8
 MAX_FACTS = 6  # inputs described per op
@@ -396,12 +402,15 @@ class NanSearch:
 
     ``directory``: where the repro is written (absolute; created if missing); ``option``: the
     setting that names it, for the message when it cannot be written; ``steps_before``: steps
-    the run took before this search was built (a ported script's steps before the first ``ap.*``).
+    the run took before this search was built (a ported script's steps before the first ``ap.*``);
+    ``redactor``: the pass the repro's comments go through (default: one over ``os.environ``).
     :meth:`attach` starts it once torch is imported; the result is :attr:`found`.
     """
 
-    def __init__(self, first_step: int, directory: str, *, option: str = ENV_DIR, steps_before: int = 0) -> None:
+    def __init__(self, first_step: int, directory: str, *, option: str = ENV_DIR, steps_before: int = 0,
+                 redactor: Redactor | None = None) -> None:
         self.first_step = first_step
+        self.redactor = redactor
         self.directory = directory
         self.option = option
         #: Optimizer steps ended so far, counted as accelport counts them.
@@ -881,6 +890,10 @@ class NanSearch:
             candidate.problem = (f"its inputs hold {size >> 20} MiB, more than the {REPRO_MAX_BYTES >> 20} MiB a "
                                  "repro keeps")
             return
+        names = [*info.name.split("."), *kwargs]
+        if not all(isinstance(n, str) and n.isidentifier() and not keyword.iskeyword(n) for n in names):
+            candidate.problem = f"its name or an argument's ({info.name!r}) cannot be written in a script"
+            return
         candidate.tensors = [copies[id(t)] if id(t) in copies else _host_copy(t) for t in tensors]
         candidate.call = f"torch.ops.{info.name}({', '.join([*positional, *named])})"
         candidate.results = results
@@ -930,29 +943,46 @@ class NanSearch:
 
     # -- the repro ------------------------------------------------------------------------------------
     def _write_repro(self, origin: Origin, candidate: _Candidate) -> Origin:
-        """Write the op's inputs (torch.save) and a script that runs the op on them on cpu."""
+        """Write the op's inputs (torch.save) and a script that runs the op on them on cpu.
+
+        Both are new files: a name that is taken (a file of the user's, an earlier repro, a symlink
+        planted there) is left as it is and the next name is tried (``accelport-nan-step7-2.py``).
+        """
         if candidate.tensors is None:
             return replace(origin, repro_problem=f"no repro: {candidate.problem or 'its inputs were not kept'}")
         import torch
 
         from accelport.errors import AccelportError
-        from accelport.safe_io import write_atomic
+        from accelport.safe_io import write_new
 
-        stem = f"accelport-nan-step{origin.step}"
-        script = os.path.join(self.directory, stem + ".py")
-        data = os.path.join(self.directory, stem + ".pt")
+        base = f"accelport-nan-step{origin.step}"
         try:
             os.makedirs(self.directory, exist_ok=True)
             buffer = io.BytesIO()
             torch.save(candidate.tensors, buffer)
-            write_atomic(data, buffer.getvalue(), what="the repro's tensors")
-            write_atomic(script, _script(origin, candidate, os.path.basename(data)).encode("utf-8"),
-                         what="the repro")
+            tensors = buffer.getvalue()
+            for n in range(1, REPRO_NAMES + 1):
+                stem = base if n == 1 else f"{base}-{n}"
+                script = os.path.join(self.directory, stem + ".py")
+                data = os.path.join(self.directory, stem + ".pt")
+                if not write_new(data, tensors, what="the repro's tensors"):
+                    continue
+                source = _script(origin, candidate, os.path.basename(data), self._redactor()).encode("utf-8")
+                if write_new(script, source, what="the repro"):
+                    return replace(origin, repro=(script, data))
+                os.unlink(data)  # (written here a moment ago: its script's name is taken)
         except (OSError, AccelportError) as exc:
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             return replace(origin, repro_problem=(f"the repro could not be written in {self.directory} ({why}); "
                                                   f"give {self.option} a directory that can be written"))
-        return replace(origin, repro=(script, data))
+        return replace(origin, repro_problem=(f"no repro: {self.directory} already holds {base}.py to "
+                                              f"{base}-{REPRO_NAMES}.py (a repro is never written over a file); "
+                                              f"remove those or give {self.option} another directory"))
+
+    def _redactor(self) -> Redactor:
+        from accelport.redact import Redactor
+
+        return self.redactor if self.redactor is not None else Redactor(os.environ)
 
 
 def _forked(ref: weakref.ReferenceType[NanSearch]) -> None:
@@ -1015,16 +1045,24 @@ def _optimizer_class(frame: Any) -> str:
     return ""
 
 
-def _script(origin: Origin, candidate: _Candidate, data: str) -> str:
-    """The repro: a few lines of plain Python and torch that run the op on its saved inputs on cpu."""
+def _script(origin: Origin, candidate: _Candidate, data: str, redactor: Redactor) -> str:
+    """The repro: a few lines of plain Python and torch that run the op on its saved inputs on cpu.
+
+    What the run named (the op, the module path and class, the script's path) is only in comments,
+    through ``redactor``: no credential (a token in the script's path) and no line break or control
+    character (a class named with a newline) that would end the comment and start code. Strings in
+    the code are ``repr()``'s; the op's call is made of names checked to be identifiers.
+    """
+    text = redactor.text
     where = f", {origin.site[0]}:{origin.site[1]}" if origin.site else ""
     module = f", {origin.module}" if origin.module else ""
     backward = f" of {origin.forward_op}" if origin.forward_op else ""
     after = f"out = [{candidate.results}]\n" if candidate.results else ""
     return (
-        f"# The first operation that made a NaN or Inf, found by accelport's --find-nan: {origin.op} at step\n"
-        f"# {origin.step} ({origin.direction}{backward}{module}{where}).\n"
-        f"# Its inputs, as they were, are in {data}; this runs it on cpu: python {data[:-3]}.py\n"
+        f"# The first operation that made a NaN or Inf, found by accelport's --find-nan: {text(origin.op)}"
+        f" at step\n# {origin.step} ({text(f'{origin.direction}{backward}{module}{where}')}).\n"
+        f"# Its inputs, as they were, are in {text(data)}; this runs it on cpu: "
+        f"python {text(data[:-3])}.py\n"
         "import os\n\nimport torch\n\n"
         f"t = torch.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), {data!r}), weights_only=True)\n"
         "print(f\"inputs: {sum(int(x.isnan().sum()) for x in t)} NaN, {sum(int(x.isinf().sum()) for x in t)} Inf\")\n"

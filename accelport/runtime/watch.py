@@ -348,7 +348,8 @@ class Watcher:
         is to be checked (the ops before the first optimizer step are step 1's)."""
         from accelport.observe.nan_search import NanSearch
 
-        search = NanSearch(int(self._find_nan or 1), self._find_nan_dir or os.getcwd(), option="--find-nan-dir")
+        search = NanSearch(int(self._find_nan or 1), self._find_nan_dir or os.getcwd(), option="--find-nan-dir",
+                           redactor=self._redactor)
         self.tracker.nan_search = search
 
         def on_torch(module: types.ModuleType) -> None:

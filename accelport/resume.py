@@ -441,9 +441,36 @@ class _Position:
         """Whether the pass in progress can give the loop no further batch."""
         return self._length is not None and self._length - self.consumed < self._per_batch
 
+    def _shape(self) -> dict[str, int | None]:
+        """What a pass's batches are cut from: the batch size, the dataset's length, the batches a pass holds."""
+        loader = self.loader
+        batch_size = getattr(loader, "batch_size", None)
+        return {"batch_size": batch_size if isinstance(batch_size, int) else None,
+                "dataset_length": self._length_of(getattr(loader, "dataset", None)) if hasattr(loader, "dataset")
+                else None,
+                "batches": self._length_of(loader)}
+
+    def refusal(self, saved: Mapping[str, Any], path: str) -> str:
+        """Why the pass in progress in ``saved`` cannot go on with this loader ("" if it can): another batch
+        size or dataset length would skip or repeat samples, since the position is kept in batches."""
+        if saved.get("kind") != self.kind or self.kind == "iterable" or saved.get("ended") \
+                or not int(saved.get("consumed") or 0):
+            return ""
+        now = self._shape()
+        names = {"batch_size": "batch size", "dataset_length": "dataset length", "batches": "batches a pass"}
+        changed = [(names[k], saved[k], now[k]) for k in names
+                   if isinstance(saved.get(k), int) and isinstance(now[k], int) and saved[k] != now[k]]
+        if not changed:
+            return ""
+        said = ", ".join(f"{name} {was} then, {is_} now" for name, was, is_ in changed)
+        return (f"ap.Checkpointer: {path} was saved {saved['consumed']} batches into pass {saved.get('epoch')}, and "
+                f"the loader given to restore() differs ({said}): the position is kept in batches, so going on with "
+                "this loader would skip or repeat samples of that pass. Resume with the loader as it was saved (the "
+                "same batch size and dataset) at least to the end of that pass, or start from another directory")
+
     def state(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "epoch": self.epoch, "consumed": self.consumed,
-                               "ended": self.ended()}
+                               "ended": self.ended(), **self._shape()}
         if self.kind == "map":
             out["start"] = self._start
             out["now"] = {"generators": {k: g.get_state() for k, g in _generators(self.loader).items()}}
@@ -1180,6 +1207,18 @@ class Checkpointer:
     def _load(self, api: Any, backend: Any, found: Found) -> None:
         objects = self._objects or {}
         self._check_classes(found, objects)
+        rank, world = backend.rank(), backend.world_size()
+        saved_world = found.world_size or world
+        from accelport.checkpoint import load_file
+
+        own = os.path.join(found.path, f"rank-{rank}.pt")
+        # This rank's part first: what it refuses is refused before anything is loaded in place.
+        mine = load_file(own if rank < saved_world else os.path.join(found.path, "rank-0.pt"), "cpu")
+        refusal = self._position.refusal(mine["data"], found.path) \
+            if self._position is not None and isinstance(mine.get("data"), Mapping) else ""
+        from accelport import checkpoint
+
+        checkpoint.agree(backend, CheckpointError(refusal) if refusal else None)  # every rank refuses together
         into = {k: v for k, v in objects.items() if k in ("model", "optimizer")}
         plain = api.load(os.path.join(found.path, STATE), into=into)
         if not isinstance(plain, Mapping) or not isinstance(plain.get("step"), int):
@@ -1196,12 +1235,6 @@ class Checkpointer:
             warn_user(f"ap.Checkpointer: {found.path} holds {', '.join(unused)} state that restore() was not given "
                       f"({', '.join(k + '=' for k in unused)}): it is not restored, and the run will not continue as "
                       "it would have", CheckpointWarning)
-        rank, world = backend.rank(), backend.world_size()
-        saved_world = found.world_size or world
-        from accelport.checkpoint import load_file
-
-        own = os.path.join(found.path, f"rank-{rank}.pt")
-        mine = load_file(own if rank < saved_world else os.path.join(found.path, "rank-0.pt"), "cpu")
         notes = []
         if rank < saved_world:
             notes += [f"{what} RNG state" for what in _set_rng_states(backend, mine["rng"])]

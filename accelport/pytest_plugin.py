@@ -240,6 +240,40 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=_skip_reason(verdicts)))
 
 
+def _backend_of(item: pytest.Item) -> str | None:
+    """The backend ``item`` runs on through the plugin (its marker's choice or its ``ap_backend``), if any."""
+    name = item.stash.get(_CHOICE, None)
+    if name is None:
+        name = getattr(getattr(item, "callspec", None), "params", {}).get(FIXTURE)
+    return name if isinstance(name, str) else None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session: pytest.Session) -> None:
+    """Start the device of every lazy (torch_xla) backend a selected test runs on, before the first test.
+
+    torch's autograd engine sizes its per-device queues once, at the process's first backward
+    pass, from the devices started by then: a torch_xla device started after a backward on the
+    CPU fails every backward of its own (``INTERNAL ASSERT FAILED ... device_ready_queues_``).
+    Started here, the ``[cpu]`` and ``[xla]`` cases of one test share the process in any order.
+    """
+    config = session.config
+    state = config.stash.get(_STATE, None)
+    if state is None or config.option.collectonly or (session.testsfailed and
+                                                       not config.option.continue_on_collection_errors):
+        return  # no test uses the plugin, or none runs
+    names = {state.session_backend} if state.session_backend else set()
+    names.update(name for name in map(_backend_of, session.items) if name is not None)
+    for name in sorted(names):
+        backend = state.host.backends.get(name)
+        if backend is None or not backend.lazy or state.why_not(name, 1) is not None:
+            continue  # (eager devices are torch's own or registered as their module loads)
+        try:
+            backend.device()
+        except Exception:  # noqa: BLE001 - the tests on it fail with the error itself, where it belongs
+            continue
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     name = item.stash.get(_CHOICE, None)

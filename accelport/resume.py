@@ -296,6 +296,8 @@ class _Position:
         #: map, resumed: the passes after the resumed one reuse the loader's iterator, as they did in the
         #: run that was stopped (its first pass made it); made, without a draw, before the next pass.
         self._warm = False
+        #: Batches the loop reads of a pass at most (restore's ``batches_per_pass``), or None: the whole pass.
+        self.max_batches: int | None = None
 
     # -- ap.loader's side -----------------------------------------------------------------------
     def begin(self, iterable: Iterable[Any], per_batch: int) -> Iterable[Any]:
@@ -304,12 +306,33 @@ class _Position:
         self._consumer = threading.get_ident()
         resume, self._resume = self._resume, None
         if self.kind == "map":
-            return self._map_pass(resume)
-        if self.kind == "stateful":
-            return self._stateful_pass(resume)
-        if self.kind == "sequence":
-            return self._sequence_pass(iterable, resume)
-        return self._plain_pass(iterable, resume)
+            read = self._map_pass(resume)
+        elif self.kind == "stateful":
+            read = self._stateful_pass(resume)
+        elif self.kind == "sequence":
+            read = self._sequence_pass(iterable, resume)
+        else:
+            read = self._plain_pass(iterable, resume)
+        return read if self.max_batches is None else self._limited(read, self.max_batches * per_batch)
+
+    def _limited(self, items: Iterable[Any], limit: int) -> Iterator[Any]:
+        """``items`` ended once the pass holds ``limit`` source batches, those consumed before a resume
+        included: a resumed pass reads only the rest of the batches the stopped run's pass would have read."""
+        it = iter(items)
+        first = next(it, _END)  # the pass starts here: its position (a resumed one's batches consumed) is set
+        if first is _END:
+            return
+        read = self.consumed
+        if read >= limit:
+            return
+        yield first
+        read += 1
+        while read < limit:  # checked before the next batch is read: none is loaded past the end
+            batch = next(it, _END)
+            if batch is _END:
+                return
+            read += 1
+            yield batch
 
     def advance(self) -> None:
         self.consumed += self._per_batch
@@ -439,6 +462,8 @@ class _Position:
     # -- the checkpointer's side -------------------------------------------------------------------
     def ended(self) -> bool:
         """Whether the pass in progress can give the loop no further batch."""
+        if self.max_batches is not None and self.consumed >= self.max_batches * self._per_batch:
+            return True
         return self._length is not None and self._length - self.consumed < self._per_batch
 
     def _shape(self) -> dict[str, int | None]:
@@ -930,13 +955,27 @@ class Checkpointer:
             return 0
         return max(0, self._position.next_epoch())
 
-    def restore(self, *, model: Any = None, optimizer: Any = None, scheduler: Any = None, loader: Any = None) -> int:
+    def restore(self, *, model: Any = None, optimizer: Any = None, scheduler: Any = None, loader: Any = None,
+                batches_per_pass: int | None = None) -> int:
         """Load the newest complete checkpoint into these objects; returns the step to start from (0 when none).
 
         These are also what every later save holds. A torn or incomplete checkpoint is
         skipped with a :class:`CheckpointWarning`; RNG states (torch, the device's, Python's
         ``random``, numpy's global one) and the loader's position come back too.
+
+        ``batches_per_pass``: a loop that leaves each pass early (``max_steps_per_epoch``, a
+        ``break`` after N batches) says N here; each pass of ``ap.loader(loader)`` then ends
+        after N batches, counting those read before a resume, so a pass resumed from a
+        checkpoint reads only the rest of them, and one saved at its Nth batch resumes
+        at the next pass (a ``break`` of the loop's own, counting from 0, could not know).
         """
+        if batches_per_pass is not None and (isinstance(batches_per_pass, bool)
+                                             or not isinstance(batches_per_pass, int) or batches_per_pass < 1):
+            raise UsageError(f"Checkpointer.restore(batches_per_pass=...) takes the number of batches the loop reads "
+                             f"of each pass, 1 or more (or None: every batch), not {batches_per_pass!r}")
+        if batches_per_pass is not None and loader is None:
+            raise UsageError("Checkpointer.restore(batches_per_pass=...) limits the passes of the loader it is given: "
+                             "pass loader= too")
         for name, value, check, what in (("model", model, "module", "torch.nn.Module"),
                                          ("optimizer", optimizer, "optimizer", "torch.optim.Optimizer")):
             if value is not None and not _is(value, check):
@@ -951,6 +990,7 @@ class Checkpointer:
                          if v is not None}
         if loader is not None:
             self._position = _attach(loader, self._stop.signals if self._stop is not None else ())
+            self._position.max_batches = batches_per_pass
         world = backend.world_size()
         if world > 1 and self._agreement is None and (self._stop is not None or self.every_seconds is not None
                                                       or self.background):

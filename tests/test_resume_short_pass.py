@@ -1,0 +1,63 @@
+"""A loop that leaves each pass early (max_steps_per_epoch) resumes bit-identically with batches_per_pass."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import accelport as ap
+
+LIMIT = 5  # batches read of each pass, of the 12 a pass holds
+EPOCHS = 3
+
+
+def _run(directory: Path, stop_after: int | None = None, every: int = 100) -> tuple[Any, list[list[float]]]:
+    """Train EPOCHS passes of LIMIT batches each (the loop's own break too); ``stop_after``: the process stops
+    there, right after that step's checkpoint (as a kill or a stop request would leave it)."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = torch.utils.data.TensorDataset(torch.linspace(-1, 1, 24).view(24, 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=2, shuffle=True)
+    seen: list[list[float]] = []
+    with ap.Checkpointer(directory, every_steps=every, stop_on=()) as ckpt:
+        ckpt.restore(model=model, optimizer=opt, loader=loader, batches_per_pass=LIMIT)
+        for _ in range(ckpt.epoch, EPOCHS):
+            for i, (x,) in enumerate(ap.loader(loader)):
+                seen.append(x.view(-1).tolist())
+                model(x).pow(2).sum().backward()
+                ap.optimizer_step(opt)
+                opt.zero_grad()
+                ckpt.step()
+                if ckpt.steps == stop_after:
+                    return model, seen
+                if i + 1 == LIMIT:  # max_steps_per_epoch, as the loop had it
+                    break
+    return model, seen
+
+
+@pytest.mark.parametrize("stop_at", [5, 7, 10])  # the end of pass 0, mid pass 1, the end of pass 1
+def test_a_pass_left_early_resumes_bit_identical(tmp_path: Path, stop_at: int) -> None:
+    import torch
+
+    ap.use("cpu")
+    full, full_seen = _run(tmp_path / "full")
+    assert len(full_seen) == EPOCHS * LIMIT
+    _, before = _run(tmp_path / "stopped", stop_after=stop_at, every=stop_at)
+    resumed, after = _run(tmp_path / "stopped")
+    assert before + after == full_seen  # the same batches at the same steps, none repeated or skipped
+    for a, b in zip(full.state_dict().values(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_batches_per_pass_is_checked(tmp_path: Path) -> None:
+    with ap.Checkpointer(tmp_path, stop_on=()) as ckpt:
+        with pytest.raises(ap.AccelportError, match=r"batches_per_pass=...\) takes the number of batches the loop "
+                                                    "reads of each pass, 1 or more"):
+            ckpt.restore(loader=[1, 2], batches_per_pass=0)
+        with pytest.raises(ap.AccelportError, match="pass loader= too"):
+            ckpt.restore(batches_per_pass=3)

@@ -160,7 +160,7 @@ def _run_matrix_step(workflow: dict[str, Any], tmp_path: pathlib.Path,
     stand_in.chmod(0o755)
     output = tmp_path / "github_output"
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-           "GITHUB_OUTPUT": str(output), "TPU_RUNNER": "tpu-v5e", "NEURON_RUNNER": "trn1"}
+           "GITHUB_OUTPUT": str(output), "TPU_RUNNER": "tpu-v5e", "NEURON_RUNNER": "trn1", "TORCH_VERSIONS": "2.13"}
     script = tmp_path / "step.sh"
     script.write_text(step["run"])
     # GitHub runs a `run:` script as `bash -e {0}` on Linux.
@@ -174,7 +174,9 @@ def _run_matrix_step(workflow: dict[str, Any], tmp_path: pathlib.Path,
 def test_matrix_job_hands_every_row_to_the_cloud_jobs(name: str, tmp_path: pathlib.Path) -> None:
     workflow = _load(dict(_workflows())[name])
     outputs, argv = _run_matrix_step(workflow, tmp_path, MATRIX_SAMPLE)
-    assert argv == ["ci-matrix", "--platform", "gcp-tpu", "--platform", "aws-neuron", "--format", "github",
+    # The copy for a user's own repository tests the torch versions their stack runs, not all 16.
+    torch = ["--torch", "2.13"] if name == "docs/ci.md" else []
+    assert argv == ["ci-matrix", "--platform", "gcp-tpu", "--platform", "aws-neuron", *torch, "--format", "github",
                     "--runner", "gcp-tpu=tpu-v5e", "--runner", "aws-neuron=trn1"]
     assert json.loads(outputs["matrix"]) == MATRIX_SAMPLE
     assert outputs["count"] == str(len(MATRIX_SAMPLE["include"])) and MATRIX_SAMPLE["include"]
@@ -253,7 +255,10 @@ def test_matrix_fields_reach_pip_intact_through_the_shell(name: str, tmp_path: p
     bin_dir.mkdir()
     log = tmp_path / "calls.log"
     for tool in ("python", "python3", "pip", "pip3", "pytest", "accelport"):
-        (bin_dir / tool).write_text('#!/bin/bash\n{ echo "--- ${0##*/}"; printf \'%s\\n\' "$@"; } >> "$CALLS_LOG"\n')
+        (bin_dir / tool).write_text('#!/bin/bash\n{ echo "--- ${0##*/}"; printf \'%s\\n\' "$@"; } >> "$CALLS_LOG"\n'
+                                    # `python -m venv DIR`: DIR/bin/python is this stand-in too.
+                                    'if [ "$1 $2" = "-m venv" ]; then\n'
+                                    '  mkdir -p "$3/bin" && ln -sf "$0" "$3/bin/python"\nfi\n')
         (bin_dir / tool).chmod(0o755)
     steps = _shell_steps(name)
     installs_from_matrix = any(re.search(r"matrix\.(install|pip_args)\b", str(step["run"])) for _, step in steps)
@@ -369,3 +374,16 @@ def test_a_version_of_thousands_of_digits_is_an_invalid_version(capsys: pytest.C
     data = json.loads(capsys.readouterr().out)
     assert data["kind"] == "usage" and data["error"].startswith("--torch: invalid torch version '99999")
     assert len(data["error"]) < 400
+
+
+def test_the_example_output_in_the_docs_is_what_the_command_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    from accelport.cli import main
+
+    text = RECIPE.read_text()
+    command = re.search(r"`accelport ci-matrix --format github` prints the matrix for `strategy.matrix`\s+"
+                        r"on one line \(here `([^`]+)`\)", text)
+    assert command, "docs/ci.md no longer shows the command of its example"
+    assert main(["ci-matrix", *shlex.split(command.group(1)), "--format", "github"]) == 0
+    printed = capsys.readouterr().out.strip()
+    shown = re.search(r"```json\n(.*?)\n```", text[command.end():], re.S)
+    assert shown and shown.group(1).strip() == printed

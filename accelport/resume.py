@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from accelport.device_loader import POSITION_ATTRIBUTE
-from accelport.errors import CheckpointError, CheckpointWarning, UsageError, warn_user
+from accelport.errors import AccelportError, CheckpointError, CheckpointWarning, UsageError, warn_user
 from accelport.launch.stop import EXIT_PREEMPTED, deadline_s, record_stop, signal_name, unsaved_status
 from accelport.safe_io import fsync_dir
 
@@ -137,6 +137,41 @@ def _check(path: str, step: int) -> Found:
     world = marker.get("world_size")
     return Found(path, step, True, "", float(when) if isinstance(when, (int, float)) else None,
                  world if isinstance(world, int) else None)
+
+
+class _Damaged(Exception):
+    """A complete checkpoint whose files do not hold what it says (the message: what is wrong)."""
+
+
+def _damage(found: Found) -> str:
+    """What is wrong with the complete checkpoint ``found`` beyond its sizes ("" if nothing): a file that
+    must be there and is not listed, or a byte changed in a file torch wrote (the CRC32 each of its zip
+    archive's members carries). (The shards of a sharded state carry no checksum.)"""
+    import zipfile
+
+    marker, why = _read_marker(found.path)
+    if marker is None:
+        return why
+    files = marker.get("files") or {}
+    world = found.world_size or 1
+    needed = [STATE] + [f"rank-{r}.pt" for r in range(world)]
+    for name in needed:
+        if name not in files and not any(n.startswith(name + "/") for n in files):
+            return f"its {MARKER} does not list {name}, which every checkpoint holds"
+    for name in sorted(files):
+        full = os.path.join(found.path, name)
+        if name != STATE and not name.endswith(".pt"):
+            continue
+        if name == STATE and os.path.isdir(full):
+            continue
+        try:
+            with zipfile.ZipFile(full) as archive:
+                bad = archive.testzip()
+        except (OSError, zipfile.BadZipFile, ValueError, EOFError, RuntimeError) as exc:
+            return f"{name} is not the archive torch wrote ({_first_line(exc)})"
+        if bad is not None:
+            return f"{name} does not hold the bytes it was saved with ({bad} fails its CRC32 check)"
+    return ""
 
 
 def _remove_ours(path: str) -> None:
@@ -996,32 +1031,48 @@ class Checkpointer:
                                                       or self.background):
             self._agreement = _Agreement(backend)
         found = find_checkpoints(self.directory)
-        chosen = newest_complete(found)
         for foreign in found:
             if foreign.foreign and foreign.path not in self._said_foreign:
                 self._said_foreign.add(foreign.path)
                 warn_user(f"ap.Checkpointer: ignored {foreign.path}: {foreign.problem}; it is not loaded, and never "
                           "removed or saved over. Give the checkpointer a directory of its own", CheckpointWarning)
-        for torn in found:
-            if not torn.complete and not torn.foreign and (chosen is None or torn.step > chosen.step):
-                warn_user(f"ap.Checkpointer: skipped the checkpoint at {torn.path}: {torn.problem}; "
-                          + (f"resuming from step {chosen.step}" if chosen else "no complete checkpoint to resume "
-                             "from, starting at step 0"), CheckpointWarning)
-        if world > 1:
-            from accelport.tensors import same_on_every_rank
+        # Newest first: a torn or damaged checkpoint gives way to the one before it.
+        skipped = [(f, f.problem) for f in found if not f.complete and not f.foreign]
+        candidates = [f for f in reversed(found) if f.complete]
+        while True:
+            chosen = None
+            for f in candidates:
+                problem = _damage(f)
+                if not problem:
+                    chosen = f
+                    break
+                skipped.append((f, f"it is damaged: {problem}"))
+            candidates = candidates[candidates.index(chosen) + 1:] if chosen is not None else []
+            for skip, why in skipped:
+                if chosen is None or skip.step > chosen.step:
+                    warn_user(f"ap.Checkpointer: skipped the checkpoint at {skip.path}: {why}; "
+                              + (f"resuming from step {chosen.step}" if chosen else "no complete checkpoint to resume "
+                                 "from, starting at step 0"), CheckpointWarning)
+            skipped = []
+            if world > 1:
+                from accelport.tensors import same_on_every_rank
 
-            if not same_on_every_rank(backend, chosen.step if chosen else None):
-                raise CheckpointError(f"ap.Checkpointer: the ranks found different newest checkpoints in "
-                                      f"{self.directory} (here rank {backend.rank()}: "
-                                      f"{chosen.path if chosen else 'none'}): put the directory on storage every "
-                                      "host shares, and start every rank on the same one")
-        if chosen is None:
-            self.steps = 0
+                if not same_on_every_rank(backend, chosen.step if chosen else None):
+                    raise CheckpointError(f"ap.Checkpointer: the ranks found different newest checkpoints in "
+                                          f"{self.directory} (here rank {backend.rank()}: "
+                                          f"{chosen.path if chosen else 'none'}): put the directory on storage every "
+                                          "host shares, and start every rank on the same one")
+            if chosen is None:
+                self.steps = 0
+                self._last_save_time = time.monotonic()
+                return 0
+            try:
+                self._load(api, backend, chosen)
+            except _Damaged as exc:  # found before anything was loaded in place: the one before it is tried
+                skipped.append((chosen, f"it is damaged: {exc}"))
+                continue
             self._last_save_time = time.monotonic()
-            return 0
-        self._load(api, backend, chosen)
-        self._last_save_time = time.monotonic()
-        return self.steps
+            return self.steps
 
     def step(self) -> None:
         """End of a training step: save when one is due, or when a stop was requested (then exit)."""
@@ -1251,16 +1302,35 @@ class Checkpointer:
         saved_world = found.world_size or world
         from accelport.checkpoint import load_file
 
-        own = os.path.join(found.path, f"rank-{rank}.pt")
+        own = os.path.join(found.path, f"rank-{rank}.pt" if rank < saved_world else "rank-0.pt")
         # This rank's part first: what it refuses is refused before anything is loaded in place.
-        mine = load_file(own if rank < saved_world else os.path.join(found.path, "rank-0.pt"), "cpu")
-        refusal = self._position.refusal(mine["data"], found.path) \
-            if self._position is not None and isinstance(mine.get("data"), Mapping) else ""
+        damage = None
+        try:
+            mine = load_file(own, "cpu")
+            if not isinstance(mine, Mapping) or mine.get("step") != found.step:
+                damage = (f"{os.path.basename(own)} is of step {mine.get('step') if isinstance(mine, Mapping) else '?'}"
+                          f", not of the step {found.step} the checkpoint is")
+        except (AccelportError, OSError) as exc:
+            damage = f"{os.path.basename(own)} cannot be read ({_first_line(exc)})"
         from accelport import checkpoint
 
+        if world > 1:  # every rank together: one rank's damaged part is an error on all of them
+            checkpoint.agree(backend, CheckpointError(f"ap.Checkpointer: {found.path} is damaged: {damage}; remove "
+                                                      "it to resume from the checkpoint before it") if damage else None)
+        elif damage:
+            raise _Damaged(damage)
+        refusal = self._position.refusal(mine["data"], found.path) \
+            if self._position is not None and isinstance(mine.get("data"), Mapping) else ""
         checkpoint.agree(backend, CheckpointError(refusal) if refusal else None)  # every rank refuses together
         into = {k: v for k, v in objects.items() if k in ("model", "optimizer")}
-        plain = api.load(os.path.join(found.path, STATE), into=into)
+        try:
+            plain = api.load(os.path.join(found.path, STATE), into=into)
+        except CheckpointError:
+            raise  # the objects given do not fit it: not a damage another checkpoint would mend
+        except (AccelportError, OSError) as exc:  # unreadable: raised before anything was loaded in place
+            if world > 1:
+                raise
+            raise _Damaged(f"{STATE} cannot be read ({_first_line(exc)})") from exc
         if not isinstance(plain, Mapping) or not isinstance(plain.get("step"), int):
             raise CheckpointError(f"ap.Checkpointer: {found.path!r} holds no step count: not a checkpoint it wrote")
         scheduler = objects.get("scheduler")

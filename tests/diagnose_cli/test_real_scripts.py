@@ -125,8 +125,11 @@ def transformers() -> None:
 
 
 def test_a_slow_dataset_under_the_hf_trainer_names_its_own_options(tmp_path: pathlib.Path, transformers: None) -> None:
-    done, result, said = diagnosed(tmp_path, HF, "--case", "slow", env=OFFLINE)
-    assert done.returncode == 0 and done.stdout.rstrip().endswith("done 20"), done.stderr
+    # 12 steps (the rule judges from step 10), each waiting 800 ms for its batch. One compute thread: on a
+    # busy machine, torch's threads spinning for a descheduled peer would make the compute look like the cause.
+    done, result, said = diagnosed(tmp_path, HF, "--case", "slow", "--steps", "12",
+                                   env={**OFFLINE, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0 and done.stdout.rstrip().endswith("done 12"), done.stderr
     [found] = result["findings"]
     assert found["kind"] == "input-bound"
     # The Trainer's own option, not num_workers of a DataLoader the script never builds, nor ap.loader.

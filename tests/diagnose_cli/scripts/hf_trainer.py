@@ -1,6 +1,7 @@
 """A HuggingFace Trainer run of a tiny GPT-2 built from a config (no download). Never imports accelport.
 
---case slow   the dataset is slow to read (40 ms a sample: 320 ms a batch, several times a step)
+--case slow   the dataset is slow to read (100 ms a sample: 800 ms a batch, tens of times a step's compute, so
+              that a loaded machine, which slows the compute and not the sleep, cannot bring it under 30%)
 --case nan    one sample's embeddings hold a NaN
 --case healthy
 """
@@ -27,7 +28,7 @@ class Tokens(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         if args.case == "slow":
-            time.sleep(0.04)
+            time.sleep(0.1)
         g = torch.Generator().manual_seed(i)
         ids = torch.randint(0, 128, (16,), generator=g)
         embeds = torch.randn(16, EMBED, generator=g) * 0.02

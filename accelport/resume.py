@@ -714,6 +714,10 @@ def _set_rng_states(backend: Any, saved: Mapping[str, Any]) -> list[str]:
 # -- stop requests --------------------------------------------------------------------------------
 
 
+#: Signals that report a crash (a fault of the process itself), never a request to stop.
+_CRASH_SIGNALS = ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGTRAP", "SIGSYS")
+
+
 def _parse_signals(stop_on: Any) -> tuple[int, ...]:
     if isinstance(stop_on, (str, int)):
         stop_on = (stop_on,)
@@ -731,6 +735,11 @@ def _parse_signals(stop_on: Any) -> tuple[int, ...]:
         if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
             raise UsageError(f"Checkpointer(stop_on=...): {sig.name} cannot be caught (or means no stop); "
                              "use SIGTERM, SIGINT, SIGHUP, SIGUSR1 or SIGUSR2")
+        if sig.name in _CRASH_SIGNALS:
+            # Its handler only records a request: the faulting instruction runs again, forever (a hang, not a save).
+            raise UsageError(f"Checkpointer(stop_on=...): {sig.name} means the process crashed, and a crash cannot "
+                             "be saved at the next step (it would hang instead of ending); use SIGTERM, SIGINT, "
+                             "SIGHUP, SIGUSR1 or SIGUSR2")
         out.append(int(sig))
     return tuple(dict.fromkeys(out))
 

@@ -1048,6 +1048,100 @@ def _put_first(entry: str | None) -> Callable[[], None]:
     return restore
 
 
+def _startup_modules() -> frozenset[str] | None:
+    """The top-level modules plain ``python`` has imported when a script's first line runs (the interpreter's
+    own, and what ``site`` and ``.pth`` files import), asked of a fresh interpreter with this one's flags; None
+    where it cannot be asked. These a file beside the script never shadows: they are imported before
+    ``sys.path[0]`` is the script's directory."""
+    import subprocess
+
+    if not sys.executable:
+        return None
+    flags = ["-I"] if sys.flags.isolated else [
+        flag for flag, on in (("-E", sys.flags.ignore_environment), ("-s", sys.flags.no_user_site)) if on]
+    flags += ["-S"] if sys.flags.no_site else []
+    flags += [f"-X{name}" if value is True else f"-X{name}={value}" for name, value in sys._xoptions.items()]
+    try:  # (the timeout guards against a hang; a python that starts takes well under a second)
+        done = subprocess.run([sys.executable, *flags, "-c", "import sys; print(' '.join(sys.modules))"],
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    if done.returncode != 0:
+        return None
+    return frozenset(name.partition(".")[0] for name in done.stdout.split())
+
+
+def _shadowed(entry: str) -> list[tuple[str, str]]:
+    """(module, file) for each top-level module imported before the script runs that ``python`` would import
+    from ``entry`` (the script's ``sys.path[0]``) if it were not imported yet: ``NAME.py``, a package or an
+    extension there. A builtin or frozen module is found before any path, and a bare directory (a namespace
+    portion) gives way to a module further on, so neither is shadowed."""
+    machinery = importlib.machinery
+    found = []
+    for name in sorted({key.partition(".")[0] for key in list(sys.modules)}):
+        module = sys.modules.get(name)
+        if module is None or name == "__main__":
+            continue
+        try:
+            if machinery.BuiltinImporter.find_spec(name) or machinery.FrozenImporter.find_spec(name):
+                continue
+            spec = machinery.PathFinder.find_spec(name, [entry])
+        except Exception:  # noqa: BLE001 - a name no finder can look up: nothing there shadows it
+            continue
+        if spec is None or spec.origin is None or not spec.has_location:
+            continue
+        current = getattr(module, "__file__", None)
+        if isinstance(current, str) and os.path.abspath(current) == os.path.abspath(spec.origin):
+            continue  # (already the script's: accelport was started from its directory)
+        found.append((name, spec.origin))
+    return found
+
+
+class _SetAside:
+    """The standard library's modules accelport imported that a file beside the script shadows, out of
+    ``sys.modules`` while the script runs, so its ``import random`` gets its own ``random.py`` as under
+    ``python script.py``; not those plain ``python`` imports before any script (``os``).
+
+    accelport's modules keep the ones they imported (their names are bound); :meth:`restore` puts
+    them back once the script has ended, for accelport's findings. accelport itself and the packages
+    it imports lazily (``packaging``) stay accelport's: ``notes`` names each file the script does not
+    get, and why.
+    """
+
+    def __init__(self, entry: str | None) -> None:
+        self.modules: dict[str, types.ModuleType] = {}
+        self.notes: list[str] = []
+        shadows = _shadowed(entry) if entry is not None else []
+        stdlib = [name for name, _ in shadows if name in sys.stdlib_module_names]
+        startup = _startup_modules() if stdlib else frozenset()
+        for name, origin in shadows:
+            if startup is not None and name in startup:
+                continue  # plain python imported it before the script's directory was on sys.path too
+            had = getattr(sys.modules[name], "__file__", None) or "the one imported before it ran"
+            if name not in stdlib:
+                self.notes.append(f"{origin} beside the script shadows {name}, which accelport itself uses: the "
+                                  f"script's `import {name}` gets accelport's ({had}), where plain python would "
+                                  f"import {origin}; rename {origin} to run the same under both")
+            elif startup is None:
+                self.notes.append(f"{origin} beside the script shadows the standard library's {name}, which "
+                                  f"accelport had imported: the script's `import {name}` gets the standard one "
+                                  f"({had}), where plain python may import {origin} (accelport could not start "
+                                  f"python to tell); rename {origin} to be sure")
+            else:
+                self.modules.update({key: sys.modules.pop(key) for key in list(sys.modules)
+                                     if key == name or key.startswith(name + ".")})
+
+    def _names(self) -> list[str]:
+        names = {key.partition(".")[0] for key in self.modules}
+        return [key for key in list(sys.modules) if key.partition(".")[0] in names]
+
+    def restore(self) -> None:
+        """accelport's modules back in ``sys.modules``, the script's (its random.py) out."""
+        for key in self._names():
+            del sys.modules[key]
+        sys.modules.update(self.modules)
+
+
 def _pool_threads() -> set[threading.Thread]:
     """The threads of concurrent.futures pools (torch's compile workers among them). Python tells them to
     stop at exit before it waits for threads, through these registries of theirs; waited for here, they
@@ -1096,7 +1190,10 @@ def run_watched(watcher: Watcher, *, script: str | None = None, module: str | No
     and ``sys.path[0]`` are put back afterwards, and every hook is taken out.
 
     The watcher is installed before the script's directory goes on ``sys.path``, so what
-    accelport imports is never a file of the script's that shadows the standard library.
+    accelport imports is never a file of the script's that shadows the standard library. The
+    script still gets those files, as under ``python``: a standard module accelport imported
+    (``random``) that a file beside the script shadows (``random.py``) is out of ``sys.modules``
+    while the script runs, unless plain ``python`` imports it before any script (see :class:`_SetAside`).
     LookupError: a directory or archive without ``__main__`` (see :func:`entry_spec`).
     """
     if (script is None) == (module is None):
@@ -1106,7 +1203,11 @@ def run_watched(watcher: Watcher, *, script: str | None = None, module: str | No
     pid = os.getpid()
     before = set(threading.enumerate())
     saved_argv = sys.argv[:]
-    restore_path = _put_first(_first_path(script, spec))
+    first = _first_path(script, spec)
+    # After accelport's own imports (install's too): what of them the script's files shadow is the script's.
+    set_aside = _SetAside(first)
+    watcher.notes += set_aside.notes
+    restore_path = _put_first(first)
     sys.argv = [script if script is not None else str(module), *args]
     outcome = Outcome(0)
     try:
@@ -1134,5 +1235,6 @@ def run_watched(watcher: Watcher, *, script: str | None = None, module: str | No
             watcher.uninstall()
             sys.argv = saved_argv
             restore_path()
+            set_aside.restore()
     outcome.forked = os.getpid() != pid
     return outcome

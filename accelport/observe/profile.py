@@ -18,15 +18,24 @@ operators with the most self time (``key_averages()`` of torch.profiler) and the
 window the device had no work. Profiling never breaks training: a window the run never
 reaches, a directory that cannot be written, a profiler that fails to start or to write are
 each said once (``on_message``) and the run goes on unprofiled.
+
+The script's own profiler wins over the window: two torch profilers at once crash the process
+(SIGSEGV) or leave one profile empty, so accelport never starts one while the script's records
+(or is prepared to), and when the script starts its own while the window records, accelport
+stops its own first (no trace written) and says which steps it did not profile and why
+(:class:`_TorchGuard`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +48,8 @@ __all__ = ["Window", "StepProfile", "parse_window", "window_of", "directory_prob
 DEFAULT_DIR = "accelport-profile"
 _WINDOW = re.compile(r"^\s*(-?\d+)\s*:\s*(-?\d+)\s*$")
 _EXAMPLE = "e.g. 100:110 for steps 100 to 109"
+#: Why the script's own profiler wins over a window (said when it does).
+_TWO = "two torch profilers at once crash the process or leave one profile empty"
 
 
 @dataclass(frozen=True)
@@ -122,6 +133,94 @@ def _files_under(path: str) -> set[str]:
     return found
 
 
+#: The calls of ``torch.autograd.profiler`` (its module globals, looked up at each call) through which every torch
+#: profiler (torch.profiler.profile, torch.autograd.profiler.profile, emit_nvtx, emit_itt) prepares, starts and
+#: stops the one profiler state a process has.
+_PREPARES = ("_prepare_profiler", "_enable_profiler")
+_STOPS = "_disable_profiler"
+
+
+class _TorchGuard:
+    """The script's own torch profiler against accelport's window, process-wide.
+
+    Once installed it sees every torch profiler prepare, start and stop that is not accelport's own
+    (those run inside :meth:`own`): it knows the script's profiler is prepared or recording (a
+    schedule's warmup, which torch's own flags do not show), and it lets a window that is recording
+    yield before the script's profiler touches the state (:meth:`StepProfile._yield_to_script`).
+    On a torch without those calls it installs nothing: the check before a window starts is then
+    torch's own flags.
+    """
+
+    def __init__(self) -> None:
+        self.installed = False
+        #: The script's profiler is prepared or recording (a prepare or start of its own, no stop since).
+        self.script_holds = False
+        #: The window whose torch.profiler records now.
+        self.running: StepProfile | None = None
+        self._own: int | None = None  # the thread of accelport's own profiler call in progress
+
+    def install(self) -> None:
+        """Wrap the calls (once, where torch is imported; a no-op before)."""
+        module = sys.modules.get("torch.autograd.profiler")
+        if self.installed or module is None:
+            return
+        self.installed = True
+        names = (*_PREPARES, _STOPS)
+        originals = {name: call for name in names if callable(call := getattr(module, name, None))}
+        if len(originals) < len(names):  # another torch: the check before a window starts is its flags
+            return
+        for name, original in originals.items():
+            if not getattr(original, "_accelport_guard", False):
+                setattr(module, name, self._wrapped(original, starts=name != _STOPS))
+
+    def _wrapped(self, original: Callable[..., Any], starts: bool) -> Callable[..., Any]:
+        guard = self
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if guard._own == threading.get_ident():
+                return original(*args, **kwargs)
+            if starts:
+                window = guard.running
+                if window is not None:  # accelport's stops first: two at once crash or leave one empty
+                    window._yield_to_script()
+                out = original(*args, **kwargs)
+                guard.script_holds = True
+                return out
+            guard.script_holds = False
+            return original(*args, **kwargs)
+
+        call.__name__ = getattr(original, "__name__", "call")
+        call.__doc__ = original.__doc__
+        call.__wrapped__ = original  # type: ignore[attr-defined]
+        call._accelport_guard = True  # type: ignore[attr-defined]
+        return call
+
+    @contextlib.contextmanager
+    def own(self) -> Iterator[None]:
+        """accelport's own profiler calls (its window's start, steps and stop) run inside."""
+        before, self._own = self._own, threading.get_ident()
+        try:
+            yield
+        finally:
+            self._own = before
+
+    def script_profiling(self) -> bool:
+        """Whether a profiler of the script's is prepared or recording now."""
+        if self.script_holds:
+            return True
+        if getattr(sys.modules.get("torch.autograd.profiler"), "_is_profiler_enabled", False):
+            return True
+        enabled = getattr(getattr(getattr(sys.modules.get("torch"), "_C", None), "_autograd", None),
+                          "_profiler_enabled", None)
+        try:
+            return bool(enabled()) if callable(enabled) else False
+        except Exception:  # noqa: BLE001 - a torch that cannot say: its flags above said no
+            return False
+
+
+_GUARD = _TorchGuard()
+
+
 class _TorchSession:
     """torch.profiler over the window, with the run's step numbers on its ProfilerStep markers."""
 
@@ -154,16 +253,25 @@ class _TorchSession:
         # A schedule that always records: torch then marks each step (ProfilerStep#N), numbered from first.
         self._prof = profile(activities=activities, schedule=lambda _step: ProfilerAction.RECORD, on_trace_ready=ready)
         self._prof.step_num = first
-        self._prof.start()
+        with _GUARD.own():
+            self._prof.start()
 
     def step(self) -> None:
-        self._prof.step()
+        with _GUARD.own():
+            self._prof.step()
 
     def stop(self) -> list[str]:
-        self._prof.stop()
+        with _GUARD.own():
+            self._prof.stop()
         if self.error:
             raise RuntimeError(f"writing the trace failed ({self.error})")
         return sorted(_files_under(self._directory) - self._before)
+
+    def discard(self) -> None:
+        """Stop recording, writing nothing (the script's own profiler is about to start)."""
+        self._prof.on_trace_ready = None
+        with _GUARD.own():
+            self._prof.stop()
 
     def top_ops(self, n: int = 10) -> tuple[list[dict[str, Any]], str | None]:
         rows = [e for e in self._prof.key_averages() if not str(e.key).startswith("ProfilerStep")]
@@ -257,6 +365,8 @@ class StepProfile:
         if self.state != "waiting":
             return
         self._backend = backend
+        if not backend.lazy:
+            _GUARD.install()  # from now on a profiler the script prepares is known, before it records
         if steps_done >= self.window.first:
             self._off(f"{self.source}: the run is already past the window's first step ({steps_done} steps done); "
                       f"give a window that starts later")
@@ -323,6 +433,8 @@ class StepProfile:
         except Exception as exc:  # noqa: BLE001 - profiling never breaks training
             name = name or (self._session.profiler if self._session is not None else "the profiler")
             session, self._session = self._session, None
+            if _GUARD.running is self:
+                _GUARD.running = None
             if what != "start" and session is not None:
                 try:
                     session.stop()
@@ -337,6 +449,14 @@ class StepProfile:
         if backend is None:
             return
         kind = _XlaSession if backend.lazy else _TorchSession
+        if kind is _TorchSession:
+            _GUARD.install()
+            if _GUARD.script_profiling():
+                self._off(f"{self.source}: the script's own torch profiler was recording (or about to) when "
+                          f"step {self.window.first} began; {_TWO}, so accelport did not start its own: "
+                          f"{self.window.describe()} not profiled by accelport, the script's profile left "
+                          "to record alone")
+                return
 
         def start() -> Any:
             return kind(backend, self.directory, self.window.first)
@@ -344,6 +464,8 @@ class StepProfile:
         self._last = self.window.first - 1
         self._session = self._guarded("start", start, kind.profiler)
         if self._session is not None:
+            if kind is _TorchSession:
+                _GUARD.running = self
             self.state = "running"
             self.next_step = self.window.first
             self._started_at = time.perf_counter()
@@ -351,6 +473,8 @@ class StepProfile:
     def _stop(self) -> None:
         session = self._session
         self.next_step = 1 << 62
+        if _GUARD.running is self:
+            _GUARD.running = None
         if session is None:
             return
         files = self._guarded("stop", session.stop)
@@ -358,6 +482,25 @@ class StepProfile:
             return
         self.files = list(files or [])
         self.state = "stopped"
+
+    def _yield_to_script(self) -> None:
+        """The script starts a torch profiler of its own while this window records: stop ours first, writing
+        nothing, and say which steps were not profiled (never raises: it runs inside the script's call)."""
+        session, self._session = self._session, None
+        if _GUARD.running is self:
+            _GUARD.running = None
+        if isinstance(session, _TorchSession):
+            try:
+                session.discard()
+            except Exception:  # noqa: BLE001 - the script's profiler must start whatever became of ours
+                pass
+        try:
+            self._off(f"{self.source}: the script started its own torch profiler during step {self._last + 1}, "
+                      f"while accelport's profile of {self.window.describe()} was recording; {_TWO}, so accelport "
+                      f"stopped its own (no trace written) and let the script's profile record: "
+                      f"{self.window.describe()} not profiled by accelport")
+        except Exception:  # noqa: BLE001
+            pass
 
     def _finish(self) -> dict[str, Any] | None:
         session, backend = self._session, self._backend

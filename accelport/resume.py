@@ -53,7 +53,7 @@ from typing import Any
 from accelport.device_loader import POSITION_ATTRIBUTE
 from accelport.errors import AccelportError, CheckpointError, CheckpointWarning, UsageError, warn_user
 from accelport.launch.stop import EXIT_PREEMPTED, deadline_s, record_stop, signal_name, unsaved_status
-from accelport.safe_io import fsync_dir
+from accelport.safe_io import fsync_dir, remove_own_temps
 
 __all__ = ["Checkpointer", "CHECKPOINT_DIR_ENV", "EXIT_PREEMPTED", "Found", "find_checkpoints", "newest_complete"]
 
@@ -759,6 +759,8 @@ class _StopSignals:
         self.requested = False
         self.signum: int | None = None
         self.saved = False
+        #: (step, directory) of the save being written now, or None.
+        self.saving: tuple[int, str] | None = None
         self._closed = threading.Event()
         self._previous: dict[int, Any] = {}
         self._read, self._write = os.pipe()
@@ -805,7 +807,16 @@ class _StopSignals:
         if self._closed.wait(self.deadline):
             return
         status = EXIT_PREEMPTED if self.saved else unsaved_status(signum)
-        what = "after saving the checkpoint" if self.saved else "without a checkpoint (no step boundary reached)"
+        saving = self.saving
+        if self.saved:
+            what = "after saving the checkpoint"
+        elif saving is not None:
+            remove_own_temps(saving[1])  # a state file cut short: hundreds of MB no later save would remove
+            what = (f"without a checkpoint: the deadline cut short the save of step {saving[0]} in {saving[1]} (its "
+                    "temporary files are removed; the checkpoints before it are whole; raise "
+                    "ACCELPORT_STOP_DEADLINE_S above the time a save takes)")
+        else:
+            what = "without a checkpoint (no step boundary reached)"
         try:
             os.write(2, f"accelport: {signal_name(signum)}: {self.deadline:g} s deadline passed; exiting {what} "
                         f"with status {status}\n".encode())
@@ -1119,7 +1130,13 @@ class Checkpointer:
                                   "optimizer=opt, ...) first; it names what the checkpoint holds")
         api = _api()
         backend = api.backend()
-        path = self._write(api, backend, self.steps)
+        if self._stop is not None:
+            self._stop.saving = (self.steps, _step_dir(self.directory, self.steps))
+        try:
+            path = self._write(api, backend, self.steps)
+        finally:
+            if self._stop is not None:
+                self._stop.saving = None
         self._saved_step = self.steps
         self._last_save_time = time.monotonic()
         self.last_saved = path

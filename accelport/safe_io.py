@@ -163,6 +163,23 @@ def remove_orphans(path: str) -> None:
             pass
 
 
+def remove_own_temps(directory: str) -> list[str]:
+    """Remove the temporary files (:func:`temp_beside`'s) this process has open under ``directory``, at any
+    depth: a write cut short by the process's own exit (a deadline), which no later save would remove while
+    this pid is alive. Returns the paths removed."""
+    mine = f".{socket.gethostname()[:40]}.{os.getpid()}."
+    removed = []
+    for root, _dirs, names in os.walk(directory):
+        for name in names:
+            if name.startswith(".") and name.endswith(".tmp") and mine in name:
+                try:
+                    os.unlink(os.path.join(root, name))
+                    removed.append(os.path.join(root, name))
+                except OSError:
+                    pass
+    return removed
+
+
 def _running(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -265,8 +265,9 @@ def metrics() -> Metrics:
     return _rt().metrics()
 
 
-def memory_estimate(model: Any, optimizer: Any, sample_batch: Any, *, loss_fn: Callable[[Any], Any] | None = None,
-                    chip: str | None = None) -> MemoryEstimate:
+def memory_estimate(model: Any, optimizer: Any, sample_batch: Any = None, *,
+                    loss_fn: Callable[[Any], Any] | None = None, chip: str | None = None,
+                    **unexpected: Any) -> MemoryEstimate:
     """What one training step of ``model`` with ``optimizer`` on ``sample_batch`` needs per device, before a run.
 
     The step runs on a copy, on the meta device (shapes only, nothing allocated; where an op has no
@@ -278,12 +279,17 @@ def memory_estimate(model: Any, optimizer: Any, sample_batch: Any, *, loss_fn: C
     verdict per device the compatibility matrix knows the memory of and for the host ("fits one TPU
     v5e device", "fits TPU v5e with ap.shard over 4 devices"), and, for ``chip`` (default: this
     machine's), the fixes in the order of what they save; ``print()`` it to read it.
+    Buffers count on their own line; a ``torch.compile``'d model is measured by running its original
+    modules eagerly (the printed estimate says so).
     Raises ``accelport.diagnose.memory.EstimateError`` (a ValueError) for a model on another device,
-    a batch the model cannot run, or an optimizer of another model.
+    a batch the model cannot run (a dtype mismatch included), a ``loss_fn`` that raises, or an optimizer
+    of another model; :class:`UsageError` (a TypeError too) for a keyword it does not take (``batch=``).
     """
-    from accelport.diagnose.memory import estimate
+    from accelport.diagnose.memory import check_call, estimate
     from accelport.observe.memory import host_capacity
     from accelport.platform import detect
+
+    check_call(sample_batch, unexpected)
 
     rt = _rt()
     return estimate(model, optimizer, sample_batch, loss_fn=loss_fn, chip=chip, matrix=rt.matrix(),

@@ -12,6 +12,7 @@ CUDA's context takes hundreds of megabytes).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -19,13 +20,14 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from accelport.diagnose import advice
-from accelport.errors import AccelportError
+from accelport.errors import AccelportError, UsageError
 
 if TYPE_CHECKING:
     from accelport.compat.load import Matrix
 
 __all__ = ["USABLE", "Budget", "Fix", "fixes", "human_bytes", "chip_capacity", "DeviceVerdict", "MemoryEstimate",
-           "EstimateError", "estimate", "verdict_for", "blocks_of"]
+           "EstimateError", "EstimateUsageError", "SIGNATURE", "COMPILED_NOTE", "check_call", "is_compiled",
+           "estimate", "verdict_for", "blocks_of"]
 
 #: The share of a device's memory a step may count on (see the module's docstring).
 USABLE = 0.9
@@ -65,10 +67,17 @@ class Budget:
     #: Replicas the run has now, and whether its parameters are sharded over them already.
     world_size: int = 1
     sharded: bool = False
+    #: The model's buffers (registered, persistent or not): held whole on every device, never sharded.
+    buffer_bytes: int = 0
+
+    @property
+    def shardable_bytes(self) -> int:
+        """Parameters, gradients and optimizer state: what ap.shard splits over devices."""
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes
 
     @property
     def static_bytes(self) -> int:
-        return self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes
+        return self.shardable_bytes + self.buffer_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -83,6 +92,8 @@ class Budget:
         a finding's first colon ends what was seen)."""
         parts = [f"{human_bytes(self.parameter_bytes)} of parameters", f"{human_bytes(self.gradient_bytes)} of "
                  "gradients", f"{human_bytes(self.optimizer_state_bytes)} of optimizer state"]
+        if self.buffer_bytes:
+            parts.append(f"{human_bytes(self.buffer_bytes)} of buffers")
         parts.append(f"{human_bytes(self.activation_bytes)} of activations" if self.activation_bytes is not None
                      else "activations not measured")
         of = f" of a {human_bytes(self.capacity_bytes)} device" if self.capacity_bytes else ""
@@ -112,12 +123,12 @@ def _powers(limit: int = MAX_DEVICES) -> Iterable[int]:
 
 
 def _shard_fix(b: Budget, style: str) -> Fix | None:
-    if b.static_bytes <= 0:
+    if b.shardable_bytes <= 0:
         return None
     have = b.world_size if b.sharded else 1  # the static figures are already per device over these
 
-    def static_over(n: int) -> int:
-        return math.ceil(b.static_bytes * have / n) + (b.largest_block_bytes if n > 1 else 0)
+    def static_over(n: int) -> int:  # the buffers stay whole on every device
+        return math.ceil(b.shardable_bytes * have / n) + (b.largest_block_bytes if n > 1 else 0) + b.buffer_bytes
 
     usable, activation = b.usable_bytes, b.activation_bytes or 0
     candidates = [n for n in _powers() if n > have]
@@ -132,6 +143,7 @@ def _shard_fix(b: Budget, style: str) -> Fix | None:
     saves = b.static_bytes - after
     if saves <= 0:
         return None
+    split = after - b.buffer_bytes
     gathered = (f" (with the largest block's {human_bytes(b.largest_block_bytes)} of parameters gathered while "
                 "it runs)") if b.largest_block_bytes else ""
     fits = ""
@@ -139,7 +151,7 @@ def _shard_fix(b: Budget, style: str) -> Fix | None:
         fits = "; then it fits" if after + activation <= usable else "; not enough alone"
     return Fix("shard", saves, after + activation, (
         f"{advice.shard_model(style, n)}: parameters, gradients and optimizer state take "
-        f"{human_bytes(after)} per device{gathered} instead of {human_bytes(b.static_bytes)}, saving "
+        f"{human_bytes(split)} per device{gathered} instead of {human_bytes(b.shardable_bytes)}, saving "
         f"{human_bytes(saves)}{fits}"), {"devices": n, "static_bytes_per_device": after})
 
 
@@ -236,6 +248,8 @@ class DeviceVerdict:
     #: Where it fits on none: the fewest with activation checkpointing on the model's blocks too (None: not even).
     checkpointed_devices: int | None = None
     blocks: int | None = None
+    #: The model's buffers, held whole on every device however many share the rest.
+    buffer_bytes: int = 0
 
     def _count(self, n: int) -> str:
         if self.devices_per_chip == 1:
@@ -249,8 +263,10 @@ class DeviceVerdict:
             fits = "fits" if self.devices == 1 else "does not fit"
             return f"{fits} this host's memory ({human_bytes(self.bytes_per_device)} of {cap})"
         if self.devices is None:
+            whole = (f"the activations and the buffers ({human_bytes(self.buffer_bytes)}, never sharded)"
+                     if self.buffer_bytes else "the activations")
             said = (f"does not fit {self.title} devices ({cap} each) at this batch, even with ap.shard over "
-                    f"{MAX_DEVICES}: the activations alone need more")
+                    f"{MAX_DEVICES}: {whole} alone need more")
             n = self.checkpointed_devices
             if n is not None:
                 how = "alone" if n == 1 else f"with ap.shard over {self._count(n)}"
@@ -270,7 +286,7 @@ def _fewest(b: Budget, usable: float, activation: int) -> tuple[int, int] | None
     if b.static_bytes + activation <= usable:
         return 1, b.static_bytes + activation
     for n in _powers():
-        per = math.ceil(b.static_bytes / n) + b.largest_block_bytes + activation
+        per = math.ceil(b.shardable_bytes / n) + b.largest_block_bytes + b.buffer_bytes + activation
         if per <= usable:
             return n, per
     return None
@@ -283,12 +299,14 @@ def verdict_for(b: Budget, device: str, title: str, capacity: int, devices_per_c
     activation = b.activation_bytes or 0
     found = _fewest(b, usable, activation)
     if found is not None:
-        return DeviceVerdict(device, title, capacity, found[0], found[1], devices_per_chip)
+        return DeviceVerdict(device, title, capacity, found[0], found[1], devices_per_chip,
+                             buffer_bytes=b.buffer_bytes)
     checkpointed = None
     if b.blocks and b.blocks >= 2 and activation:
         with_checkpoints = _fewest(b, usable, math.ceil(activation / b.blocks))
         checkpointed = with_checkpoints[0] if with_checkpoints is not None else None
-    return DeviceVerdict(device, title, capacity, None, b.total_bytes, devices_per_chip, checkpointed, b.blocks)
+    return DeviceVerdict(device, title, capacity, None, b.total_bytes, devices_per_chip, checkpointed, b.blocks,
+                         b.buffer_bytes)
 
 
 # -- the model's blocks ------------------------------------------------------------------------------
@@ -316,6 +334,45 @@ class EstimateError(AccelportError, ValueError):
     """``ap.memory_estimate`` cannot run the step it was given: the message says what to change."""
 
 
+class EstimateUsageError(UsageError, TypeError):
+    """``ap.memory_estimate`` called with arguments it does not take (a TypeError too, as Python's own would be)."""
+
+
+#: The signature ``ap.memory_estimate`` is called with, and what its batch is, for the error a wrong call gets.
+SIGNATURE = ("memory_estimate(model, optimizer, sample_batch, *, loss_fn=None, chip=None): sample_batch is one "
+             "batch as the training loop passes it to the model (model(*batch) for a tuple, model(**batch) for a "
+             "dict, model(batch) for a tensor), and loss_fn(output) makes the loss from what the model returns; "
+             "for an (x, y) batch whose y only the loss reads, pass x as sample_batch and "
+             "loss_fn=lambda out: criterion(out, y)")
+
+#: What the estimate measured for a torch.compile'd model.
+COMPILED_NOTE = ("the model is torch.compile'd: its activations were measured by running its original modules "
+                 "(model._orig_mod) eagerly, without compiling; a compiled step saves for backward what the "
+                 "compiler's partitioner keeps, usually as much or less, so this is about the most it needs")
+
+def check_call(sample_batch: Any, unexpected: Mapping[str, Any]) -> None:
+    """Refuse a call of ``ap.memory_estimate`` with a keyword it does not take (``batch=``, ``input=``) or
+    without the sample batch, naming its real signature (:data:`SIGNATURE`)."""
+    if unexpected:
+        names = ", ".join(f"{name}=" for name in sorted(unexpected))
+        raise EstimateUsageError(f"ap.memory_estimate takes no {names} keyword: it is {SIGNATURE}")
+    if sample_batch is None:
+        raise EstimateUsageError(f"ap.memory_estimate needs the sample batch: it is {SIGNATURE}")
+
+
+class _LossFnError(Exception):
+    """``loss_fn`` raised on the model's output (the model itself ran)."""
+
+    def __init__(self, error: BaseException, output: Any) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.output = output
+
+
+class _DtypeMismatch(RuntimeError):
+    """An op that raises on every real device for inputs of different dtypes, which the meta device lets by."""
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """What one training step needs per device, measured on the host, and where it fits."""
@@ -335,10 +392,15 @@ class MemoryEstimate:
     fixes: tuple[Fix, ...]
     device: str | None
     float32_bytes: int = 0
+    #: The model's buffers (registered, persistent or not), each storage once: on every device, whole.
+    buffer_bytes: int = 0
+    #: Whether the model (or a module in it) is torch.compile'd: its activations are then those of its
+    #: original modules run eagerly (see :data:`COMPILED_NOTE`).
+    compiled: bool = False
 
     @property
     def static_bytes(self) -> int:
-        return self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes + self.buffer_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -346,11 +408,13 @@ class MemoryEstimate:
 
     def budget(self, capacity: int | None = None) -> Budget:
         return Budget(self.parameter_bytes, self.gradient_bytes, self.optimizer_state_bytes, self.activation_bytes,
-                      capacity, self.batch_size, self.float32_bytes, self.blocks, self.largest_block_bytes)
+                      capacity, self.batch_size, self.float32_bytes, self.blocks, self.largest_block_bytes,
+                      buffer_bytes=self.buffer_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if k not in ("verdicts", "fixes")}
-        out.update(total_bytes=self.total_bytes, verdicts=[v.to_dict() for v in self.verdicts],
+        out.update(total_bytes=self.total_bytes, static_bytes=self.static_bytes,
+                   verdicts=[v.to_dict() for v in self.verdicts],
                    fixes=[f.to_dict() for f in self.fixes])
         return out
 
@@ -358,6 +422,8 @@ class MemoryEstimate:
         batch = f" at batch {self.batch_size}" if self.batch_size else ""
         lines = [f"one training step{batch} needs {human_bytes(self.total_bytes)} per device "
                  f"(measured on {self.ran_on}): {self.budget().describe()}"]
+        if self.compiled:
+            lines.append(f"  {COMPILED_NOTE}")
         lines += [f"  {v.text()}" for v in self.verdicts]
         if self.fixes:
             lines.append(f"to make room on {self.device}, most saved first:")
@@ -409,9 +475,27 @@ def _check(model: Any, optimizer: Any, batch: Any) -> None:
                             "loader gives it, on the cpu")
 
 
+def _compiled_wrapper(module: Any) -> bool:
+    """Whether ``module`` is what ``torch.compile(module)`` returns (an OptimizedModule around ``_orig_mod``)."""
+    import torch
+
+    return type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None),
+                                                                     torch.nn.Module)
+
+
+def is_compiled(model: Any) -> bool:
+    """Whether ``model`` or a module in it runs compiled: ``torch.compile(m)`` or ``m.compile()``."""
+    return any(_compiled_wrapper(m) or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+
+
 def _copy_to(model: Any, optimizer: Any, device: str) -> tuple[Any, Any]:
     """The model and its optimizer copied onto ``device`` together (the optimizer steps the copy's
-    parameters); on "meta" nothing is allocated."""
+    parameters); on "meta" nothing is allocated.
+
+    The copy runs eagerly: each ``torch.compile`` wrapper is copied as the module it wraps, and
+    ``m.compile()`` is not copied (``nn.Module`` leaves it out of a copy). Saved-tensor hooks do not
+    see what a compiled graph saves for backward, so a compiled copy would measure no activations.
+    """
     import torch
 
     memo: dict[int, Any] = {}
@@ -429,7 +513,14 @@ def _copy_to(model: Any, optimizer: Any, device: str) -> tuple[Any, Any]:
             for value in state.values():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     memo[id(value)] = torch.empty_like(value, device="meta")
-    return copy.deepcopy((model, optimizer), memo)
+    for module in reversed(list(model.modules())):  # the innermost first: a wrapper inside a wrapped module
+        if _compiled_wrapper(module):
+            memo[id(module)] = copy.deepcopy(module._orig_mod, memo)
+    copied_model, copied_optimizer = copy.deepcopy((model, optimizer), memo)
+    for module in copied_model.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            module._compiled_call_impl = None
+    return copied_model, copied_optimizer
 
 
 def _call(model: Any, batch: Any) -> Any:
@@ -451,8 +542,108 @@ def _default_loss(output: Any) -> Any:
     return total
 
 
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 def _shapes(batch: Any) -> str:
-    return ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in _tensors(batch)[:4])
+    return ", ".join(f"{tuple(t.shape)} {_dtype_name(t.dtype)}" for t in _tensors(batch)[:4])
+
+
+def _what(output: Any) -> str:
+    """What the model returned, in a few words: ``a tensor (32, 10) float32``, ``a dict``."""
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return f"a tensor {tuple(output.shape)} {_dtype_name(output.dtype)}"
+    if isinstance(output, Mapping):
+        keys = ", ".join(repr(k) for k in list(output)[:6])
+        return f"a {type(output).__name__} with keys {keys}"
+    return f"a {type(output).__name__}"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+def _autocasting() -> bool:
+    """Whether autocast is on for any device type (the meta device does not cast: its dtypes are then not the
+    real step's)."""
+    import torch
+
+    for device_type in ("cpu", "cuda", "xla", "xpu", "hpu", "mps"):
+        try:
+            if torch.is_autocast_enabled(device_type):
+                return True
+        except (RuntimeError, TypeError):  # a device type this torch does not know
+            continue
+    return False
+
+
+def _dtype_guard() -> Any:
+    """A dispatch mode for the step on the meta device that raises :class:`_DtypeMismatch` where every real
+    device's kernel raises and the meta kernel does not: a matrix product of tensors of different dtypes (a
+    float16 model called with a float32 batch), a layer norm whose weights are of another dtype than its
+    input (but float32 weights on a float16 or bfloat16 input, which the kernels take). Off under autocast."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    products = {aten.mm, aten.addmm, aten.mv, aten.addmv, aten.bmm, aten.baddbmm, aten.dot}
+    low = {torch.float16, torch.bfloat16}
+
+    class DtypeGuard(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            packet = func.overloadpacket
+            if packet in products and func._overloadname == "default" and not _autocasting():
+                dtypes = list(dict.fromkeys(a.dtype for a in args if isinstance(a, torch.Tensor)))
+                if len(dtypes) > 1:
+                    raise _DtypeMismatch(f"{packet.__name__}: the tensors multiplied must have one dtype, but got "
+                                         f"{' and '.join(_dtype_name(d) for d in dtypes)}")
+            elif packet is aten.native_layer_norm and not _autocasting():
+                x, params = args[0], [a for a in args[2:4] if isinstance(a, torch.Tensor)]
+                odd = [p.dtype for p in params if p.dtype != x.dtype and not (p.dtype == torch.float32
+                                                                               and x.dtype in low)]
+                if odd:
+                    raise _DtypeMismatch(f"layer_norm: a {_dtype_name(x.dtype)} input with {_dtype_name(odd[0])} "
+                                         "weights")
+            return func(*args, **(kwargs or {}))
+
+    return DtypeGuard()
+
+
+def _dtype_hint(model: Any, batch: Any) -> str:
+    """Where the batch's floating tensors are of a dtype none of the model's parameters has: what to change."""
+    have = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    given = {t.dtype for t in _tensors(batch) if t.is_floating_point()}
+    if not have or not given or given & have:
+        return ""
+    want = _dtype_name(next(iter(have)))
+    return (f" The batch is {', '.join(sorted(_dtype_name(d) for d in given))} and the model's parameters "
+            f"{', '.join(sorted(_dtype_name(d) for d in have))}: pass the batch in the dtype the training loop "
+            f"gives the model (x.to(torch.{want})), or run the step under torch.autocast.")
+
+
+def _cannot_run(error: BaseException, model: Any, batch: Any, on_meta: bool) -> EstimateError:
+    """The error for a step that raised: in loss_fn, at a dtype mismatch, or in the model."""
+    if isinstance(error, _LossFnError):
+        where = (" on the meta device, where tensors hold shapes and no values (a loss_fn that reads values "
+                 "cannot run there: pass the model as built on the cpu)") if on_meta else ""
+        return EstimateError(
+            f"ap.memory_estimate: the model cannot run one step: the model ran, but loss_fn raised on its output "
+            f"({_what(error.output)}){where}: {_first_line(error.error)}. loss_fn(output) gets what the model "
+            "returns and returns the loss (one number); fix loss_fn for that output")
+    hint = _dtype_hint(model, batch)
+    if isinstance(error, _DtypeMismatch):
+        return EstimateError(
+            f"ap.memory_estimate: the step raises on a real device, so it is not estimated: dtype mismatch in "
+            f"{error}.{hint or ' Give every input of an op one dtype.'}")
+    what = ("the step did not run on the meta device with this batch" if on_meta
+            else "the model cannot run one step on this sample batch")
+    fix = hint or (" Pass one batch exactly as the training loop gives it to the model (model(*batch) for a "
+                   "tuple, model(**batch) for a dict), and loss_fn where the model's output is not the loss")
+    return EstimateError(f"ap.memory_estimate: {what} ({_shapes(batch)}): {type(error).__name__}: {error}.{fix}")
 
 
 def _run(model: Any, optimizer: Any, batch: Any, device: str, loss_fn: Callable[[Any], Any] | None
@@ -461,15 +652,25 @@ def _run(model: Any, optimizer: Any, batch: Any, device: str, loss_fn: Callable[
     import torch
 
     from accelport.observe.memory import SavedActivations
-    from accelport.sharding import memory_of
+    from accelport.sharding import local_nbytes, memory_of
     from accelport.tensors import tree_map_tensors
 
     copy_model, copy_opt = _copy_to(model, optimizer, device)
     copy_model.train(model.training)
     inputs = tree_map_tensors(batch, lambda t: t.to(device))
-    with SavedActivations(exclude=list(copy_model.parameters())) as saved:
+    guard = _dtype_guard() if device == "meta" else contextlib.nullcontext()
+    # The buffers are counted on their own line: one a step saves for backward (x * self.mask) is held anyway.
+    with SavedActivations(exclude=[*copy_model.parameters(), *copy_model.buffers()]) as saved, guard:
         output = _call(copy_model, inputs)
-        loss = (loss_fn or _default_loss)(output)
+        if loss_fn is None:
+            loss = _default_loss(output)
+        else:
+            try:
+                loss = loss_fn(output)
+            except EstimateError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - said as loss_fn's, with its first line
+                raise _LossFnError(exc, output) from exc
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise EstimateError("ap.memory_estimate: loss_fn must return the loss, one number (a tensor of one "
                             f"element), not {type(loss).__name__}")
@@ -477,6 +678,7 @@ def _run(model: Any, optimizer: Any, batch: Any, device: str, loss_fn: Callable[
     copy_opt.step()
     counted = memory_of([copy_model], [copy_opt])
     counted["activation_bytes"] = saved.bytes
+    counted["buffer_bytes"] = sum(local_nbytes(b) for b in copy_model.buffers())
     counted["blocks"], counted["largest_block_bytes"] = blocks_of(copy_model)  # type: ignore[assignment]
     return counted
 
@@ -491,6 +693,11 @@ def estimate(model: Any, optimizer: Any, sample_batch: Any, *, loss_fn: Callable
     ``chip`` picks the device the fixes are for (a matrix chip name: "v5e", "trn2"); by default
     ``machine_chip`` (the detected one), else none. Verdicts cover every chip the matrix has HBM figures
     for, and the host (``host_bytes``). The model and optimizer passed are never changed.
+
+    The model's buffers count on their own line, whole on every device (ap.shard splits parameters,
+    gradients and optimizer state only). A torch.compile'd model is measured by running its original
+    modules eagerly (:data:`COMPILED_NOTE`). A step that would raise on a real device (loss_fn raising,
+    a dtype mismatch the meta device lets by) raises :class:`EstimateError` saying so.
     """
     from accelport.compat.machine import chip_name, parse_chip
 
@@ -502,29 +709,23 @@ def estimate(model: Any, optimizer: Any, sample_batch: Any, *, loss_fn: Callable
     except EstimateError:
         raise
     except Exception as meta_error:
-        size = sum(p.numel() * p.element_size() for p in model.parameters())
+        size = sum(p.numel() * p.element_size() for p in (*model.parameters(), *model.buffers()))
         if on_meta or (host_bytes is not None and 4 * size > host_bytes):
-            raise EstimateError(
-                f"ap.memory_estimate: the step did not run on the meta device with this batch "
-                f"({_shapes(sample_batch)}): {type(meta_error).__name__}: {meta_error}. Pass one batch exactly "
-                "as the training loop gives it to the model (model(*batch) for a tuple, model(**batch) for a "
-                "dict), and loss_fn where the model's output is not the loss") from meta_error
-        try:  # an op without a meta kernel (or .item()): a real step on a cpu copy
+            raise _cannot_run(meta_error, model, sample_batch, on_meta=True) from meta_error
+        # An op without a meta kernel (or .item()), or a dtype mismatch the meta device does not check (the
+        # cpu's kernels say it in their own words): a real step on a cpu copy.
+        try:
             counted, ran_on = _run(model, optimizer, sample_batch, "cpu", loss_fn), "cpu"
         except EstimateError:
             raise
         except Exception as exc:
-            raise EstimateError(
-                f"ap.memory_estimate: the model cannot run one step on this sample batch ({_shapes(sample_batch)}): "
-                f"{type(exc).__name__}: {exc}. Pass one batch exactly as the training loop gives it to the model "
-                "(model(*batch) for a tuple, model(**batch) for a dict), and loss_fn where the model's output is "
-                "not the loss") from exc
+            raise _cannot_run(exc, model, sample_batch, on_meta=False) from exc
     first = _tensors(sample_batch)[0]
     batch = int(first.shape[0]) if first.dim() > 0 else None
     float32 = counted["float32_bytes"]
     budget = Budget(counted["parameter_bytes"], counted["gradient_bytes"], counted["optimizer_state_bytes"],
                     counted["activation_bytes"], None, batch, float32, counted["blocks"] or None,
-                    counted["largest_block_bytes"])
+                    counted["largest_block_bytes"], buffer_bytes=counted["buffer_bytes"])
     verdicts: list[DeviceVerdict] = []
     chosen_capacity = None
     if matrix is not None:
@@ -540,4 +741,5 @@ def estimate(model: Any, optimizer: Any, sample_batch: Any, *, loss_fn: Callable
     return MemoryEstimate(
         counted["parameter_bytes"], counted["gradient_bytes"], counted["optimizer_state_bytes"],
         counted["activation_bytes"], batch, budget.blocks, budget.largest_block_bytes, ran_on, tuple(verdicts),
-        tuple(fixes(with_capacity)) if needed else (), chosen if chosen_capacity else None, float32)
+        tuple(fixes(with_capacity)) if needed else (), chosen if chosen_capacity else None, float32,
+        counted["buffer_bytes"], is_compiled(model))

@@ -42,6 +42,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -989,6 +990,9 @@ class Checkpointer:
         self._position: _Position | None = None
         self._said_unread = False
         self._said_foreign: set[str] = set()
+        #: Who writes this run's checkpoints (in checkpoint.json), and what other runs had written when it restored.
+        self._run = {"id": os.urandom(6).hex(), "host": socket.gethostname(), "pid": os.getpid()}
+        self._seen_runs: dict[str, Any] = {}
         self._agreement: _Agreement | None = None
         self._last_save_time = time.monotonic()
         self._saved_step: int | None = None
@@ -1050,6 +1054,7 @@ class Checkpointer:
         if world > 1 and self._agreement is None and (self._stop is not None or self.every_seconds is not None
                                                       or self.background):
             self._agreement = _Agreement(backend)
+        self._seen_runs = self._runs()
         found = find_checkpoints(self.directory)
         for foreign in found:
             if foreign.foreign and foreign.path not in self._said_foreign:
@@ -1275,6 +1280,7 @@ class Checkpointer:
 
         What is there already goes only if accelport wrote it (a torn save of this step, or this step saved
         again); anything else is someone else's, and is refused, never removed."""
+        self._check_alone()
         if os.path.lexists(target):
             if _read_marker(target)[0] is None and not _empty(target):
                 raise CheckpointError(
@@ -1284,7 +1290,28 @@ class Checkpointer:
             _remove_ours(target)
         os.makedirs(target)
         self._write_marker(target, {"format": FORMAT, "version": 1, "step": step, "world_size": world,
-                                    "complete": False})
+                                    "complete": False, "run": self._run})
+
+    def _runs(self) -> dict[str, Any]:
+        """Each of the checkpointer's step directories, with the run that wrote it (its marker's)."""
+        out = {}
+        for f in find_checkpoints(self.directory):
+            marker = _read_marker(f.path)[0]
+            if marker is not None:
+                out[f.path] = marker.get("run")
+        return out
+
+    def _check_alone(self) -> None:
+        """Refuse to save when another run has written in the directory since this one restored: two jobs
+        sharing a directory replace and prune each other's checkpoints, and resume from each other's."""
+        for path, run in self._runs().items():
+            if not isinstance(run, dict) or run.get("id") == self._run["id"] or self._seen_runs.get(path) == run:
+                continue
+            raise CheckpointError(
+                f"ap.Checkpointer: another job writes checkpoints in {self.directory} too: {path} was written by run "
+                f"{run.get('id')} (host {run.get('host')}, pid {run.get('pid')}) after this one (run "
+                f"{self._run['id']}) began; jobs sharing a checkpoint directory replace, prune and resume from each "
+                "other's checkpoints. Give each job a directory of its own (one job at a time per directory)")
 
     def _write_marker(self, target: str, marker: Mapping[str, Any]) -> None:
         tmp = os.path.join(target, f".{MARKER}.tmp")
@@ -1308,8 +1335,9 @@ class Checkpointer:
             raise CheckpointError(f"ap.Checkpointer: {target!r} lacks {', '.join(missing)} after every rank wrote its "
                                   "part: the directory must be on storage every host shares")
         marker = {"format": FORMAT, "version": 1, "step": step, "world_size": world, "time": time.time(),
-                  "files": files, "classes": {k: _class_name(v) for k, v in (self._objects or {}).items()
-                                              if k in ("optimizer", "scheduler")}}
+                  "files": files, "run": self._run,
+                  "classes": {k: _class_name(v) for k, v in (self._objects or {}).items()
+                              if k in ("optimizer", "scheduler")}}
         self._write_marker(target, marker)
 
     def _prune(self, step: int) -> None:

@@ -46,6 +46,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -612,6 +613,29 @@ def _remaining(loader: Any, skip: int, before: Callable[[], None] | None = None)
     return DataLoader(loader.dataset, sampler=_Skipped(loader.sampler, skip, before), batch_size=None, **kwargs)
 
 
+#: Persistent loaders given to restore(), whose workers are ended before the interpreter's own exit.
+_PERSISTENT: weakref.WeakSet[Any] = weakref.WeakSet()
+_SHUTDOWN_REGISTERED: list[bool] = []
+
+
+def _shutdown_persistent() -> None:
+    """Shut down the workers of each persistent loader's iterator, as its pass's end would.
+
+    A persistent loader keeps its iterator (and workers) past a ``sys.exit`` or a stop
+    mid-pass. Left to the end of the interpreter, multiprocessing's own exit hook
+    terminates the workers first, and their SIGTERM exit (143) was reported by the
+    DataLoader as a worker that "exited unexpectedly". This hook is registered after
+    multiprocessing's, so it runs before it (atexit is last in, first out)."""
+    for loader in list(_PERSISTENT):
+        iterator = getattr(loader, "_iterator", None)
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if callable(shutdown):
+            try:
+                shutdown()
+            except Exception:  # noqa: BLE001 - the interpreter is going away; a worker already gone is fine
+                pass
+
+
 def _attach(loader: Any, signals: tuple[int, ...]) -> _Position:
     from accelport.device_loader import DeviceLoader
 
@@ -633,6 +657,14 @@ def _attach(loader: Any, signals: tuple[int, ...]) -> _Position:
                 f"ap.loader(...) of it, and iterate that same object (train = ap.loader(batches); "
                 "ckpt.restore(..., loader=train); for batch in train: ...)") from None
         setattr(holder, POSITION_ATTRIBUTE, position)
+    if _persistent(inner):
+        if not _SHUTDOWN_REGISTERED:
+            _SHUTDOWN_REGISTERED.append(True)
+            import atexit
+            import multiprocessing.util  # noqa: F401 - its exit hook is registered first, so runs after this one
+
+            atexit.register(_shutdown_persistent)
+        _PERSISTENT.add(inner)
     data = sys.modules.get("torch.utils.data")
     if signals and data is not None and isinstance(inner, data.DataLoader) and inner.num_workers > 0 \
             and not isinstance(inner.worker_init_fn, _IgnoreStop):

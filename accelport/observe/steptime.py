@@ -9,7 +9,9 @@ A :class:`StepClock` charges every moment of the loop's thread to the phase it i
   rest of the wait (a loader thread not yet scheduled: ``other``); after it comes the body;
 - the start and the end of every ``torch.autograd.backward`` (``loss.backward()``) of the
   loop's thread (:func:`watch_backward`), and the start of the optimizer step: after a
-  backward, and after the optimizer step, the script runs its own code (the tail);
+  backward, and after the optimizer step, the script runs its own code (the tail). A
+  backward inside the optimizer step (the closure of ``opt.step(closure)``: LBFGS) is the
+  step's own work: after it the optimizer runs on, still the body;
 - what a backend marks itself (:meth:`accelport.contract.Backend.time_with`): its syncs,
   its waits for the other replicas, host reads of its tensors (the tracer times those).
 
@@ -49,7 +51,7 @@ _ORDER = {name: i for i, name in enumerate(TIME_CATEGORIES)}
 class StepClock:
     """Charges the loop thread's time to the phase it is in; :meth:`close` hands over a step's phases."""
 
-    __slots__ = ("_stack", "_mark", "parts", "thread", "__weakref__")
+    __slots__ = ("_stack", "_mark", "parts", "thread", "_stepping", "__weakref__")
 
     def __init__(self) -> None:
         self._stack = ["pre"]
@@ -58,6 +60,9 @@ class StepClock:
         self.parts: dict[str, float] = {}
         #: The loop's thread (events from other threads are not the loop's and are ignored).
         self.thread: int | None = None
+        # The optimizer step runs (from its start to the step's end): a backward in it (a closure's) ends in the
+        # body, not in the script's own code.
+        self._stepping = False
 
     @property
     def started(self) -> bool:
@@ -106,12 +111,15 @@ class StepClock:
         stack[0] = "body"
 
     def body(self) -> None:
-        """The body starts (a backward, the optimizer step): the forward, backward and optimizer run now."""
+        """The optimizer step starts: it is the body until the step ends, closures' forwards and backwards too."""
+        if self.thread is None or _get_ident() == self.thread:
+            self._stepping = True
         self._base("body")  # (a step's start before any batch stays "pre": the forward is in it)
 
     def tail(self) -> None:
-        """A backward ended: the script's own code runs until the next body."""
-        self._base("tail")
+        """A backward ended: the script's own code runs until the next body; inside the optimizer step (a
+        closure's backward) the optimizer's own work goes on."""
+        self._base("body" if self._stepping else "tail")
 
     def _base(self, phase: str) -> None:
         # On every backward and optimizer step: kept to a clock read and a dict update.
@@ -169,6 +177,7 @@ class StepClock:
 
     def close(self, now: float) -> dict[str, float]:
         """A step ended at ``now``: its phases (adding up to its wall time), and the next step starts."""
+        self._stepping = False
         if self._mark is None:  # the first step, of a loop without batches: it starts here
             self._mark = now
             self.thread = threading.get_ident()
@@ -299,7 +308,7 @@ def watch_backward(clock: StepClock) -> None:
             for ref in clocks:
                 clock = ref()
                 if clock is not None:
-                    clock._base("tail")
+                    clock.tail()
 
     backward.__wrapped__ = original  # type: ignore[attr-defined]
     backward.__doc__ = original.__doc__

@@ -267,6 +267,15 @@ class Runtime:
             say(f"accelport: {off.problem}. This window is not profiled.")
             return off
         profile = StepProfile(window, os.fspath(directory or DEFAULT_DIR), f"ap.profile(steps={steps!r})", say)
+        if current is not None and current.state == "waiting":
+            # One window at a time, and the latest call says what the script wants now: it replaces the
+            # window that has not started, and says so (the replaced one says why it is off).
+            current.state = "off"
+            current.problem = (f"{profile.source} replaced it before its first step {current.window.first}: one "
+                               "window at a time")
+            say(f"accelport: {profile.source} replaces {current.source}, which had not started: one window at a "
+                f"time, so {current.window.describe()} will not be profiled; to profile both, call ap.profile for "
+                "the later window once the earlier one has ended, or give one window that covers both.")
         tracker.profile_steps(profile)
         return profile
 

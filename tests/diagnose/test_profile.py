@@ -165,6 +165,26 @@ def test_a_profiler_that_fails_to_start_leaves_the_run_going(tmp_path, monkeypat
     assert profile.state == "off" and ap.metrics().steps == 5
 
 
+def test_a_later_window_replaces_one_not_yet_started_and_says_so(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    ap.use("cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = ap.profile(steps=range(2, 4), dir=tmp_path / "first")
+        second = ap.profile(steps=range(5, 7), dir=tmp_path / "second")
+        train(8)
+    said = profile_warnings(caught)
+    assert said[0] == ("accelport: ap.profile(steps=range(5, 7)) replaces ap.profile(steps=range(2, 4)), which had "
+                       "not started: one window at a time, so steps 2 to 3 will not be profiled; to profile both, "
+                       "call ap.profile for the later window once the earlier one has ended, or give one window "
+                       "that covers both.")
+    assert said[1].startswith("profile of steps 5 to 6 on cpu") and len(said) == 2
+    assert first.state == "off" and first.problem == ("ap.profile(steps=range(5, 7)) replaced it before its first "
+                                                      "step 2: one window at a time")
+    assert second.state == "done" and step_markers(trace_of(tmp_path / "second")) == ["ProfilerStep#5",
+                                                                                     "ProfilerStep#6"]
+    assert not os.path.exists(tmp_path / "first") or not os.listdir(tmp_path / "first")
+
+
 def test_windows_are_read_as_range_first_stop() -> None:
     assert parse_window("100:110", "--profile") == Window(100, 110) == window_of(range(100, 110))
     assert window_of((100, 110)) == Window(100, 110)

@@ -223,9 +223,11 @@ def diagnose(records: Sequence[dict[str, Any]], rules: Sequence[tuple[str, type[
                 said = d.get("severity")  # what a kind no rule here knows keeps (a plugin not installed here)
                 severity = engine.severity_of(d["kind"], evidence, default=said if said in SEVERITIES else "warning")
                 totals = d.get("totals")
-                found.append(Diagnosis(d["kind"], str(d.get("message", "")), int(d.get("step", r["step"])),
-                                       evidence, severity, str(d.get("fix") or ""),
-                                       dict(totals) if isinstance(totals, dict) else {}))
+                # (Through the engine's pass, as a live finding is: a file written by hand or by an older
+                # build may hold what it would have redacted, escaped or cut.)
+                found.append(engine.shown(Diagnosis(
+                    d["kind"], str(d.get("message", "")), int(d.get("step", r["step"])), evidence, severity,
+                    str(d.get("fix") or ""), dict(totals) if isinstance(totals, dict) else {})))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for r in records:

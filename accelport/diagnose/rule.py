@@ -250,7 +250,9 @@ class Rule:
     engine reports each kind once: the first :meth:`report` makes the finding (a warning of
     :attr:`warning`'s category, an entry of ``ap.diagnostics()``, the metrics file, the JSON
     and the report page); later calls are ignored, so a rule may keep counting after it.
-    A rule that raises is disabled for the rest of the run with a PluginWarning naming its plugin.
+    A rule that raises (``sys.exit`` and any other BaseException too) or does not return within
+    ``ACCELPORT_PLUGIN_TIMEOUT`` seconds is disabled for the rest of the run with a PluginWarning
+    naming its plugin. What it reports is redacted, escaped and cut to a readable length as it is made.
     """
 
     #: The kind's name: lower-case words joined by '-' (see KIND_PATTERN), unique among the rules.

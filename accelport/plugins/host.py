@@ -13,6 +13,7 @@ import importlib
 import importlib.metadata as md
 import os
 import re
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -287,9 +288,23 @@ class PluginHost:
             self._rules = found
         return list(self._rules)
 
-    def refuse(self, plugin: str, problem: str) -> None:
-        """Plugin ``plugin`` gave something unusable (``problem``): one PluginWarning, and doctor lists it."""
-        warnings.warn(f"accelport plugin {plugin!r}: {problem}", PluginWarning, stacklevel=3)
+    def refuse(self, plugin: str, problem: str, where: tuple[str, int, str] | None = None) -> None:
+        """Plugin ``plugin`` gave something unusable (``problem``): one PluginWarning, and doctor lists it.
+
+        ``where``: the file, line and module of what was refused (a rule class), which the warning
+        points at: the plugin's own code, not accelport's.
+        """
+        message = f"accelport plugin {plugin!r}: {problem}"
+        if where is None:
+            warnings.warn(message, PluginWarning, stacklevel=3)
+        else:
+            filename, line, name = where
+            module = sys.modules.get(name)
+            scope = vars(module) if module is not None else None
+            # That module's registry, as warnings.warn would keep it: the "default" action says it once there.
+            registry = scope.setdefault("__warningregistry__", {}) if scope is not None else None
+            warnings.warn_explicit(message, PluginWarning, filename, line, module=name, registry=registry,
+                                   module_globals=scope)
         self.failed.append(FailedPlugin(plugin, "rule", problem))
 
     # -- backends ------------------------------------------------------------------------

@@ -55,7 +55,7 @@ def test_verdicts_are_readable_at_80_columns(capsys: pytest.CaptureFixture[str],
 
 def test_verdict_text_leads_with_the_answer(capsys: pytest.CaptureFixture[str]) -> None:
     _, out, _ = run(capsys, "matrix", "--platform", "aws-neuron", "--torch", "2.14", "--python", "3.12")
-    assert ("recommended: neuron (pip: torch==2.14.* torch-neuronx==2.14.3.0.*\n"
+    assert ("recommended: neuron (pip: torch==2.14.* torch-neuronx==2.14.3.1.*\n"
             "--extra-index-url https://pip.repos.neuron.amazonaws.com)") in out
     assert "chips: trn2, trn3" in out
     _, out, _ = run(capsys, "matrix", "--platform", "gcp-tpu", "--torch", "2.10")
@@ -86,7 +86,7 @@ def test_torch_alone_uses_this_machine(capsys: pytest.CaptureFixture[str]) -> No
 def test_whole_matrix_as_json(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "matrix", "--json")
     data = json.loads(out)
-    assert code == 0 and data["as_of"] == "2026-12-01"
+    assert code == 0 and data["as_of"] == "2026-12-05"
     assert {r["backend"] for r in data["rows"]} >= {"cpu", "cuda", "xla", "tpu", "neuron", "neuron-xla"}
     assert all(r["sources"] for r in data["rows"])
     assert {e["name"] for e in data["env"]} == {"XLA_USE_BF16", "XLA_DOWNCAST_BF16"}
@@ -168,7 +168,7 @@ def test_chip_and_python_verdicts_are_readable_at_80_columns(capsys: pytest.Capt
 
 def test_chip_and_python_in_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     _, out, _ = run(capsys, "matrix", "--chip", "trn1", "--torch", "2.14", "--python", "3.12")
-    assert out.startswith("aws-neuron (trn1), torch 2.14, Python 3.12\n(as of 2026-12-01)\n")
+    assert out.startswith("aws-neuron (trn1), torch 2.14, Python 3.12\n(as of 2026-12-05)\n")
     assert "neuron       unsupported" in out and "does not run on trn1" in out
     assert "torch 2.9 with neuron-xla (deprecated; torch-neuronx==2.9.0.2.15.32035)" in out
     code, out, _ = run(capsys, "matrix", "--chip", "trn1", "--torch", "2.14", "--python", "3.12", "--json")
@@ -271,7 +271,7 @@ def test_ci_matrix_pip_args_are_safe_in_a_shell(capsys: pytest.CaptureFixture[st
     assert by[("gcp-tpu", "2.13", "tpu")]["install"] == "torch==2.13.* torch-tpu>=0.2.0"  # unchanged
     assert _through_bash(by[("gcp-tpu", "2.13", "tpu")]["pip_args"]) == ["torch==2.13.*", "torch-tpu>=0.2.0"]
     assert _through_bash(by[("aws-neuron", "2.14", "neuron")]["pip_args"]) == [
-        "torch==2.14.*", "torch-neuronx==2.14.3.0.*", "--extra-index-url", neuron]
+        "torch==2.14.*", "torch-neuronx==2.14.3.*", "--extra-index-url", neuron]
     assert _through_bash(by[("cpu", "2.13", "cpu")]["pip_args"]) == ["torch==2.13.*"]
     for e in entries:
         args = _through_bash(str(e["pip_args"]))

@@ -97,9 +97,37 @@ def test_neuron_with_torch_2_14_recommends_torchneuron_on_trn2_and_trn3() -> Non
     v = verdict("aws-neuron", "2.14", python="3.12")
     assert v.recommended == "neuron"
     st_ = v.backends["neuron"]
-    assert st_.requires == "torch-neuronx==2.14.3.0.*"
+    assert st_.requires == "torch-neuronx==2.14.3.*"
     assert st_.chips == ("trn2", "trn3")
     assert v.status("neuron-xla") == "unsupported"
+
+
+@pytest.mark.parametrize("torch", ["2.13", "2.14"])
+def test_torchneuron_rows_follow_neuron_2_34(torch: str) -> None:
+    # Neuron 2.34.0 ships torch-neuronx 2.13.3.1 and 2.14.3.1; 2.13.3.0 / 2.14.3.0 (Neuron 2.33) stay usable.
+    from packaging.specifiers import SpecifierSet
+
+    st_ = verdict("aws-neuron", torch, python="3.12").backends["neuron"]
+    assert "Neuron 2.34" in st_.message and "Neuron 2.33" not in st_.message
+    wanted = SpecifierSet(st_.requires.removeprefix("torch-neuronx"))  # type: ignore[union-attr]
+    assert f"{torch}.3.1.4242" in wanted and f"{torch}.3.1" in wanted and f"{torch}.3.0.4521" in wanted
+    assert "2.9.0.2.15.32035" not in wanted
+    assert st_.install == f"torch-neuronx=={torch}.3.1.*"  # the patch to install: Neuron 2.34's
+    assert st_.release is not None and st_.release.neuron_sdk == ("2.34.0",)
+    assert not st_.release.confirmed and "index" in (st_.release.note or "")  # the mirror is unconfirmed
+    assert any("2.34.0" in s.url for s in st_.release.sources)
+
+
+def test_torch_2_15_on_neuron_names_neuron_2_34() -> None:
+    st_ = verdict("aws-neuron", "2.15", python="3.12").backends["neuron"]
+    assert st_.status == "unsupported" and "Neuron 2.34 ships 2.13 and 2.14" in st_.message
+
+
+def test_neuron_xla_says_pytorch_xla_inference_ended_on_trn2_and_trn3() -> None:
+    st_ = verdict("aws-neuron", "2.9").backends["neuron-xla"]
+    assert "nor for inference on Trn2/Trn3 since Neuron 2.34" in st_.message
+    assert any(s.url.endswith("announce-no-support-torch-xla-inference-trn.html") for s in st_.sources)
+    assert st_.release is not None and "not on Trn2/Trn3 since Neuron 2.34" in st_.release.message
 
 
 def test_torchneuron_on_a_trn1_is_unsupported_for_the_chip() -> None:
@@ -160,7 +188,7 @@ def test_every_status_carries_message_sources_and_date() -> None:
     for st_ in v.backends.values():
         assert st_.message and st_.sources and isinstance(st_.as_of, dt.date)
         assert all(s.url.startswith("https://") for s in st_.sources)
-    assert v.sources and v.as_of == dt.date(2026, 12, 1)
+    assert v.sources and v.as_of == dt.date(2026, 12, 5)  # the newest check in the data (Neuron 2.34)
     json.dumps(v.to_dict())  # serialisable as it stands
 
 

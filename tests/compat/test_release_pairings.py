@@ -80,3 +80,13 @@ def test_a_version_the_data_does_not_list_is_left_alone(monkeypatch: pytest.Monk
     assert "does not match torch_xla 2.9.0+git1234" in f.title
     fakes.install_dist(monkeypatch, site / "b", "torch_xla", "2.10.0")  # no such release in the data
     assert installed_findings(build(None, {})) == []
+
+
+def test_torchneuron_from_neuron_2_33_is_a_note_naming_neuron_2_34s(monkeypatch: pytest.MonkeyPatch,
+                                                                    site: pathlib.Path) -> None:
+    fakes.install_dist(monkeypatch, site, "torch-neuronx", "2.14.3.0.4521")  # Neuron 2.33.0
+    (f,) = installed_findings(build(None, {}))
+    assert f.severity == "note" and "not the recommended torch 2.14 release (2.14.3.1.*)" in f.title
+    assert f.fix == "pip install 'torch-neuronx==2.14.3.1.*' --extra-index-url https://pip.repos.neuron.amazonaws.com"
+    fakes.install_dist(monkeypatch, site.parent / "newer", "torch-neuronx", "2.14.3.1.777")  # Neuron 2.34.0: quiet
+    assert installed_findings(build(None, {})) == []

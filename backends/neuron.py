@@ -9,18 +9,20 @@ Unconfirmed off hardware (no Neuron machine or SDK was available to test against
 ``torch.neuron.synchronize()`` (seen only in public code), so ``sync()`` calls it
 when present and ``torch.accelerator.synchronize()`` otherwise; the names of
 TorchNeuron's compile-cache and metrics variables, so no cache figures are
-reported yet.
+reported yet. Memory figures come from the ``torch.accelerator`` memory functions,
+which the Neuron 2.34 release notes say work on Neuron; where they are missing or
+raise (an older TorchNeuron), they are read as the eager family does otherwise.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from accelport import _packages, platform
 from accelport.contract import Probe
-from accelport.eager import EagerBackend
+from accelport.eager import ACCELERATOR_EQUIVALENTS, EagerBackend
 from accelport.plugins.hookspecs import hookimpl
 
 if TYPE_CHECKING:
@@ -32,6 +34,10 @@ if TYPE_CHECKING:
 NATIVE_CHIPS = frozenset({"Trainium2", "Trainium3"})
 INSTALL = (f"pip install 'torch-neuronx>=2.13' --extra-index-url {_packages.NEURON_PACKAGE_INDEX} "
            "(AWS's package index)")
+#: The device-module memory reads (see ``EagerBackend.memory_reading``) taken from ``torch.accelerator``
+#: first: the Neuron 2.34 release notes say the torch.accelerator memory functions work on Neuron.
+ACCELERATOR_MEMORY = frozenset({"memory_allocated", "max_memory_allocated", "reset_peak_memory_stats",
+                                "mem_get_info"})
 
 
 def probe_neuron(root: str | None = None, environ: Mapping[str, str] | None = None) -> Probe:
@@ -95,12 +101,46 @@ class NeuronBackend(EagerBackend):
     compile_backend = "neuron"
     compile_dynamic = False  # TorchNeuron rejects dynamic=True: each new shape compiles its own graph
     autocast_device_type = "neuron"
-    # torch.neuron.X where TorchNeuron has it (synchronize is unconfirmed), else torch.accelerator.X.
+    # torch.neuron.X where TorchNeuron has it (synchronize is unconfirmed), else torch.accelerator.X;
+    # memory reads the other way round (device_api below).
     sync_api = "module"
     pin_memory = False
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._accelerator_memory_failed: set[str] = set()
+
     def _probe(self) -> Probe:
         return probe_neuron()
+
+    def device_api(self, name: str) -> tuple[str, Callable[..., Any]] | None:
+        """Memory reads through ``torch.accelerator`` when torch has the function, else as before.
+
+        The Neuron 2.34 release notes say the ``torch.accelerator`` memory functions work on
+        Neuron. An older TorchNeuron (Neuron 2.33) may not back them, so a call that raises falls
+        back, for the rest of the run, to what the eager family reads otherwise
+        (``torch.neuron.X`` where TorchNeuron has it, then ``torch.accelerator``).
+        """
+        fallback = super().device_api(name)
+        if name not in ACCELERATOR_MEMORY or name in self._accelerator_memory_failed:
+            return fallback
+        equivalent = ACCELERATOR_EQUIVALENTS[name]
+        first = getattr(getattr(self._t(), "accelerator", None), equivalent, None)
+        if not callable(first):
+            return fallback
+        dotted = f"torch.accelerator.{equivalent}"
+        if fallback is None or fallback[0] == dotted:
+            return dotted, first
+        failed, then = self._accelerator_memory_failed, fallback[1]
+
+        def read(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return first(*args, **kwargs)
+            except Exception:  # not backed by this TorchNeuron: read it the older way from now on
+                failed.add(name)
+                return then(*args, **kwargs)
+
+        return dotted, read
 
 
 @hookimpl

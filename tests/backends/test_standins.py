@@ -111,12 +111,17 @@ class Runtime:
 
         return record
 
-    def neuron_module(self, *, with_synchronize: bool) -> None:
-        """torch.neuron as TorchNeuron registers it; whether it has synchronize() is unconfirmed."""
+    def neuron_module(self, *, with_synchronize: bool, with_memory: bool = False) -> None:
+        """torch.neuron as TorchNeuron registers it; whether it has synchronize() is unconfirmed, and
+        ``with_memory`` gives it memory functions of its own (figures unlike torch.accelerator's)."""
         module = types.SimpleNamespace(device_count=self.recorder("torch.neuron.device_count", 1),
                                        set_device=self.recorder("torch.neuron.set_device", None))
         if with_synchronize:
             module.synchronize = self.recorder("torch.neuron.synchronize", None)
+        if with_memory:
+            for name, result in (("memory_allocated", 512), ("max_memory_allocated", 2048),
+                                 ("reset_peak_memory_stats", None), ("mem_get_info", (1, 32 << 30))):
+                setattr(module, name, self.recorder(f"torch.neuron.{name}", result))
         torch.neuron = module  # type: ignore[attr-defined]  # restored by the fixture's monkeypatch
 
     def names(self) -> list[str]:
@@ -198,6 +203,51 @@ def test_neuron_without_a_synchronize_of_its_own_uses_torch_accelerator(runtime:
     runtime.calls.clear()
     ap.sync()
     assert runtime.names() == ["torch.accelerator.synchronize"]
+
+
+def test_neuron_reads_memory_through_torch_accelerator_first(runtime: Runtime) -> None:
+    # Neuron 2.34's release notes: the torch.accelerator memory functions work on Neuron.
+    runtime.neuron_module(with_synchronize=True, with_memory=True)
+    backend = select(NeuronConstantsOnCpu())
+    train_tiny(steps=3)
+    m = ap.metrics()
+    assert (m.memory_bytes, m.peak_memory_bytes, m.capacity_bytes) == (1024, 4096, 16 << 30)
+    own = {f"torch.neuron.{n}" for n in ("memory_allocated", "max_memory_allocated", "reset_peak_memory_stats",
+                                         "mem_get_info")}
+    assert not own & set(runtime.names())
+    # Only the memory reads changed: the device functions stay torch.neuron's.
+    assert backend.device_api("synchronize")[0] == "torch.neuron.synchronize"  # type: ignore[index]
+    assert "torch.neuron.device_count" in runtime.names()
+
+
+def test_neuron_memory_without_torch_accelerator_functions_reads_torch_neuron(
+        runtime: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    runtime.neuron_module(with_synchronize=True, with_memory=True)
+    for name in ("memory_allocated", "max_memory_allocated", "reset_peak_memory_stats", "get_memory_info"):
+        monkeypatch.delattr(torch.accelerator, name)  # an older torch
+    select(NeuronConstantsOnCpu())
+    train_tiny(steps=3)
+    m = ap.metrics()
+    assert (m.memory_bytes, m.peak_memory_bytes, m.capacity_bytes) == (512, 2048, 32 << 30)
+
+
+def test_neuron_memory_falls_back_for_good_when_torch_accelerator_raises(
+        runtime: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A TorchNeuron before Neuron 2.34 may not back torch.accelerator's allocator statistics.
+    def unbacked(*args: Any) -> int:
+        runtime.calls.append(("torch.accelerator.memory_allocated", args))
+        raise RuntimeError("the neuron allocator does not report statistics")
+
+    runtime.neuron_module(with_synchronize=True, with_memory=True)
+    monkeypatch.setattr(torch.accelerator, "memory_allocated", unbacked)
+    select(NeuronConstantsOnCpu())
+    train_tiny(steps=3)
+    assert ap.metrics().memory_bytes == 512  # torch.neuron's figure, not none at all
+    ap.metrics()
+    names = runtime.names()
+    assert names.count("torch.accelerator.memory_allocated") == 1  # asked once, then left alone
+    assert names.count("torch.neuron.memory_allocated") >= 2
+    assert "torch.accelerator.max_memory_allocated" in names  # the others still come from torch.accelerator
 
 
 def test_tpu_never_calls_torch_tpu_device_functions(runtime: Runtime) -> None:

@@ -15,6 +15,10 @@ carries the marker, requests the fixture, or the option is given.
   over the marker's list, or the session's backend); it yields the selected
   :class:`~accelport.contract.Backend` and restores accelport's state afterwards.
 
+Before the first test, the plugin starts the device of every lazy (torch_xla) backend a
+selected test runs on: torch's autograd engine sizes its device queues at the process's
+first backward pass, and a torch_xla device started after a CPU backward fails its own.
+
 ``pytest -p no:accelport`` turns the plugin off entirely.
 """
 

@@ -14,7 +14,9 @@ interleaved round by round in one process so machine noise hits all alike:
 A step's time is the wall time between consecutive batches arriving in the loop.
 Reported: the median step time of each, its ratio to raw, the median over rounds of
 each round's ratio (the headline figure, target <= 1.03: pairing within a round cancels
-slow drifts of a shared machine), the same from each round's mean step time (work done
+slow drifts of a shared machine), the same from the loop thread's CPU time per step (it
+leaves out the time other processes take the core away: the steadier figure on a busy
+machine), the same from each round's mean step time (work done
 once every few steps, such as the diagnostics reading torch_xla's counters once per 16
 quiet steps, shows in the mean but hardly in the median), and the cost of accelport's
 per-step pieces timed alone.
@@ -89,12 +91,17 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in rounds.times.items()}
     by_median = {k: rounds.ratio(rounds.median, k, "raw") for k in runs}
     by_mean = {k: rounds.ratio(rounds.mean, k, "raw") for k in runs}
+    by_cpu = {k: rounds.ratio(rounds.cpu, k, "raw") for k in runs}
     print(f"torch {torch.__version__}, torch_xla {torch_xla.__version__}, PJRT_DEVICE={os.environ['PJRT_DEVICE']}; "
           f"{args.rounds} rounds x {args.steps} steps each, interleaved; "
           f"rules judging the accelport loop: {', '.join(watching) or 'none'}")
     for k in runs:
+        # CPU time: the loop thread's, which leaves out the time other processes take the core away
+        # (XLA:CPU computes in threads of its own: this is the host's tracing and accelport's work).
+        extra_cpu = statistics.median(a - b for a, b in zip(rounds.cpu[k], rounds.cpu["raw"], strict=True)) * 1e6
         print(f"{k:12s} median step {med[k] * 1e6:8.1f} us   ratio to raw {med[k] / med['raw']:.3f}   "
-              f"median of per-round ratios {by_median[k]:.3f} (of means {by_mean[k]:.3f})")
+              f"median of per-round ratios {by_median[k]:.3f} (of means {by_mean[k]:.3f}, "
+              f"of CPU time {by_cpu[k]:.3f}; {extra_cpu:+.1f} us of CPU a step)")
 
     # accelport's own per-step pieces, timed alone (no device work running beside them;
     # inside the loop, XLA:CPU computing on the same cores slows them several times).

@@ -101,6 +101,7 @@ def hardware(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job: check the environment, then train the portable example on the best backend."""
-    session.install(f"torch=={TORCH}", "numpy", "-e", ".")
+    # What a user installs: the built package, not an editable checkout.
+    session.install(f"torch=={TORCH}", "numpy", ".")
     session.run("accelport", "doctor")
     session.run("python", "examples/quickstart.py")

@@ -1405,8 +1405,11 @@ class Checkpointer:
                                                       "it to resume from the checkpoint before it") if damage else None)
         elif damage:
             raise _Damaged(damage)
+        # On another number of ranks each rank's share of a pass differs by design, and the position is
+        # taken as it can be (said below, among what was not restored): compare the pass's cut only on
+        # the same number of ranks.
         refusal = self._position.refusal(mine["data"], found.path) \
-            if self._position is not None and isinstance(mine.get("data"), Mapping) else ""
+            if self._position is not None and isinstance(mine.get("data"), Mapping) and saved_world == world else ""
         checkpoint.agree(backend, CheckpointError(refusal) if refusal else None)  # every rank refuses together
         into = {k: v for k, v in objects.items() if k in ("model", "optimizer")}
         try:

@@ -116,13 +116,18 @@ def output_target(path: str, *, what: str) -> str:
     return real
 
 
+def _host_part() -> str:
+    """``.HOST.``: what a temporary file's name holds after its stem, before the writer's pid."""
+    return f".{socket.gethostname()[:40]}."
+
+
 def _temp_head(path: str) -> str:
     """Where the names of ``path``'s temporary files from this host start: ``DIR/.NAME.HOST.``"""
     directory, name = os.path.split(path)
     raw = name.encode("utf-8", "surrogateescape")
     # With the host, the pid and the random part the name stays well under the 255 bytes file systems allow.
     stem = name if len(raw) <= 100 else hashlib.sha1(raw).hexdigest()[:16]
-    return os.path.join(directory, f".{stem}.{socket.gethostname()[:40]}.")
+    return os.path.join(directory, f".{stem}{_host_part()}")
 
 
 def temp_beside(path: str) -> str:
@@ -167,7 +172,7 @@ def remove_own_temps(directory: str) -> list[str]:
     """Remove the temporary files (:func:`temp_beside`'s) this process has open under ``directory``, at any
     depth: a write cut short by the process's own exit (a deadline), which no later save would remove while
     this pid is alive. Returns the paths removed."""
-    mine = f".{socket.gethostname()[:40]}.{os.getpid()}."
+    mine = f"{_host_part()}{os.getpid()}."  # (as temp_beside names them)
     removed = []
     for root, _dirs, names in os.walk(directory):
         for name in names:

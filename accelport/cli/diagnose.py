@@ -473,7 +473,22 @@ def _time_lines(watcher: Watcher, shown: Callable[[str], str]) -> list[str]:
     return lines
 
 
-def _result(watcher: Watcher, outcome: Outcome) -> dict[str, Any]:
+def _setup(plan: _Plan) -> dict[str, Any]:
+    """What ran, and with which versions: what ``accelport compare`` says first where two runs differ in it.
+    The versions are of the packages the script loaded (none imported here)."""
+    import platform
+
+    from accelport import __version__
+
+    def loaded(name: str) -> str | None:
+        version = getattr(sys.modules.get(name), "__version__", None)
+        return str(version) if version is not None else None
+
+    return {"script": plan.target, "args": list(plan.args), "torch": loaded("torch"),
+            "torch_xla": loaded("torch_xla"), "python": platform.python_version(), "accelport": __version__}
+
+
+def _result(watcher: Watcher, outcome: Outcome, plan: _Plan | None = None) -> dict[str, Any]:
     from accelport.runtime.watch import where
 
     findings = []
@@ -492,6 +507,9 @@ def _result(watcher: Watcher, outcome: Outcome) -> dict[str, Any]:
             "verdict": {"judged_every_step": severity == "ok", "steps_judged": steps, "text": text,
                         "not_judged": watcher.unjudged},
             "notes": [*watcher.notes, *_pattern_notes(watcher), *watcher.rule_failures]}
+    if plan is not None:
+        out["setup"] = _setup(plan)
+    out["efficiency"] = watcher.efficiency()  # (how much of the chip a step used: accelport compare reads it)
     profile = watcher.tracker.profile
     if profile is not None:  # what --profile did: its result, or why there is none
         out["profile"] = profile.result if profile.result is not None else {
@@ -529,7 +547,7 @@ def _conclude(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | No
     problems: list[str] = []
     if plan.output is not None:
         try:
-            write_atomic(plan.output, _json(_result(watcher, outcome), redactor), what="--output")
+            write_atomic(plan.output, _json(_result(watcher, outcome, plan), redactor), what="--output")
             written.append(plan.output)
         except AccelportError as exc:
             problems.append(str(exc))

@@ -58,7 +58,9 @@ def test_a_healthy_script_runs_as_under_python_and_has_no_finding(healthy: dict[
                               "and exited with status 0\n"), summary
     assert "[ok  ] no finding after 30 step(s) with every check running" in summary
     result = json.loads((healthy["dir"] / "out" / "findings.json").read_text())
-    assert set(result) == {"findings", "metrics", "steps", "backend", "exit_status", "verdict", "notes"}
+    assert set(result) == {"findings", "metrics", "steps", "backend", "exit_status", "verdict", "notes", "setup"}
+    assert result["setup"]["script"] == str(SCRIPTS / "cpu_healthy.py")
+    assert result["setup"]["args"] == ["--steps", "30", "--read-stdin"] and result["setup"]["torch"]
     assert result["verdict"] == {"judged_every_step": True, "steps_judged": 30, "not_judged": {},
                                  "text": "no finding after 30 step(s) with every check running"}
     assert result["findings"] == [] and result["steps"] == 30 and result["backend"] == "cpu"

@@ -128,6 +128,14 @@ class Metrics:
     time_verdict: str = ""
     #: The one fix that matters most for that verdict (the fix of the diagnosis kind it points at).
     time_fix: str = ""
+    #: The model FLOPs of a step (forward, backward and the optimizer's matmuls), counted once on a sampled
+    #: step per batch shape (torch's FlopCounterMode; its formulas on the traced ops on XLA); None before.
+    flops_per_step: int | None = None
+    #: ``flops_per_step`` over the device time of a step (the ``device`` category, after the first step).
+    achieved_flops: float | None = None
+    #: ``achieved_flops`` over the chip's peak for the dtype the matmuls ran in (compatibility matrix, per
+    #: device); None where the chip's peak is not known (cpu, an unlisted GPU).
+    mfu: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -22,6 +22,7 @@ from accelport.compat.schema import (
     EnvDeprecation,
     Minor,
     Parsed,
+    PeakFact,
     Release,
     Row,
     ShardingFact,
@@ -131,6 +132,7 @@ def load_folder(folder: Any, origin: str | None = None) -> Parsed:
         total.releases += part.releases
         total.sharding += part.sharding
         total.chips += part.chips
+        total.peaks += part.peaks
     return total
 
 
@@ -176,7 +178,8 @@ class Matrix:
     def __init__(self, base: Sequence[Row], overrides: Sequence[Sequence[Row]] = (),
                  torch: Iterable[TorchInfo] = (), env: Iterable[EnvDeprecation] = (),
                  origins: Sequence[str] = (), releases: Iterable[Release] = (),
-                 sharding: Iterable[ShardingFact] = (), chips: Iterable[ChipFact] = ()) -> None:
+                 sharding: Iterable[ShardingFact] = (), chips: Iterable[ChipFact] = (),
+                 peaks: Iterable[PeakFact] = ()) -> None:
         self.layers: list[list[Row]] = [list(layer) for layer in reversed(overrides)] + [list(base)]
         # Patch releases, shipped first: a later entry for the same package and version replaces it.
         merged: dict[tuple[str, str], Release] = {}
@@ -197,6 +200,17 @@ class Matrix:
         self.chips: dict[str, ChipFact] = {}
         for fact in chips:
             self.chips[fact.name] = fact
+        #: Each chip's peak FLOP/s, by name; a later entry (an override file) replaces an earlier one.
+        self.peaks: dict[str, PeakFact] = {}
+        for peak in peaks:
+            self.peaks[peak.name] = peak
+
+    def peak_for(self, device: str | None) -> PeakFact | None:
+        """The peak FLOP/s of a device: a matrix chip name ("v5e", "Trainium2") or a GPU's name
+        ("NVIDIA H100 80GB HBM3"); the first entry that matches, None if none does."""
+        if not device or not isinstance(device, str):
+            return None
+        return next((p for p in self.peaks.values() if p.matches(device)), None)
 
     @property
     def rows(self) -> list[Row]:
@@ -285,6 +299,7 @@ def build(host: RowSource | None = None, environ: Mapping[str, str] | None = Non
     releases = list(base.releases)
     sharding = list(base.sharding)
     chips = list(base.chips)
+    peaks = list(base.peaks)
     for path in (p for p in env.get(OVERRIDE_ENV, "").split(os.pathsep) if p.strip()):
         part = load_file(path.strip(), base.sources)
         overrides.append(part.rows)
@@ -293,5 +308,6 @@ def build(host: RowSource | None = None, environ: Mapping[str, str] | None = Non
         releases += part.releases
         sharding += part.sharding
         chips += part.chips
+        peaks += part.peaks
         origins.append(part.origin)
-    return Matrix(rows, overrides, torch, envs, origins, releases, sharding, chips)
+    return Matrix(rows, overrides, torch, envs, origins, releases, sharding, chips, peaks)

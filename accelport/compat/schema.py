@@ -33,6 +33,8 @@ __all__ = [
     "RELEASE_STATUSES",
     "ShardingFact",
     "ChipFact",
+    "PeakFact",
+    "PEAK_DTYPES",
     "parse_torch_version",
     "minor_str",
     "OVERRIDE_ENV",
@@ -53,7 +55,8 @@ _MINOR_RE = re.compile(r"^(\d{1,3})\.(\d{1,3})$")
 MAX_MINOR = 99
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 _ENV_RE = re.compile(r"^[A-Z_][A-Z0-9_]*$")
-FILE_KEYS = ("schema", "platform", "as_of", "sources", "rows", "torch", "env", "releases", "sharding", "chips")
+FILE_KEYS = ("schema", "platform", "as_of", "sources", "rows", "torch", "env", "releases", "sharding", "chips",
+             "peaks")
 ROW_KEYS = ("platform", "backend", "torch", "status", "message", "package", "package_version",
              "python", "chips", "other_chips", "index", "find_links", "replacement", "as_of", "sources",
              "confirmed", "note")
@@ -69,6 +72,13 @@ SOURCE_KEYS = ("title", "url", "note")
 CHIP_KEYS = ("chip", "hbm_gib", "devices", "as_of", "sources", "confirmed", "note")
 #: No accelerator chip has this much memory (GiB): a larger figure is a typo.
 MAX_HBM_GIB = 4096
+PEAK_KEYS = ("chip", "title", "match", "tflops", "tile", "tile_unit", "tile_sources", "as_of", "sources",
+             "confirmed", "note")
+#: The dtypes a peak may be given for (dense matrix work; never the with-sparsity figure), the one a chip is
+#: usually quoted by first.
+PEAK_DTYPES = ("bf16", "fp16", "fp8", "int8", "tf32", "fp32")
+#: No chip does this many TFLOP/s in one dtype (dense): a larger figure is a typo.
+MAX_TFLOPS = 100_000
 
 
 def minor_str(m: Minor) -> str:
@@ -317,6 +327,47 @@ class ChipFact:
                 "sources": [s.to_dict() for s in self.sources]}
 
 
+@dataclass(frozen=True)
+class PeakFact:
+    """One chip's peak FLOP/s per dtype (dense), and the tile its matrix unit works in, each with sources.
+
+    ``name`` is the matrix's chip name for TPU and Neuron chips; for GPUs (which the matrix names by
+    model) a name of its own, and ``match`` the regular expression that finds it in the device's name
+    ("NVIDIA H100 80GB HBM3"). ``tflops`` is empty where no published figure was found ("unknown").
+    """
+
+    name: str
+    title: str
+    tflops: Mapping[str, float]
+    sources: tuple[Source, ...]
+    tile: int | None = None
+    tile_unit: str = "matrix unit"
+    tile_sources: tuple[Source, ...] = ()
+    match: str | None = None
+    as_of: _dt.date | None = None
+    confirmed: bool = True
+    note: str | None = None
+    origin: str = ""
+    key: str = ""
+
+    @property
+    def headline(self) -> str | None:
+        """The dtype the chip is quoted by (its training peak): bf16 where it has one."""
+        return next((d for d in PEAK_DTYPES if d in self.tflops), None)
+
+    def matches(self, device: str) -> bool:
+        """Whether a device named ``device`` (a matrix chip name, or a GPU's name) is this chip."""
+        if self.match is None:
+            return chip_name(device) == self.name
+        return re.search(self.match, device, re.IGNORECASE) is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"chip": self.name, "title": self.title, "tflops": dict(self.tflops) or "unknown",
+                "tile": self.tile, "tile_unit": self.tile_unit if self.tile else None, "note": self.note,
+                "confirmed": self.confirmed, "sources": [s.to_dict() for s in self.sources],
+                "tile_sources": [s.to_dict() for s in self.tile_sources]}
+
+
 @dataclass
 class Parsed:
     """What one file (or one plugin's rows) contributed."""
@@ -329,6 +380,7 @@ class Parsed:
     releases: list[Release] = field(default_factory=list)
     sharding: list[ShardingFact] = field(default_factory=list)
     chips: list[ChipFact] = field(default_factory=list)
+    peaks: list[PeakFact] = field(default_factory=list)
 
 
 # -- validation helpers ------------------------------------------------------------------
@@ -667,6 +719,57 @@ def _chip(c: Checker, raw: Any, key: str, as_of: _dt.date | None) -> ChipFact:
                     confirmed, note, c.origin, key)
 
 
+def _peak(c: Checker, raw: Any, key: str, as_of: _dt.date | None) -> PeakFact:
+    t = c.keys(raw, PEAK_KEYS, key)
+    text = c.string(t.get("chip"), f"{key}.chip")
+    assert text is not None
+    match = c.string(t.get("match"), f"{key}.match", required=False)
+    if match is None:  # a TPU or Neuron chip: by its matrix name
+        name = chip_name(text)
+        if name is None:
+            did = did_you_mean(text, list(CHIPS), aside=True)
+            raise c.fail(f"{key}.chip", f"unknown chip {text!r}{did}; valid chips: {', '.join(CHIPS)} (a GPU "
+                                        "needs 'match', the pattern of its device name)")
+        title: str = c.string(t.get("title"), f"{key}.title", required=False) or CHIPS[name].title
+    else:
+        name = c.name(text, f"{key}.chip")
+        try:
+            re.compile(match)
+        except re.error as exc:
+            raise c.fail(f"{key}.match", f"is not a regular expression: {exc}") from None
+        given = c.string(t.get("title"), f"{key}.title")
+        assert given is not None
+        title = given
+    confirmed = c.boolean(t.get("confirmed"), f"{key}.confirmed", True)
+    note = c.string(t.get("note"), f"{key}.note", required=False)
+    raw_tflops = t.get("tflops")
+    tflops: dict[str, float] = {}
+    if raw_tflops == "unknown":
+        if note is None:
+            raise c.fail(f"{key}.note", "a peak of \"unknown\" must say in 'note' why (what was looked for)")
+    elif isinstance(raw_tflops, Mapping) and raw_tflops:
+        for dtype, value in raw_tflops.items():
+            if dtype not in PEAK_DTYPES:
+                raise c.fail(f"{key}.tflops.{dtype}", f"unknown dtype; valid: {', '.join(PEAK_DTYPES)}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TFLOPS:
+                raise c.fail(f"{key}.tflops.{dtype}", f"must be the dense peak in TFLOP/s, above 0 and up to "
+                                                      f"{MAX_TFLOPS}, got {value!r}")
+            tflops[dtype] = float(value)
+    else:
+        raise c.fail(f"{key}.tflops", "must be a table of dtype = TFLOP/s (dense), or \"unknown\"")
+    if not confirmed and note is None:
+        raise c.fail(f"{key}.note", "an entry with confirmed = false must say in 'note' what is unconfirmed")
+    tile = t.get("tile")
+    if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or not 1 <= tile <= 4096):
+        raise c.fail(f"{key}.tile", f"must be the matrix unit's tile (1 to 4096), got {tile!r}")
+    tile_sources = c.sources(t.get("tile_sources"), f"{key}.tile_sources") if tile is not None else ()
+    return PeakFact(name, title, tflops, c.sources(t.get("sources"), f"{key}.sources"), tile,
+                    c.string(t.get("tile_unit"), f"{key}.tile_unit", required=False) or "matrix unit",
+                    tile_sources, match,
+                    c.date(t.get("as_of"), f"{key}.as_of", as_of) if (t.get("as_of") or as_of) else None,
+                    confirmed, note, c.origin, key)
+
+
 def check_overlaps(rows: Iterable[Row], against: Iterable[Row] = (), *, adding: bool = False) -> None:
     """Two rows for the same platform and backend may not cover the same torch minor."""
     seen: dict[tuple[str, str], list[Row]] = {}
@@ -703,7 +806,7 @@ def parse_tables(data: Mapping[str, Any], origin: str, known_sources: Mapping[st
         platform = c.platform(platform, "platform")
     as_of = c.date(data["as_of"], "as_of", None) if "as_of" in data else None
     for name, kind in (("rows", list), ("torch", list), ("env", list), ("releases", list), ("sharding", list),
-                       ("chips", list)):
+                       ("chips", list), ("peaks", list)):
         if name in data and not isinstance(data[name], kind):
             raise c.fail(name, f"must be an array of tables ([[{name}]])")
     out.rows = [parse_row(c, r, f"rows[{i}]", platform, as_of) for i, r in enumerate(data.get("rows", []))]
@@ -716,6 +819,11 @@ def parse_tables(data: Mapping[str, Any], origin: str, known_sources: Mapping[st
     for i, name in enumerate(named):
         if name in named[:i]:
             raise c.fail(f"chips[{i}].chip", f"chip {name} is listed twice")
+    out.peaks = [_peak(c, t, f"peaks[{i}]", as_of) for i, t in enumerate(data.get("peaks", []))]
+    named = [fact.name for fact in out.peaks]
+    for i, name in enumerate(named):
+        if name in named[:i]:
+            raise c.fail(f"peaks[{i}].chip", f"chip {name} is listed twice")
     check_overlaps(out.rows)
     check_releases(out.releases)
     versions = [t.version for t in out.torch]

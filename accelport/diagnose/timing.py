@@ -21,7 +21,7 @@ from typing import Any
 from accelport.diagnose import advice
 from accelport.observe.steptime import breakdown_line
 
-__all__ = ["explain", "verdict", "VERDICTS"]
+__all__ = ["explain", "verdict", "VERDICTS", "with_efficiency"]
 
 #: Each time category and the verdict it leads to when it takes the largest share.
 VERDICTS: Mapping[str, str] = {
@@ -131,3 +131,22 @@ def explain(total: Mapping[str, float], steps: int, *, first: Mapping[str, float
     lines.append(f"{kind}: {share:.0%} of the step time {which} {goes} ({judged} step(s))")
     lines.append(_fix(kind, after, lazy=lazy, loader=loader or {}, findings=findings, style=style))
     return lines
+
+
+def with_efficiency(lines: list[str], efficiency: Mapping[str, Any] | None) -> list[str]:
+    """[the line, the verdict, its fix] of :func:`explain` with, when the run is device-bound, how much of the
+    chip the step uses on the verdict (MFU against the chip's peak, or the achieved FLOP/s where the matrix
+    has no peak for it) and the causes the step shows first in the fix, each with its number and its fix.
+    A device-bound run without any of the causes keeps its fix."""
+    if len(lines) < 3 or not lines[1].startswith("device-bound") or not efficiency:
+        return lines
+    from accelport.observe.flops import verdict_text
+
+    said = verdict_text(efficiency)
+    out = list(lines)
+    if said:
+        out[1] = f"{lines[1]}, {said}"
+    causes = [c for c in efficiency.get("causes") or () if c.get("text") and c.get("fix")]
+    if causes:
+        out[2] = " ".join(f"{c['text'][0].upper()}{c['text'][1:]}: {c['fix']}." for c in causes)
+    return out

@@ -137,6 +137,9 @@ class Runtime:
         numerics = shapes = None
         # Memory is watched in every run: ap.metrics() reports it whether or not a rule reads it.
         memory = self._memory_watch(backend)
+        from accelport.observe.flops import FlopWatch
+
+        tracker.flops = FlopWatch(backend.lazy)  # (counted in every run: ap.metrics() reports the MFU)
         if engine is not None and "memory" in engine.needs:
             from accelport.observe.memory import watch_uncaught
 
@@ -219,6 +222,36 @@ class Runtime:
             if found is not None:
                 capacity, source = found
         return MemoryWatch(backend, capacity, source)
+
+    def efficiency(self) -> dict[str, Any]:
+        """How much of the chip a step uses: FLOPs per step, achieved FLOP/s, and with the chip's peak from the
+        compatibility matrix the MFU and why it is low (``accelport.observe.flops.efficiency``)."""
+        from accelport.observe.flops import device_seconds, efficiency
+
+        t = self.tracker
+        watch = t.flops
+        count = watch.summary() if watch is not None else None
+        seconds = device_seconds(t.time_total, t.time_steps, t.first_breakdown)
+        peak, chip, devices = None, None, 1
+        backend = self._backend
+        if count is not None and backend is not None and backend.platform != "cpu":
+            try:
+                from accelport.platform import detect
+
+                plat = detect(environ=self.environ)
+                if plat.name == backend.platform and plat.chip:
+                    matrix = self.matrix()
+                    chip, peak = plat.chip, matrix.peak_for(plat.chip)
+                    fact = matrix.chips.get(peak.name) if peak is not None else None
+                    devices = fact.devices if fact is not None else 1
+            except Exception:  # noqa: BLE001 - a peak is a nicety: never in the way of a run
+                peak = None
+        return efficiency(count, seconds, peak, chip=chip, devices=devices)
+
+    def _metrics_efficiency(self) -> dict[str, Any]:
+        found = self.efficiency()
+        return {"flops_per_step": found["flops_per_step"], "achieved_flops": found["achieved_flops"],
+                "mfu": found["mfu"]}
 
     def _uncaught(self, exc: BaseException) -> None:
         self.tracker.failed(exc)
@@ -431,10 +464,18 @@ class Runtime:
             time_summary=said[0],
             time_verdict=said[1],
             time_fix=said[2],
+            **self._metrics_efficiency(),
         )
 
     def time_summary(self) -> list[str]:
-        """Where a step's time goes in one line, the verdict and its fix (none before the first step)."""
+        """Where a step's time goes in one line, the verdict and its fix (none before the first step); a
+        device-bound verdict says how much of the chip the step uses, and why it is low."""
+        from accelport.diagnose.timing import with_efficiency
+
+        said = self._time_summary()
+        return with_efficiency(said, self.efficiency()) if said else said
+
+    def _time_summary(self) -> list[str]:
         t = self.tracker
         if not t.time_steps:
             return []

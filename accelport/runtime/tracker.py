@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
     from accelport.diagnose.engine import Diagnostics
     from accelport.diagnose.rule import Diagnosis
+    from accelport.observe.flops import FlopWatch
     from accelport.observe.memory import MemoryWatch
     from accelport.observe.nan_search import NanSearch
     from accelport.observe.numerics import NumericsWatch
@@ -82,6 +83,8 @@ class StepTracker:
         self.numerics: NumericsWatch | None = None
         self._shapes: ShapeTrace | None = None
         self._fresh = False  # a batch of a shape not seen before arrived since the counters were last read
+        #: Counts a step's FLOPs once per batch signature (None: not bound to a run).
+        self.flops: FlopWatch | None = None
         #: The search for the op that made the first NaN (``--find-nan``; None: not asked for), shown each batch.
         self.nan_search: NanSearch | None = None
         #: The run's memory (read with the counters, the static part counted at sampled steps).
@@ -153,6 +156,8 @@ class StepTracker:
                 self._fresh = True
                 self.signatures.add(sig)
             self._last_signature = sig
+        if self.flops is not None:
+            self.flops.batch(sig, batch)
 
     def optimizer_started(self) -> None:
         """The optimizer step starts (its time is the body's, as the forward and backward are)."""
@@ -168,6 +173,8 @@ class StepTracker:
             watch.step_end(self.steps, optimizer)
         if self._shapes is not None:
             self._shapes.step_end()
+        if self.flops is not None:
+            self.flops.step_end(self._last_signature)
         memory = self.memory
         if memory is not None:
             memory.step_end(self.steps, optimizer)
@@ -216,6 +223,8 @@ class StepTracker:
         outside the steps is looked at, and the rules see what was found since the last step.
         """
         self._hand_over()
+        if self.flops is not None:
+            self.flops.pause()
         backend = self._backend
         if backend is None or not self._recording:
             return

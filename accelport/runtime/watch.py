@@ -817,6 +817,12 @@ class Watcher:
             return {}
         return self.runtime.metrics().to_dict()
 
+    def efficiency(self) -> dict[str, Any] | None:
+        """How much of the chip the watched run's steps used (``Runtime.efficiency``); None when no backend was read."""
+        if self.runtime is None or self.backend is None:
+            return None
+        return self.runtime.efficiency()
+
 
 def _redacted(redactor: Redactor, message: Any, category: type[Warning], filename: str, lineno: int,
               line: str | None) -> tuple[Any, str, str]:

@@ -147,12 +147,28 @@ def check_batch(batch: Any) -> str | None:
     return _check_batch(batch)[0]
 
 
+def _plain_finite(batch: tuple[Any, ...] | list[Any], torch: Any) -> bool:
+    """Whether ``batch`` is host tensors of a usual size whose sums are all finite: the common case, said
+    without naming anything (this runs in the loader's thread for every batch, holding the GIL the loop needs).
+    False where :func:`_check_batch`'s full look must decide."""
+    tensor, strided = torch.Tensor, torch.strided
+    for t in batch:
+        if type(t) is not tensor or not t.is_cpu or t.layout is not strided or t.is_complex() or \
+                t.numel() > INPUT_CHECK_MAX:
+            return False
+        if t.is_floating_point() and not math.isfinite(t.sum().item()):
+            return False
+    return bool(batch)
+
+
 def _check_batch(batch: Any) -> tuple[str | None, bool]:
     """:func:`check_batch`'s answer, and whether it covers the batch: False where no tensor was
     found in it, or a floating one was passed over (on a device, another layout, no sum), so
     that a NaN in the inputs is not ruled out."""
     import torch
 
+    if type(batch) in (tuple, list) and _plain_finite(batch, torch):
+        return None, True
     tensor, strided = torch.Tensor, torch.strided
     items = enumerate(batch) if type(batch) in (tuple, list) and all(type(t) is tensor for t in batch) else None
     covered = None  # no tensor yet

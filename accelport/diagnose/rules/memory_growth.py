@@ -113,14 +113,18 @@ class MemoryGrowthRule(Rule):
         if len(intervals) < self.WINDOW:
             return None
         window = intervals[-self.WINDOW:]
-        rates = [rate for _, rate in self._spans(window)]
         least = self.MIN_GROWTH_RESIDENT if self._resident else self.MIN_GROWTH
+        steps = sum(s1 - s0 for s0, s1, _, _ in window)
+        grown = sum(g for _, _, g, _ in window)
+        # (Judged at every record while nothing grows: the window's total says "no" before its spans are made.
+        # The last test below asks for more than this.)
+        if grown / steps < least:
+            return None
+        rates = [rate for _, rate in self._spans(window)]
         if sum(r > 0 for r in rates) < self.SHARE * len(rates) or statistics.median(rates) < least:
             return None
         if window[-1][3] < max(end for _, _, _, end in window):
             return None  # it fell back: not growing now
-        steps = sum(s1 - s0 for s0, s1, _, _ in window)
-        grown = sum(g for _, _, g, _ in window)
         if (grown - max(g for _, _, g, _ in window)) / steps < least:
             return None  # one allocation made most of it: a one-time allocation, not growth
         # Where the growth began: going back from the newest interval, block by block of SPAN intervals, the

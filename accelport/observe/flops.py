@@ -238,8 +238,8 @@ class FlopWatch:
     def batch(self, signature: Any, batch: Any = None) -> None:
         """A batch arrived: the step starts; count it if its signature is new."""
         self._loader = True
-        if self._active is not None or self._broken or signature is self._last or signature in self.counts \
-                or len(self.counts) >= self.MAX_SIGNATURES or signature in self._skip:
+        if self._active is not None or self._broken or (signature is self._last and self._known) \
+                or signature in self.counts or len(self.counts) >= self.MAX_SIGNATURES or signature in self._skip:
             return
         self._start(signature)
         if self._active is not None and batch is not None:
@@ -249,7 +249,9 @@ class FlopWatch:
                 pass
 
     def step_end(self, signature: Any) -> None:
-        """An optimizer step ended (its batch had ``signature``)."""
+        """An optimizer step ended (its batch had ``signature``: None where no batch came through a loader)."""
+        if signature is not None:
+            self._loader = True  # (the first batch may have come before this watch: the run starts at a step's end)
         active = self._active
         if active is not None:
             if threading.get_ident() != active.thread:

@@ -102,8 +102,9 @@ def test_a_new_shape_counts_again_and_a_seen_one_does_not(monkeypatch: pytest.Mo
         opt.zero_grad()
     watch = RUNTIME.tracker.flops
     assert watch is not None
-    # One counted step per shape over 12 steps, each with its own count.
-    assert len(starts) == 2
+    # One counted step per shape over 12 steps, each with its own count (the first batch came before the run
+    # was bound, at the first step's end: its step is no loop without a loader's).
+    assert len(starts) == 2 and ("no loader",) not in starts
     assert sorted(c.flops for c in watch.counts.values()) == [mlp_flops(16, [8, 16, 1]), mlp_flops(64, [8, 16, 1])]
     m = ap.metrics()
     assert m.flops_per_step is not None
@@ -124,3 +125,18 @@ def test_a_loop_without_a_loader_is_counted_once() -> None:
     watch = RUNTIME.tracker.flops
     assert watch is not None and len(watch.counts) == 1
     assert ap.metrics().flops_per_step == 2 * (2 * 16 * 8 * 4)  # forward, and the weight gradient
+
+
+def test_a_run_bound_after_its_first_batch_counts_the_next_one() -> None:
+    # Under accelport diagnose the backend (and this watch) is chosen at the first step's end, after its
+    # batch came: the watch's first boundary is that step's end, with the batch's signature.
+    watch = FlopWatch(lazy=False)
+    model = torch.nn.Linear(8, 4)
+    x = torch.randn(16, 8)
+    sig = ((16, 8),)
+    watch.step_end(sig)
+    for _ in range(3):
+        watch.batch(sig)
+        model(x).sum().backward()
+        watch.step_end(sig)
+    assert [c.flops for c in watch.counts.values()] == [2 * (2 * 16 * 8 * 4)]

@@ -333,10 +333,6 @@ def device_seconds(total: Mapping[str, float], steps: int, first: Mapping[str, f
     return seconds / judged if seconds > 0 else None
 
 
-def _tflops(value: float) -> str:
-    return f"{value / 1e12:.3g}"
-
-
 def rate(value: float) -> str:
     """FLOP/s in the unit that reads best: ``5.3 MFLOP/s``, ``18.2 TFLOP/s``."""
     for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
@@ -411,8 +407,9 @@ def causes(count: StepCount, peak: Any, dtype: str | None) -> list[dict[str, Any
             said = ", ".join(f"{d} (-> {math.ceil(d / tile) * tile})" for d in dims)
             found.append({
                 "kind": "tile", "share": waste / work, "dims": dims, "tile": tile,
-                "text": f"matmul dimensions {', '.join(map(str, dims))} are not multiples of {tile}, the "
-                        f"{peak.tile_unit}'s tile: {waste / work:.0%} of the matmul work is padding",
+                "text": (f"matmul dimension {dims[0]} is not a multiple" if len(dims) == 1 else
+                         f"matmul dimensions {', '.join(map(str, dims))} are not multiples")
+                        + f" of {tile}, the {peak.tile_unit}'s tile: {waste / work:.0%} of the matmul work is padding",
                 "fix": f"make hidden sizes, heads x head size and vocabulary multiples of {tile}: {said}"})
     if count.padding is not None and count.padding >= PAD_SHARE:
         found.append({
@@ -438,6 +435,8 @@ def verdict_text(eff: Mapping[str, Any]) -> str:
     if not achieved:
         return ""
     if eff.get("mfu") is not None:
-        return (f"at {eff['mfu']:.0%} of the {eff['chip']}'s {eff['peak_dtype']} peak "
-                f"({_tflops(achieved)} of {_tflops(eff['peak_flops'])} TFLOP/s)")
+        mfu = eff["mfu"]
+        share = f"{mfu:.0%}" if mfu >= 0.01 else f"{mfu * 100:.1g}%"
+        return (f"at {share} of the {eff['chip']}'s {eff['peak_dtype']} peak "
+                f"({rate(achieved)} of {rate(eff['peak_flops'])})")
     return f"at {rate(achieved)}" + (f" (no published peak for {eff['chip']})" if eff.get("chip") else "")

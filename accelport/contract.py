@@ -60,7 +60,8 @@ LEVEL_FIELDS = frozenset({"memory_bytes", "peak_memory_bytes", "parameter_bytes"
 #: Where a step's wall time goes (docs/diagnostics.md, "Where each step's time goes"), in the
 #: order they are shown. A step's categories add up to its wall time. Where a backend cannot
 #: tell two apart, the record holds them joined in this order ("device+host_sync"), never a guess.
-TIME_CATEGORIES: tuple[str, ...] = ("data", "transfer", "compile", "device", "host_sync", "collective", "other")
+TIME_CATEGORIES: tuple[str, ...] = ("data", "transfer", "compile", "device", "host_sync", "collective", "other",
+                                     "between_steps")
 
 #: The phases of the training loop the step clock (:mod:`accelport.observe.steptime`) tells
 #: apart, and the category each is on a backend that says nothing else
@@ -405,6 +406,12 @@ class Backend(abc.ABC):
         transfers itself subtracts these (the lazy family does).
         """
         self.after_step(fn, tensors)
+
+    def own_reads(self, count: int) -> None:
+        """accelport's own diagnostics read ``count`` device values on the host inside the step (the NaN search's
+        checks). A backend that counts transfers itself leaves them out of ``device_to_host``; the others count
+        only reads made from the script's code, so they have nothing to do."""
+        return None
 
     # -- sharding ---------------------------------------------------------------------
     #: What ``ap.shard`` registered on this backend (an ``accelport.sharding.ShardRegistry``), None before.

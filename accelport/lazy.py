@@ -178,6 +178,7 @@ class LazyBackend(Backend):
         # step_counters() keeps to avoid reading the transfer metric on most steps.
         self._after_step_reads = 0
         self._own_reads = 0  # those of them made by the diagnostics (diagnostic_read): not the user's
+        self._checks_reads = 0  # host reads the diagnostics made inside the steps (own_reads): not the user's
         self._reads_seen = (0, 0)
         self._to_host = 0
         self._compiled_seen = (0, 0.0)
@@ -444,7 +445,7 @@ class LazyBackend(Backend):
             _, out["compile_seconds"] = self._samples("CompileTime")
             finished, out["execute_seconds"] = self._samples("ExecuteTime")
             out["host_to_device"] = self._samples("TransferToDeviceTime")[0]
-            out["device_to_host"] = self._samples("TransferFromDeviceTime")[0] - self._own_reads
+            out["device_to_host"] = self._samples("TransferFromDeviceTime")[0] - self._own_reads - self._checks_reads
             # Executions run asynchronously after the sync that launched them: the counters
             # tick as each starts, ExecuteTime only once it has finished. Older versions
             # may lack the counters.
@@ -520,7 +521,8 @@ class LazyBackend(Backend):
             self._to_host += deferred - seen_deferred
         self._reads_seen = (calls, deferred)
         own = self._own_reads
-        return {"compilations": counter("UncachedCompile") or 0, "device_to_host": self._to_host - own,
+        return {"compilations": counter("UncachedCompile") or 0,
+                "device_to_host": self._to_host - own - self._checks_reads,
                 "after_step_reads": deferred - own}
 
     def compile_facts(self) -> dict[str, float]:
@@ -610,6 +612,9 @@ class LazyBackend(Backend):
 
     def diagnostic_read(self, fn: Callable[..., Any], tensors: tuple[Any, ...]) -> None:
         self._closure(fn, tensors, own=True)
+
+    def own_reads(self, count: int) -> None:
+        self._checks_reads += count
 
     def _closure(self, fn: Callable[..., Any], tensors: tuple[Any, ...], own: bool) -> None:
         # A step closure runs right after the next sync, when the tensors already hold

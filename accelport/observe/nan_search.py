@@ -69,6 +69,9 @@ REPRO_NAMES = 100
 MAX_CANDIDATES = 8
 MAX_FACTS = 6  # inputs described per op
 _TAG = "accelport_nan_site"  # the key of a forward call's site in an autograd node's metadata
+#: Host reads of device tensors the search has made in this process (each one transfer): the backend is told
+#: of them (``Backend.own_reads``), so that the script's host reads are counted without the search's.
+_READS = [0]
 _HERE = frozenset({__name__})
 
 #: Ops whose output is uninitialized memory (garbage may be NaN: never a finding), and profiler markers.
@@ -287,9 +290,17 @@ def _finite(t: Any) -> bool:
     if not _checked(t):
         return True
     try:
-        return bool(torch.isfinite(t).all())
+        return _host(torch.isfinite(t).all(), bool)
     except Exception:  # noqa: BLE001 - a subclass without isfinite
         return True
+
+
+def _host(value: Any, convert: Any) -> Any:
+    """``convert(value)`` (bool, int, float; or a copy to the host) of a tensor, counted as one of the search's own
+    host reads where ``value`` is on a device."""
+    if value.device.type != "cpu":
+        _READS[0] += 1
+    return convert(value)
 
 
 def _counts(t: Any) -> tuple[bool, bool]:
@@ -301,7 +312,7 @@ def _counts(t: Any) -> tuple[bool, bool]:
     x = t.detach()
     if x.is_complex():
         x = torch.view_as_real(x)
-    return bool(torch.isnan(x).any()), bool(torch.isinf(x).any())
+    return _host(torch.isnan(x).any(), bool), _host(torch.isinf(x).any(), bool)
 
 
 def facts(name: str, t: Any) -> TensorFacts:
@@ -320,13 +331,13 @@ def facts(name: str, t: Any) -> TensorFacts:
         return TensorFacts(name, dtype, shape, 0)
     y = x.float() if x.is_floating_point() else x.double()
     finite = torch.isfinite(y)
-    some = bool(finite.any())
+    some = _host(finite.any(), bool)
     inf = float("inf")
     return TensorFacts(
-        name, dtype, shape, x.numel(), nan=int(torch.isnan(y).sum()), posinf=int((y == inf).sum()),
-        neginf=int((y == -inf).sum()), zeros=int((y == 0).sum()), negatives=int((y < 0).sum()),
-        min=float(torch.where(finite, y, inf).min()) if some else None,
-        max=float(torch.where(finite, y, -inf).max()) if some else None)
+        name, dtype, shape, x.numel(), nan=_host(torch.isnan(y).sum(), int), posinf=_host((y == inf).sum(), int),
+        neginf=_host((y == -inf).sum(), int), zeros=_host((y == 0).sum(), int), negatives=_host((y < 0).sum(), int),
+        min=_host(torch.where(finite, y, inf).min(), float) if some else None,
+        max=_host(torch.where(finite, y, -inf).max(), float) if some else None)
 
 
 def _snake(name: str) -> str:
@@ -394,7 +405,11 @@ def _literal(value: Any, refs: dict[int, int], tensors: list[Any]) -> str:
 
 def _host_copy(t: Any) -> Any:
     """A copy of ``t`` on the host, detached (its own storage: the op may change ``t`` afterwards)."""
-    return t.detach().to("cpu", copy=True)
+    return _host(t.detach(), _to_host)
+
+
+def _to_host(t: Any) -> Any:
+    return t.to("cpu", copy=True)
 
 
 class NanSearch:
@@ -442,6 +457,8 @@ class NanSearch:
         self._bad_input: str | None = None  # what the loader's thread found in this step's batch
         self._bad_loss = False  # this step's loss was not finite
         self._reached: set[int] = set()  # candidates whose NaN or Inf reached the loss
+        self._own_reads: Any = None  # the backend's Backend.own_reads, told of the search's host reads
+        self._reads_told = _READS[0]
 
     # -- the run -------------------------------------------------------------------------------
     def bind(self, backend: Any) -> None:
@@ -449,6 +466,17 @@ class NanSearch:
         self.lazy = bool(getattr(backend, "lazy", False))
         self.backend_name = str(getattr(backend, "name", ""))
         self.device_type = getattr(backend, "device_type", None)
+        # Each check reads a device value: the script's host reads are counted without them.
+        self._own_reads = getattr(backend, "own_reads", None)
+        self._tell()
+
+    def _tell(self) -> None:
+        """Tell the backend of the host reads the search made since it last did (see :data:`_READS`); those made
+        before it was bound are told once it is (under diagnose its counters count from the process's start)."""
+        made = _READS[0] - self._reads_told
+        if made and self._own_reads is not None:
+            self._reads_told += made
+            self._own_reads(made)
 
     def attach(self) -> None:
         """Start: torch is imported. Counts steps through torch's optimizer step hook, and checks at once if due."""
@@ -475,6 +503,7 @@ class NanSearch:
                 self._input(batch)
         except Exception as exc:  # never into the script's loop
             self._fail(exc)
+        self._tell()
 
     def finish(self) -> None:
         """The run ended: an op found in a step whose update never came is the answer; every hook comes out."""
@@ -486,6 +515,7 @@ class NanSearch:
                 self._settle(self._candidates[0], confirmed=False)
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
+        self._tell()
         self._close()
         for handle in self._handles:
             handle.remove()
@@ -617,6 +647,7 @@ class NanSearch:
                 self._open()
         except Exception as exc:  # never into the script's optimizer.step()
             self._fail(exc)
+        self._tell()
 
     def _loss(self, loss: Any) -> None:
         """``loss.backward()`` is called: a NaN or Inf in the loss is one of the step's, whatever the update does."""
@@ -628,6 +659,7 @@ class NanSearch:
                         self._reached.add(self._taint[t])
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
+        self._tell()
 
     def _judge(self, optimizer: Any) -> None:
         """The step's update ran: the first candidate whose NaN or Inf reached the loss or the weights is the
@@ -654,6 +686,14 @@ class NanSearch:
 
     # -- each op -----------------------------------------------------------------------------------
     def _op(self, func: Any, args: Any, kwargs: Mapping[str, Any]) -> Any:
+        try:
+            return self._check(func, args, kwargs)
+        finally:
+            if _READS[0] != self._reads_told:
+                self._tell()
+
+    def _check(self, func: Any, args: Any, kwargs: Mapping[str, Any]) -> Any:
+        """Run the op, and look at its outputs (and at what an in-place op overwrites)."""
         info = self._info.get(func)
         if info is None:
             try:

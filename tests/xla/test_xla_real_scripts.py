@@ -1,0 +1,50 @@
+"""``accelport diagnose`` on unmodified torch_xla scripts written as their users write them, for real on XLA:CPU:
+what it says is the script's, never accelport's own doing.
+
+The scripts (tests/diagnose_cli/scripts/xla_*.py) never import accelport; they run in this process through the
+CLI's ``main``, with torch_xla's counters cleared first (diagnose counts them from the process's start).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import pytest
+
+from accelport.cli import main
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.xla
+
+SCRIPTS = pathlib.Path(REPO) / "tests" / "diagnose_cli" / "scripts"
+
+
+def line_of(script: pathlib.Path, text: str) -> int:
+    return next(n for n, line in enumerate(script.read_text().splitlines(), 1) if text in line)
+
+
+def diagnose(tmp_path: pathlib.Path, capfd: pytest.CaptureFixture[str], script: pathlib.Path, *options: str,
+             status: int = 0) -> tuple[dict[str, Any], str, str]:
+    """The --output JSON, the script's stdout and stderr (every run of whitespace one space)."""
+    import torch_xla.debug.metrics as met
+
+    met.clear_all()
+    out = tmp_path / f"{script.stem}{len(list(tmp_path.iterdir()))}.json"
+    assert main(["diagnose", *options, "--output", str(out), str(script)]) == status
+    captured = capfd.readouterr()
+    return json.loads(out.read_text()), captured.out, " ".join(captured.err.split())
+
+
+def test_the_nan_searchs_own_reads_are_not_the_scripts_host_reads(tmp_path: pathlib.Path,
+                                                                   capfd: pytest.CaptureFixture[str]) -> None:
+    script = SCRIPTS / "xla_mnist_logged.py"
+    plain, _, _ = diagnose(tmp_path, capfd, script)
+    searched, out, said = diagnose(tmp_path, capfd, script, "--find-nan-from", "1")
+    assert out.rstrip().endswith("done") and searched["steps"] == plain["steps"] == 12
+    # Every step was checked op by op, a host read per checked tensor: none of them is the script's.
+    assert "steps 1 to 12 were checked op by op" in said
+    assert searched["findings"] == plain["findings"] == [], said
+    assert searched["metrics"]["device_to_host"] == plain["metrics"]["device_to_host"]
+

@@ -670,13 +670,19 @@ class Watcher:
             timed = watcher._feeding and get_ident() == watcher._main
             if timed:  # the loop waits for the device here (see accelport.lazy)
                 watcher.tracker.clock.enter("sync")
+            ran = False
             try:
-                return original(*args, **kwargs)
+                out = original(*args, **kwargs)
+                ran = True
+                return out
             finally:
                 watcher._sync_depth -= 1
                 if timed:
                     watcher.tracker.clock.leave("sync")
-                watcher._synced(clock() - start)
+                if ran:
+                    watcher._synced(clock() - start)
+                else:  # the open step's graph failed here (out of memory): that step failed, it did not end
+                    watcher._open = None
 
         return sync
 

@@ -48,3 +48,15 @@ def test_the_nan_searchs_own_reads_are_not_the_scripts_host_reads(tmp_path: path
     assert searched["findings"] == plain["findings"] == [], said
     assert searched["metrics"]["device_to_host"] == plain["metrics"]["device_to_host"]
 
+
+def test_out_of_memory_at_the_sync_that_runs_a_steps_graph_names_that_step(tmp_path: pathlib.Path,
+                                                                          capfd: pytest.CaptureFixture[str]) -> None:
+    script = SCRIPTS / "xla_oom_step.py"
+    result, out, said = diagnose(tmp_path, capfd, script, status=1)
+    # Step 4 made the tensor; its graph runs (and fails) at the sync before step 5's batch: step 4 failed.
+    assert "step 3 loss" in out and "step 4 loss" not in out
+    assert "Out of memory allocating" in said and "Traceback (most recent call last)" in said
+    [found] = result["findings"]
+    assert (found["kind"], found["step"]) == ("out-of-memory", 4)
+    assert found["message"].startswith("step 4 ran out of memory")
+    assert "At step 3, the last good one" in found["message"] and found["evidence"]["budget_step"] == 3

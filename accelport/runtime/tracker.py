@@ -89,6 +89,7 @@ class StepTracker:
         self.nan_search: NanSearch | None = None
         #: The run's memory (read with the counters, the static part counted at sampled steps).
         self.memory: MemoryWatch | None = None
+        self._unbound_batch: Any = None  # the host batch that came before the run was bound (the first step's)
         self._failed = False  # a step raised out of memory: no tensor of it is touched again
         #: Where the loop's time goes, as it passes (see accelport.observe.steptime).
         self.clock = StepClock()
@@ -108,6 +109,12 @@ class StepTracker:
         self._backend, self._host, self._engine, self.numerics = backend, host, engine, numerics
         self._shapes = shapes
         self.memory = memory
+        batch, self._unbound_batch = self._unbound_batch, None
+        if numerics is not None and batch is not None:  # the checks start with the step whose batch came first
+            if not numerics.deferred:
+                numerics.batch(batch)
+            elif (found := numerics.inspect(batch, None)) is not None:
+                numerics.batch(found.info)
         self._recording = engine is not None or host.has_step_observers
         phases = self._phases = backend.time_phases()
         backend.time_with(self.clock)
@@ -143,6 +150,8 @@ class StepTracker:
                 sig = sig.signature
             elif batch is not None and not watch.deferred:
                 watch.batch(batch)
+        elif self._backend is None:  # the backend (and its checks) is chosen at the end of the first step
+            self._unbound_batch = batch
         now = time.perf_counter()
         if blocked is None:
             blocked = wait

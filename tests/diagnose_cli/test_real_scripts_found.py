@@ -1,0 +1,35 @@
+"""``accelport diagnose`` on scripts written as their users write them (plain PyTorch, Lightning, the HuggingFace
+Trainer): what a finding says is where the fault is, and its fix is in the script's own terms.
+
+Each script under ``scripts/`` never imports accelport.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+from tests.diagnose_cli.runs import SCRIPTS, run
+
+
+def line_of(script: pathlib.Path, text: str) -> int:
+    return next(n for n, line in enumerate(script.read_text().splitlines(), 1) if text in line)
+
+
+def diagnosed(tmp_path: pathlib.Path, script: pathlib.Path, *args: str, env: dict[str, str] | None = None
+              ) -> tuple[Any, dict[str, Any], str]:
+    """The run, its --output JSON and its stderr with every run of whitespace one space."""
+    out = tmp_path / "found.json"
+    done = run("--output", str(out), str(script), *args, env=env)
+    return done, json.loads(out.read_text()), " ".join(done.stderr.split())
+
+
+def test_a_nan_in_the_first_batch_of_a_dataloader_is_named_as_the_input(tmp_path: pathlib.Path) -> None:
+    # The backend (and with it the step checks) is chosen at the end of step 1, after its batch came.
+    done, result, said = diagnosed(tmp_path, SCRIPTS / "cpu_nan_first_batch.py")
+    assert done.returncode == 0 and done.stdout == "done\n", done.stderr
+    [found] = result["findings"]
+    assert (found["kind"], found["step"], found["evidence"]["source"]) == ("non-finite", 1, "input")
+    assert "it came from the input batch (input 0: 1 of 128 values are NaN or Inf)" in found["message"]
+    assert "neither through" not in said and found["fix"].startswith("Bad data")

@@ -67,6 +67,7 @@ if TYPE_CHECKING:
     from accelport.observe.profile import StepProfile
     from accelport.plugins.host import PluginHost
     from accelport.redact import Redactor
+    from accelport.resume_check import StepRecorder
 
 __all__ = ["Watcher", "Outcome", "Site", "run_watched", "entry_spec", "where"]
 
@@ -200,7 +201,8 @@ class Watcher:
     check op by op for the operation that made the first NaN (``--find-nan``; None: no
     search), its repro written in ``find_nan_dir``; ``command``: the arguments diagnose ran
     the script with, for the findings that say how to run it again; ``profile``, a window of
-    steps to profile (``--profile``), whose messages become notes.
+    steps to profile (``--profile``), whose messages become notes. ``recorder``: what records each step's
+    state for ``accelport verify-resume`` (none for diagnose: nothing of it runs then).
 
     A process the script forks is not watched: its copy of the watcher stops at the fork.
     """
@@ -208,7 +210,8 @@ class Watcher:
     def __init__(self, environ: Mapping[str, str] | None = None, *, backend: str | None = None,
                  metrics_file: str | None = None, redactor: Redactor | None = None, find_nan: int | None = None,
                  find_nan_dir: str | None = None, command: Sequence[str] | None = None,
-                 profile: StepProfile | None = None) -> None:
+                 profile: StepProfile | None = None, recorder: StepRecorder | None = None) -> None:
+        self._recorder = recorder
         self._environ = os.environ if environ is None else environ
         self._find_nan = find_nan
         self._find_nan_dir = find_nan_dir
@@ -281,6 +284,8 @@ class Watcher:
         }
         if self._find_nan is not None:
             self._start_search(callbacks)
+        if self._recorder is not None:
+            callbacks.update(self._recorder.imports())
         self._active = self._feeding = True
         if hasattr(os, "register_at_fork"):  # (weakly: the registration outlives the watcher)
             os.register_at_fork(after_in_child=functools.partial(_stop_in_child, weakref.ref(self)))
@@ -313,6 +318,8 @@ class Watcher:
             if vars(owner).get(name) is wrapper:
                 setattr(owner, name, original)
         self._patches = []
+        if self._recorder is not None:
+            self._recorder.close(self.steps)
         if warnings.showwarning == self._show_warning:
             warnings.showwarning = self._showwarning
 
@@ -391,6 +398,8 @@ class Watcher:
         # warnings must go on pointing at the script's line, not at a wrapper.
         def make_next(original: Any) -> Any:
             def _next_data(it: Any) -> Any:
+                if watcher._recorder is not None and watcher._active:
+                    watcher._recorder.next_batch(it)  # (it may end the process here: the kill of verify-resume)
                 if not watcher._feeding or get_ident() != watcher._main:
                     return original(it)  # a loader thread (MpDeviceLoader's): not the loop's own wait
                 start = clock()
@@ -427,11 +436,15 @@ class Watcher:
 
     # -- steps -----------------------------------------------------------------------------
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._recorder is not None and self._active:
+            self._recorder.before_step(optimizer)
         if self._feeding and threading.get_ident() == self._main:
             self.tracker.optimizer_started()
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.steps += 1
+        if self._recorder is not None and self._active:
+            self._recorder.after_step(optimizer, self.steps)
         if not self._feeding:
             return
         try:

@@ -6,7 +6,8 @@
 
 Each run happens in an empty working directory of its own (the restarts share the killed run's, where its
 checkpoint is), so relative paths in the arguments land there; give data by absolute path. The checks and
-the comparison are :mod:`accelport.resume_check`'s; this module reads the arguments and says the result.
+the comparison are :mod:`accelport.diagnose.resume_check`'s; this module reads the arguments, starts each
+watched run (:func:`child_main`, in a process of its own) and says the result.
 """
 
 from __future__ import annotations
@@ -14,13 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import textwrap
+from collections.abc import Sequence
 from typing import Any
 
 from accelport.errors import AccelportError, UsageError
 
-__all__ = ["register", "run"]
+__all__ = ["register", "run", "child_main"]
+
+#: What starts one watched run: this module's :func:`child_main` in a fresh interpreter.
+LAUNCHER = ("-c", "import sys; from accelport.cli.verify_resume import child_main; sys.exit(child_main(sys.argv[1:]))")
 
 _WIDTH = 110
 _INDENT = " " * 9
@@ -72,7 +78,7 @@ def _whole(option: str, value: str, least: int, what: str) -> int:
 
 def _command(args: argparse.Namespace) -> Any:
     """The command to run, checked: UsageError (what to do) where it cannot run."""
-    from accelport.resume_check import Command
+    from accelport.diagnose.resume_check import Command
 
     if args.module is not None:
         argv = [*args.module, *args.argv]
@@ -174,7 +180,7 @@ def render(shown: str, result: Any) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from accelport.resume_check import SIGNALS, verify
+    from accelport.diagnose.resume_check import SIGNALS, verify
 
     output = _output(args.output)
     command = _command(args)
@@ -189,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"accelport verify-resume: {line}", file=sys.stderr, flush=True)
 
     try:
-        result = verify(command, kill_at=kill_at, signame=signame, restarts=restarts, say=say)
+        result = verify(command, (sys.executable, *LAUNCHER), kill_at=kill_at, signame=signame, restarts=restarts,
+                        say=say)
     except AccelportError as exc:
         if output is not None:
             kind = "usage" if isinstance(exc, UsageError) else type(exc).__name__
@@ -209,3 +216,30 @@ def run(args: argparse.Namespace) -> int:
 
         emit_json(out)
     return 0 if result.verdict == "identical" else 1
+
+
+def child_main(argv: Sequence[str]) -> int:
+    """The watched process: ``RECORD KILL_AT SIGNAL (SCRIPT | -m MODULE) ARGS...`` (KILL_AT 0: no kill). Runs the
+    script watched, as ``python`` would, and ends as it ended."""
+    from accelport.diagnose.resume_check import SIGNALS, StepRecorder
+    from accelport.runtime.watch import Watcher, run_watched
+
+    record, kill_at, name, *command = argv
+    # The kill is one with the default action unless the script installs a handler: not one this process
+    # inherited from whatever started it.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signum = SIGNALS[name] if int(kill_at) else None
+    recorder = StepRecorder(record, kill_at=int(kill_at) or None, signum=signum)
+    watcher = Watcher(recorder=recorder)
+    if command[0] == "-m":
+        outcome = run_watched(watcher, module=command[1], args=command[2:])
+    else:
+        outcome = run_watched(watcher, script=command[0], args=command[1:])
+    if outcome.forked:
+        os._exit(outcome.exit_status)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if outcome.ended_by is not None:
+        signal.signal(outcome.ended_by, signal.SIG_DFL)
+        os.kill(os.getpid(), outcome.ended_by)
+    return outcome.exit_status

@@ -63,11 +63,11 @@ from accelport.runtime.tracker import StepTracker
 
 if TYPE_CHECKING:
     from accelport.contract import Backend
+    from accelport.diagnose.resume_check import StepRecorder
     from accelport.diagnose.rule import Diagnosis
     from accelport.observe.profile import StepProfile
     from accelport.plugins.host import PluginHost
     from accelport.redact import Redactor
-    from accelport.resume_check import StepRecorder
 
 __all__ = ["Watcher", "Outcome", "Site", "run_watched", "entry_spec", "where"]
 

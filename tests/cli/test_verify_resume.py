@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from accelport.resume_check import Run, StepRecorder, compare
+from accelport.diagnose.resume_check import Run, StepRecorder, compare
 from tests.conftest import default_signals
 
 SCRIPTS = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "resume"

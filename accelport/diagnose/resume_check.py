@@ -22,7 +22,8 @@ The kill comes from inside the watched process, once step ``kill_at`` has ended 
 next batch, its next forward with gradients or its next optimizer step, whichever comes first): after the
 script's own code at the end of the step (a save every N steps) ran, at an exact step, without a race.
 
-Nothing here imports torch at import time, or accelport.cli.
+Nothing here imports torch at import time, nor the runtime: the watched process is started by the caller's
+launcher (``accelport verify-resume``'s), which runs the script under a Watcher given a :class:`StepRecorder`.
 """
 
 from __future__ import annotations
@@ -44,8 +45,7 @@ from typing import Any
 
 from accelport.errors import AccelportError, UsageError
 
-__all__ = ["StepRecorder", "Command", "Run", "Result", "Difference", "compare", "verify", "child_main",
-           "SIGNALS", "FACETS"]
+__all__ = ["StepRecorder", "Command", "Run", "Result", "Difference", "compare", "verify", "SIGNALS", "FACETS"]
 
 #: The signals a run may be killed with.
 SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM} if hasattr(signal, "SIGKILL") else {
@@ -358,32 +358,6 @@ class StepRecorder:
             os.close(fd)
 
 
-def child_main(argv: Sequence[str]) -> int:
-    """The watched process: ``RECORD KILL_AT SIGNAL (SCRIPT | -m MODULE) ARGS...`` (KILL_AT 0: no kill). Runs the
-    script watched, as ``python`` would, and ends as it ended."""
-    from accelport.runtime.watch import Watcher, run_watched
-
-    record, kill_at, name, *command = argv
-    # The kill is one with the default action unless the script installs a handler: not one this process
-    # inherited from whatever started it.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signum = SIGNALS[name] if int(kill_at) else None
-    recorder = StepRecorder(record, kill_at=int(kill_at) or None, signum=signum)
-    watcher = Watcher(recorder=recorder)
-    if command[0] == "-m":
-        outcome = run_watched(watcher, module=command[1], args=command[2:])
-    else:
-        outcome = run_watched(watcher, script=command[0], args=command[1:])
-    if outcome.forked:
-        os._exit(outcome.exit_status)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if outcome.ended_by is not None:
-        signal.signal(outcome.ended_by, signal.SIG_DFL)
-        os.kill(os.getpid(), outcome.ended_by)
-    return outcome.exit_status
-
-
 # -- running the command, in the parent ----------------------------------------------------------------
 
 
@@ -437,14 +411,13 @@ def _tail(path: str) -> str:
 
 
 def _run(command: Command, label: str, workdir: str, logs: str, *, kill_at: int | None, signame: str,
-         python: str) -> Run:
+         launcher: Sequence[str]) -> Run:
     record = os.path.join(logs, f"{label}.jsonl")
     err = os.path.join(logs, f"{label}.stderr")
     env = dict(os.environ)
     if command.module is not None:  # python -m imports from the directory it starts in: the caller's
         env["PYTHONPATH"] = os.pathsep.join(p for p in (command.origin, env.get("PYTHONPATH", "")) if p)
-    launcher = "import sys; from accelport.resume_check import child_main; sys.exit(child_main(sys.argv[1:]))"
-    argv = [python, "-c", launcher, record, str(kill_at or 0), signame, *command.argv()]
+    argv = [*launcher, record, str(kill_at or 0), signame, *command.argv()]
     with open(os.path.join(logs, f"{label}.stdout"), "wb") as out, open(err, "wb") as errors:
         done = subprocess.run(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=errors,
                               check=False)
@@ -801,15 +774,15 @@ def compare(reference: Run, again: Run, chain: Sequence[Run], *, kill_at: int, s
     return result
 
 
-def verify(command: Command, *, kill_at: int | None, signame: str, restarts: int, python: str | None = None,
+def verify(command: Command, launcher: Sequence[str], *, kill_at: int | None, signame: str, restarts: int,
            say: Callable[[str], None] = lambda line: None) -> Result:
-    """Run ``command`` uninterrupted twice, then killed with ``signame`` after step ``kill_at`` (default: half the
-    uninterrupted run's steps) and restarted ``restarts`` times, each restart but the last killed again after as
-    many steps; compare (see :func:`compare`). ``say`` hears what is being run. RunFailed where a run failed by
-    itself; UsageError where ``kill_at`` is past the run's end."""
+    """Run ``command`` with ``launcher`` (the argv that starts a watched process, given ``RECORD KILL_AT SIGNAL``
+    and the command; KILL_AT 0: no kill) uninterrupted twice, then killed with ``signame`` after step ``kill_at``
+    (default: half the uninterrupted run's steps) and restarted ``restarts`` times, each restart but the last
+    killed again after as many steps; compare (see :func:`compare`). ``say`` hears what is being run. RunFailed
+    where a run failed by itself; UsageError where ``kill_at`` is past the run's end."""
     if signame not in SIGNALS:
         raise UsageError(f"--signal {signame}: give one of {', '.join(SIGNALS)}")
-    python = python or sys.executable
     root = tempfile.mkdtemp(prefix="accelport-verify-resume-")
     try:
         def fresh(name: str) -> str:
@@ -820,7 +793,7 @@ def verify(command: Command, *, kill_at: int | None, signame: str, restarts: int
         logs = fresh("logs")
         say(f"running {command.shown} uninterrupted")
         reference = _run(command, "uninterrupted", fresh("uninterrupted"), logs, kill_at=None, signame=signame,
-                         python=python)
+                         launcher=launcher)
         _check_whole(reference, "the uninterrupted run")
         total = len(reference.steps)
         if kill_at is None:
@@ -832,7 +805,7 @@ def verify(command: Command, *, kill_at: int | None, signame: str, restarts: int
                              f"--kill-at {kill_at}: the uninterrupted run took {total} optimizer step; a resume "
                              "needs a run of 2 steps or more (give the script more steps)")
         say(f"running {command.shown} uninterrupted again (a run that differs from itself cannot be judged)")
-        again = _run(command, "again", fresh("again"), logs, kill_at=None, signame=signame, python=python)
+        again = _run(command, "again", fresh("again"), logs, kill_at=None, signame=signame, launcher=launcher)
         _check_whole(again, "the second uninterrupted run")
         chain_dir = fresh("resumed")
         chain: list[Run] = []
@@ -842,7 +815,7 @@ def verify(command: Command, *, kill_at: int | None, signame: str, restarts: int
                 say(f"running it killed with SIG{signame} at the end of step {kill_at}")
             else:
                 say(f"restart {n}: the same command, in the same directory")
-            run = _run(command, f"run-{n}", chain_dir, logs, kill_at=kill, signame=signame, python=python)
+            run = _run(command, f"run-{n}", chain_dir, logs, kill_at=kill, signame=signame, launcher=launcher)
             if run.error:
                 raise RunFailed(f"the recording of {command.shown} failed in restart {n}: {run.error}")
             if kill is None and not (run.ended and run.exit_status == 0):

@@ -45,6 +45,7 @@ def verify_resume(*args: str, cwd: pathlib.Path) -> tuple[subprocess.CompletedPr
     ("skip", 9, "batch skipped", "one batch too many"),
     ("repeat", 9, "batch repeated", "one batch too few"),
     ("model", 9, "parameters", "model.load_state_dict"),
+    ("scaler", 9, "gradient scaler", "scaler.load_state_dict"),
 ])
 def test_a_resume_that_forgets_one_state_is_named_for_it(tmp_path: pathlib.Path, forget: str, step: int, what: str,
                                                          fix: str) -> None:
@@ -207,3 +208,13 @@ def test_the_watcher_adds_module_hooks_only_for_a_recorder_and_takes_them_out(tm
     assert (len(module._global_forward_pre_hooks), len(module._global_forward_hooks)) == before
     lines = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert [line["kind"] for line in lines] == ["start", "end"]
+
+
+def test_a_module_is_run_as_python_m_runs_it_from_the_directory_verify_resume_started_in(
+        tmp_path: pathlib.Path) -> None:
+    (tmp_path / "resume_train.py").write_text(pathlib.Path(TRAIN).read_text())
+    done, result = verify_resume("--kill-at", "3", "-m", "resume_train", "--epochs", "1", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (result["verdict"], result["resumed_at"], result["steps"]) == ("identical", 4, 6)
+    assert result["command"] == "-m resume_train"
+    assert "ckpt.pt" not in os.listdir(tmp_path)  # the runs' own directories got it

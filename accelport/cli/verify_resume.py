@@ -100,7 +100,7 @@ def _command(args: argparse.Namespace) -> Any:
     if not os.access(script, os.R_OK):
         raise UsageError(f"verify-resume: {script} cannot be read (permission denied)")
     # Absolute: each run starts in a directory of its own. The arguments stay as typed.
-    return Command(os.path.abspath(script), None, tuple(argv[1:]), os.getcwd())
+    return Command(os.path.abspath(script), None, tuple(argv[1:]), os.getcwd(), typed=script)
 
 
 def _check_module(name: str) -> None:

@@ -370,10 +370,12 @@ class Command:
     args: tuple[str, ...]
     #: Where a module is imported from (the directory verify-resume was started in, as ``python -m`` would).
     origin: str
+    #: The script as typed, for what is said (None: the path).
+    typed: str | None = None
 
     @property
     def shown(self) -> str:
-        return f"-m {self.module}" if self.module is not None else str(self.script)
+        return f"-m {self.module}" if self.module is not None else str(self.typed or self.script)
 
     def argv(self) -> list[str]:
         return ["-m", str(self.module), *self.args] if self.module is not None else [str(self.script), *self.args]

@@ -68,7 +68,7 @@ def test_a_correct_hand_written_resume_is_identical_and_its_relative_paths_land_
     assert result["resumed_at"] == 4 and result["steps"] == 12
     assert json.loads(output.read_text()) == result
     assert sorted(os.listdir(tmp_path)) == ["resume.json"]  # ckpt.pt went to the runs' own directories
-    assert f"accelport verify-resume: {TRAIN}: identical" in done.stderr.splitlines()
+    assert f"accelport verify-resume: {TRAIN}: identical" in done.stderr.splitlines()  # (the script as typed)
 
 
 def test_an_ap_checkpointer_resume_is_identical_after_sigterm_and_two_restarts(tmp_path: pathlib.Path) -> None:

@@ -35,6 +35,7 @@ COMMANDS: tuple[str, ...] = (
     "accelport.cli.ci_matrix",
     "accelport.cli.report",
     "accelport.cli.diagnose",
+    "accelport.cli.compare",
     "accelport.cli.verify_resume",
 )
 

@@ -21,7 +21,7 @@ import os
 import stat
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,7 @@ from accelport.redact import Redactor
 from accelport.safe_io import same_file, write_atomic
 
 __all__ = ["ReportError", "Run", "Written", "load_runs", "read_runs", "load_records", "skipped_note", "diagnose",
-           "batch_shapes", "breakdown", "render_html", "write_report"]
+           "batch_shapes", "breakdown", "render_html", "write_report", "escaper", "html_page"]
 
 
 class ReportError(AccelportError, ValueError):
@@ -473,11 +473,7 @@ def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], tit
     (give one built from the run's environment, so its secrets are known; default: the
     credential patterns alone), then HTML-escaped.
     """
-    redactor = redactor or Redactor()
-
-    def safe(text: object) -> str:
-        return html.escape(redactor.text(str(text)))
-
+    safe = escaper(redactor)
     steps = []
     totals = {"wait": 0.0, "compile": 0.0, "execute": 0.0, "rest": 0.0}
     # Step records carry execution time only where a backend measures it per step; where
@@ -538,12 +534,7 @@ def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], tit
             for d in ordered)
     else:
         diag_html = "<p class=ok>No diagnosis: nothing in this run looks slow or wrong.</p>"
-    return f"""<!doctype html>
-<html lang=en><head><meta charset=utf-8><title>{safe(title)}</title>
-<meta name=viewport content="width=device-width,initial-scale=1"><style>{_STYLE}</style></head>
-<body>
-<h1>{safe(title)}</h1>
-<div class=sub>backend {safe(backend)} · {len(records)} steps · {total:.2f} s in steps ·
+    return html_page(title, f"""<div class=sub>backend {safe(backend)} · {len(records)} steps · {total:.2f} s in steps ·
 {compilations} compilations · {signatures} distinct batch shapes</div>
 {notes_html}
 <h2>Where the time went, per step</h2>
@@ -558,7 +549,29 @@ def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], tit
 <table id=shapes><tr><th>shape of each input</th><th>steps</th><th>compilations</th><th>compile time</th>
 <th>first step</th></tr>{shape_rows}</table>{more}
 <script type="application/json" id="run-data">{data}</script>
-<script>{_SCRIPT}</script>
+<script>{_SCRIPT}</script>""", safe)
+
+
+def escaper(redactor: Redactor | None = None) -> Callable[[object], str]:
+    """What every text from a run goes through on a page: the one redaction pass (``redactor``: one built from
+    the run's environment, so its secrets are known; default: the credential patterns alone), then HTML escaping."""
+    redactor = redactor or Redactor()
+
+    def safe(text: object) -> str:
+        return html.escape(redactor.text(str(text)))
+
+    return safe
+
+
+def html_page(title: str, body: str, safe: Callable[[object], str], style: str = "") -> str:
+    """A self-contained page (inline style and script, no network): ``title`` (passed through ``safe``) as its
+    title and heading, then ``body``, HTML already escaped; ``style``: rules added to the page's own."""
+    return f"""<!doctype html>
+<html lang=en><head><meta charset=utf-8><title>{safe(title)}</title>
+<meta name=viewport content="width=device-width,initial-scale=1"><style>{_STYLE}{style}</style></head>
+<body>
+<h1>{safe(title)}</h1>
+{body}
 </body></html>
 """
 

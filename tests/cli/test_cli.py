@@ -144,7 +144,7 @@ def test_json_with_no_command_is_a_json_usage_error(capsys: pytest.CaptureFixtur
     data = json.loads(capsys.readouterr().out)
     assert data["kind"] == "usage"
     assert data["error"] == ("give a command: accelport --json COMMAND (one of backends, doctor, launch, "
-                             "matrix, ci-matrix, report, diagnose)")
+                             "matrix, ci-matrix, report, diagnose, compare, verify-resume)")
 
 
 @pytest.mark.parametrize("as_json", [False, True])

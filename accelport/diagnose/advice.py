@@ -19,7 +19,7 @@ from __future__ import annotations
 
 __all__ = ["STYLES", "host_reads", "data_workers", "varying_batch", "varying_length", "unseen_shapes",
            "data_dependent", "never_synced", "sync_long_loops", "overflow", "optimizer_step", "kept_graphs",
-           "shard_model", "accumulate"]
+           "shard_model", "accumulate", "device_bound"]
 
 STYLES = ("accelport", "torch", "torch_xla", "transformers", "lightning")
 
@@ -51,20 +51,27 @@ def host_reads(style: str) -> str:
             "device tensor, call .item() every N steps); ap.after_step(fn, loss) does this portably.")
 
 
-def data_workers(style: str, workers: int | None, cpus: int) -> str:
-    """More loader workers (or cheaper samples), where the loop waits for data."""
+#: Where a Lightning script builds its training DataLoader: its train_dataloader() (or a LightningDataModule's), or
+#: the one it hands to trainer.fit(model, train_dataloaders=...); the run does not say which.
+_LIGHTNING_LOADER = ("where the script builds its training DataLoader (train_dataloader(), or the one handed to "
+                     "trainer.fit)")
+
+
+def data_workers(style: str, workers: int | None, cpus: int, device_type: str | None = None) -> str:
+    """More loader workers (or cheaper samples), where the loop waits for data; pinned memory only where there is
+    a device to copy to (``device_type`` other than cpu: on cpu, pinning is a copy for nothing)."""
     if workers is not None and workers >= cpus:
         return (f"num_workers={workers} already uses every CPU core ({cpus}): make each sample cheaper "
                 "(pre-tokenise, cache decoded data) or use a machine with more cores.")
     # A worker per core, less the one the training loop runs on; more than 8 rarely helps.
     n = max(1, min(cpus - 1, 8)) if not workers else min(cpus, max(workers * 2, workers + 1))
     if style == "transformers":
-        return (f"Prepare batches in parallel: TrainingArguments(dataloader_num_workers={n}, "
-                "dataloader_pin_memory=True), and tokenise the dataset once beforehand (dataset.map) rather than "
-                "in __getitem__ or the collator.")
+        pin = ", dataloader_pin_memory=True" if device_type not in (None, "cpu") else ""
+        return (f"Prepare batches in parallel: TrainingArguments(dataloader_num_workers={n}{pin}), and tokenise "
+                "the dataset once beforehand (dataset.map) rather than in __getitem__ or the collator.")
     if style == "lightning":
-        return (f"Prepare batches in parallel: DataLoader(..., num_workers={n}, persistent_workers=True) in "
-                "train_dataloader(), and move decoding out of training_step.")
+        return (f"Prepare batches in parallel: DataLoader(..., num_workers={n}, persistent_workers=True) "
+                f"{_LIGHTNING_LOADER}, and move decoding out of training_step.")
     if workers is None:
         text = (f"Load the batches through a torch DataLoader with num_workers={n} (at most the {cpus} CPU cores), "
                 "and move decoding and augmentation out of the training loop.")
@@ -78,14 +85,20 @@ def data_workers(style: str, workers: int | None, cpus: int) -> str:
     return text
 
 
-def varying_batch(style: str) -> str:
-    """The batch dimension changes (a last short batch): a fixed batch size."""
+def varying_batch(style: str, sizes: int | None = None) -> str:
+    """The batch dimension changes: a fixed batch size. ``sizes``: how many batch sizes were seen; more than two is
+    no last short batch but a size that varies from batch to batch, which drop_last does not fix."""
     if style == "transformers":
         how = "TrainingArguments(dataloader_drop_last=True)"
     elif style == "lightning":
-        how = "DataLoader(..., drop_last=True) in train_dataloader()"
+        how = f"DataLoader(..., drop_last=True) {_LIGHTNING_LOADER}"
     else:
         how = "DataLoader(..., drop_last=True)"
+    if sizes is not None and sizes > 2:
+        return (f"The batch size varies from batch to batch ({sizes} sizes): pad every batch up to one size "
+                "(ap.data.BucketCollate(..., batch_size=N) as the collate_fn, the padded rows masked out of the "
+                "loss), or to a few sizes (a sampler that makes batches of a few fixed sizes), so that a few graphs "
+                f"serve every batch; {how} only drops a last short batch.")
     return (f"Keep the batch size fixed: {how} drops the last short batch of each epoch (or pad it up to the "
             "batch size: ap.data.BucketCollate(..., batch_size=N) as the collate_fn), and a batch made in the loop "
             "should always have the same size.")
@@ -193,3 +206,23 @@ def accumulate(style: str, steps: int) -> str:
     if style == "lightning":
         return f"Trainer(accumulate_grad_batches={steps})"
     return f"accumulating gradients over {steps} micro-batches before {optimizer_step(style)}"
+
+
+def device_bound(style: str, lazy: bool) -> str:
+    """Doing less per sample on the device, as the script would ask for it: mixed precision, and compiling where
+    the backend runs eagerly (a lazy backend compiles every step's graph already)."""
+    if style == "transformers":
+        faster = "bf16 mixed precision, TrainingArguments(bf16=True)" + ("" if lazy else ", or torch_compile=True")
+    elif style == "lightning":
+        faster = "bf16 mixed precision, Trainer(precision=\"bf16-mixed\")" + (
+            "" if lazy else ", or compile the model: model = torch.compile(model) before trainer.fit")
+    elif style == "torch_xla":
+        faster = ("bf16 mixed precision: with torch.autocast(\"xla\", dtype=torch.bfloat16): around the forward "
+                  "pass and the loss (ap.autocast(torch.bfloat16) is the portable spelling)")
+    elif style == "torch":
+        faster = "mixed precision (with torch.autocast(device_type, dtype=torch.bfloat16):)" + (
+            "" if lazy else ", or model = torch.compile(model)")
+    else:
+        faster = "mixed precision (with ap.autocast(torch.bfloat16):)" + ("" if lazy else ", or ap.compile(model)")
+    return ("The step's own work on the device takes the largest share, where a healthy run spends its time; to "
+            f"go faster, do less of it per sample: {faster}.")

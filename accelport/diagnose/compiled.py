@@ -56,7 +56,7 @@ def _fix(backend_name: str, dynamic: bool | None, suggestion: Suggestion | None,
     change = f.size_changes[0] if f is not None and f.size_changes else None
     if change is not None and change.dim == 0:
         # The batch dimension: a last short batch (or a sampler without drop_last), not lengths.
-        fixed = advice.varying_batch(style)
+        fixed = advice.varying_batch(style, len(change.sizes))
         if dynamic is False:
             return fixed
         return (f"{fixed[:-1]}; or mark it dynamic: torch._dynamo.mark_dynamic({change.arg}, 0) before the call.")

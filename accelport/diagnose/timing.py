@@ -97,9 +97,7 @@ def _fix(kind: str, after: Mapping[str, float], *, lazy: bool, loader: Mapping[s
                 "step: logging, metrics, checkpoints, data handling in the loop) takes the largest share: do it every "
                 "N steps or move it into the DataLoader's workers; `accelport diagnose --profile A:B` shows which.")
     if kind == "device-bound":
-        faster = "mixed precision (with ap.autocast(torch.bfloat16):)" + ("" if lazy else ", or ap.compile(model)")
-        return ("The step's own work on the device takes the largest share, where a healthy run spends its time; to "
-                f"go faster, do less of it per sample: {faster}.")
+        return advice.device_bound(style, lazy)
     parts = [p for p in kind.split(" or ")]
     return (f"This backend cannot tell {' from '.join(parts)} apart in every step; a profile of a few steps "
             "(`accelport diagnose --profile A:B`, ACCELPORT_PROFILE=A:B) shows the device's own time.")

@@ -305,8 +305,9 @@ def test_a_compiled_function_past_its_recompile_limit_is_a_problem_shown_at_its_
     assert limit["severity"] == "problem" and limit["evidence"]["limit"] == 8
     forward = f"{NATIVE}:{line_of(NATIVE, 'def forward')}"
     assert f"Net.forward ({forward})" in limit["message"] and "runs it eagerly" in limit["message"]
-    # The batch dimension changes: a fixed batch size is the fix, not sequence buckets.
-    assert "changed size along dim 0" in limit["message"] and "Keep the batch size fixed" in limit["fix"]
+    # The batch dimension takes a new size batch after batch: padding to one size is the fix, not sequence buckets
+    # (drop_last, which only drops a last short batch, is said as such).
+    assert "changed size along dim 0" in limit["message"] and "pad every batch up to one size" in limit["fix"]
     assert "drop_last=True" in limit["fix"] and "LengthGroupedBatchSampler" not in limit["fix"]
     # The function's line is in the message: said once, not again as an "at" line.
     said = " ".join(out.stderr.split())

@@ -166,6 +166,6 @@ def test_a_slow_dataset_under_lightning_names_its_dataloader_options(tmp_path: p
     done, result, said = diagnosed(tmp_path, script)
     assert done.returncode == 0 and done.stdout.rstrip().endswith("done 20"), done.stderr
     [found] = result["findings"]
-    assert found["kind"] == "input-bound" and "in train_dataloader()" in found["fix"]
+    assert found["kind"] == "input-bound" and "persistent_workers=True) where the script builds" in found["fix"]
     assert found["evidence"]["where"] == f"{script}:{line_of(script, 'def __getitem__')}"
     clean(said)

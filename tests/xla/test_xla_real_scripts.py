@@ -60,3 +60,14 @@ def test_out_of_memory_at_the_sync_that_runs_a_steps_graph_names_that_step(tmp_p
     assert (found["kind"], found["step"]) == ("out-of-memory", 4)
     assert found["message"].startswith("step 4 ran out of memory")
     assert "At step 3, the last good one" in found["message"] and found["evidence"]["budget_step"] == 3
+
+
+def test_a_batch_size_drawn_at_random_is_fixed_by_padding_not_by_drop_last(tmp_path: pathlib.Path,
+                                                                          capfd: pytest.CaptureFixture[str]) -> None:
+    script = SCRIPTS / "xla_random_batch.py"
+    result, out, _ = diagnose(tmp_path, capfd, script)
+    [found] = result["findings"]
+    assert found["kind"] == "recompilation" and "along the batch dimension (dim 0)" in found["message"]
+    # Not a last short batch: drop_last would leave every other size as it is.
+    assert found["fix"].startswith("The batch size varies from batch to batch (")
+    assert found["fix"].index("pad every batch up to one size") < found["fix"].index("drop_last=True")

@@ -73,7 +73,7 @@ class InputBoundRule(Rule):
             f"the training loop waited for data {share:.0%} of the time over the last {len(recent)} steps "
             f"({worker_text}, {cpus} CPU cores): the device is idle while the loader works.",
             record.step,
-            fix=advice.data_workers(self.run.style, workers, cpus),
+            fix=advice.data_workers(self.run.style, workers, cpus, self.run.device_type),
             data_wait_share=round(share, 3),
             num_workers=workers,
             cpu_count=cpus,

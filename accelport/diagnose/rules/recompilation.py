@@ -136,7 +136,7 @@ class RecompilationRule(Rule):
     def _shape_fix(self, change: str, suggestion: compiled.Suggestion | None) -> str:
         """The fix for a batch shape that changes: a fixed batch size for the batch dimension, buckets else."""
         if " along the batch dimension" in change:
-            return advice.varying_batch(self.run.style)
+            return advice.varying_batch(self.run.style, _batch_sizes(self.run.shapes.distinct))
         distinct = len(self.run.shapes.distinct)
         return advice.varying_length(self.run.style, compiled.describe(suggestion, distinct) if suggestion else None)
 
@@ -180,3 +180,14 @@ class RecompilationRule(Rule):
                                              compiled.accepts_dynamic(record.backend, declared), suggestion,
                                              len(self.run.shapes.distinct), self.run.style)
         return (found[0], found[1]) if found else None
+
+
+def _batch_sizes(signatures: Any) -> int | None:
+    """How many sizes the first input's batch dimension took among the batch ``signatures`` (None: not known)."""
+    sizes = set()
+    for signature in signatures:
+        try:
+            sizes.add(int(signature[0][0][0]))
+        except (TypeError, ValueError, IndexError):
+            return None
+    return len(sizes) or None

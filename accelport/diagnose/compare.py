@@ -421,9 +421,9 @@ def verdict(a: RunSummary, b: RunSummary, found: Mapping[str, Sequence[Any]], na
         x, y = a.categories.get(name, 0.0), b.categories.get(name, 0.0)
         if scale and max(x, y) < _SAME * scale:
             continue  # too small a share in either run to be worth a word
-        if abs(x - y) <= _SAME * max(x, y) or (scale and abs(x - y) < _SAME * scale):
+        if abs(x - y) <= _SAME * max(x, y):
             same.append(name)
-        else:
+        elif abs(x - y) >= _SAME * scale:  # (one that moved by less than that of the step goes unsaid)
             changes.append((abs(x - y), f"{name} {_ms(x)} -> {_ms(y)} ms"))
     moved += [text for _, text in sorted(changes, key=lambda c: -c[0])[:3]]
     if a.compilations is not None and b.compilations is not None and a.compilations != b.compilations:

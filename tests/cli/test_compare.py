@@ -136,14 +136,16 @@ def test_the_report_page_holds_the_comparison(shapes_pair: dict[str, pathlib.Pat
 
 
 def output_file(path: pathlib.Path, message: str = "ok", where: str = "train.py:3", *,
-                efficiency: dict[str, Any] | None = None, backend: str = "cpu") -> pathlib.Path:
+                efficiency: dict[str, Any] | None = None, backend: str = "cpu",
+                per_step: dict[str, float] | None = None) -> pathlib.Path:
     """A file of the shape `accelport diagnose --output` writes, with one finding."""
     result: dict[str, Any] = {
         "findings": [{"kind": "host-sync", "message": message, "fix": "", "step": 3, "severity": "warning",
                       "evidence": {"where": where}, "totals": {}}],
         "metrics": {"backend": backend, "steps": 10, "compilations": 1, "compile_seconds": 0.5,
                     "device_to_host": 20, "peak_memory_bytes": 1 << 20, "data_wait_seconds": 0.1,
-                    "step_seconds": 1.0, "time_breakdown_per_step": {"device": 0.08, "data": 0.01, "other": 0.01}},
+                    "step_seconds": 1.0,
+                    "time_breakdown_per_step": per_step or {"device": 0.08, "data": 0.01, "other": 0.01}},
         "steps": 10, "backend": backend, "exit_status": 0, "verdict": {"text": ""}, "notes": [],
         "setup": {"script": "train.py", "args": [], "torch": "2.9.0", "python": "3.11.7", "accelport": "0.1.0"},
     }
@@ -186,6 +188,17 @@ def test_the_efficiency_is_read_where_the_file_has_it(tmp_path: pathlib.Path,
     assert "verdict: B (xla) takes the same time per step as A (cpu) (100 -> 100 ms)" in out
     assert "  new    host-sync at y.py:4" not in out and "  fixed  host-sync at train.py:3" not in out
     assert "  still  host-sync at train.py:3" in out
+
+
+def test_the_verdict_says_what_moved_and_calls_unchanged_only_what_did_not(tmp_path: pathlib.Path,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    a = output_file(tmp_path / "a.json", per_step={"compile": 0.9, "device": 0.05, "device+other": 0.05})
+    b = output_file(tmp_path / "b.json", per_step={"device": 0.05, "device+other": 0.008})
+    code, out, _ = compare(capsys, a, b)
+    assert code == 0
+    # device+other fell from 50 to 8 ms: less than 5% of the step, so not worth a word, and not "unchanged" either.
+    assert out.splitlines()[-1] == ("verdict: B is 17.2x faster per step than A (1000 -> 58.0 ms): compile 900 -> "
+                                    "0.0 ms; device unchanged")
 
 
 # -- files that are not a run's -----------------------------------------------------------------------

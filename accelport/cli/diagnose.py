@@ -438,14 +438,20 @@ def _no_steps(watcher: Watcher) -> str:
             "hand, its backward passes")
 
 
+def _ordinal(n: int) -> str:
+    """'1st', '2nd', '3rd', '11th', '32nd'."""
+    suffix = "th" if n % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def _pattern_notes(watcher: Watcher) -> list[str]:
     """What the script does that changes what could be watched, and what to change."""
     notes = []
     if watcher.manual_steps:
         notes.append(
             f"this script updates its weights without a torch.optim optimizer ({watcher.backwards} backward passes, "
-            f"no optimizer.step()): from the {watcher.MANUAL_AFTER}th backward pass on, each was taken as a step, "
-            "so the checks of time, compilation, host reads and data ran; the checks of gradients and weights "
+            f"no optimizer.step()): from the {_ordinal(watcher.MANUAL_AFTER)} backward pass on, each was taken as a "
+            "step, so the checks of time, compilation, host reads and data ran; the checks of gradients and weights "
             "(non-finite, precision) need an optimizer: torch.optim.SGD(model.parameters(), lr=lr) with "
             "optimizer.step() computes the same update as p.data.add_(p.grad, alpha=-lr)")
     if watcher.spawned and (watcher.steps or watcher.manual_steps):

@@ -33,3 +33,9 @@ def test_a_nan_in_the_first_batch_of_a_dataloader_is_named_as_the_input(tmp_path
     assert (found["kind"], found["step"], found["evidence"]["source"]) == ("non-finite", 1, "input")
     assert "it came from the input batch (input 0: 1 of 128 values are NaN or Inf)" in found["message"]
     assert "neither through" not in said and found["fix"].startswith("Bad data")
+
+
+def test_weights_updated_by_hand_say_from_which_backward_pass_in_english(tmp_path: pathlib.Path) -> None:
+    done, _, said = diagnosed(tmp_path, SCRIPTS / "cpu_real.py", "--case", "manual-sgd", "--steps", "40")
+    assert done.returncode == 0, done.stderr
+    assert "from the 32nd backward pass on, each was taken as a step" in said and "32th" not in said

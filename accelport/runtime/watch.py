@@ -77,7 +77,7 @@ __all__ = ["Watcher", "Outcome", "Site", "run_watched", "entry_spec", "where"]
 #: "file:12" or "file:12: reason" (a file name never holds ": ", which starts the reason).
 _SITE = re.compile(r"^(?P<file>(?:(?!: ).)+?):(?P<line>\d+)(?=: |$)")
 _FUNCTION_SITE = re.compile(r"\((?P<file>.+):(?P<line>\d+)\)$")
-_PLACES = {"recompilation": ("data", "loop"), "compile-limit": ("data", "loop"), "input-bound": ("data", "loop"),
+_PLACES = {"recompilation": ("data", "loop"), "compile-limit": ("data", "loop"), "input-bound": ("samples", "loop"),
            "graph-growth": ("step",)}
 
 
@@ -228,7 +228,8 @@ class Watcher:
         #: Every optimizer step the script took (also those after the watching stopped).
         self.steps = 0
         #: "step" (the first optimizer step's line), "loop" (the line that asked for the first
-        #: step's batch), "data" (the user's collate_fn or dataset that builds the batches) and each
+        #: step's batch), "data" (the user's collate_fn or dataset that builds the batches), "samples" (its
+        #: dataset's __getitem__ first, where a slow loader's time goes) and each
         #: kind reported (the line it was reported at) -> the Site.
         self.sites: dict[str, Site] = {}
         #: How the script trains ("torch", "torch_xla", "transformers", "lightning"): the rules spell
@@ -391,6 +392,10 @@ class Watcher:
                         site = _data_site(loader)
                         if site is not None:
                             watcher.sites["data"] = site
+                        # Where the time of a slow loader goes: each sample's reading, done batch_size times a batch.
+                        site = _data_site(loader, samples_first=True)
+                        if site is not None:
+                            watcher.sites["samples"] = site
                 return original(loader)
             return __iter__
 
@@ -880,12 +885,14 @@ def _style(frame: types.FrameType | None, default: str) -> str:
     return default
 
 
-def _data_site(loader: Any) -> Site | None:
-    """Where the user's code builds a DataLoader's batches: its collate_fn, else its dataset's __getitem__
-    (None where both are a library's: default_collate, a HuggingFace collator or dataset)."""
+def _data_site(loader: Any, samples_first: bool = False) -> Site | None:
+    """Where the user's code builds a DataLoader's batches: its collate_fn (where their shapes are made), else its
+    dataset's __getitem__; ``samples_first``: __getitem__ first (where a slow loader spends its time), else the
+    collate_fn. None where both are a library's: default_collate, a HuggingFace collator or dataset."""
     collate = getattr(loader, "collate_fn", None)
     getitem = getattr(type(getattr(loader, "dataset", None)), "__getitem__", None)
-    for what, fn in (("collate_fn", collate), ("the dataset's __getitem__", getitem)):
+    places = [("collate_fn", collate), ("the dataset's __getitem__", getitem)]
+    for what, fn in places[::-1] if samples_first else places:
         code = _code_of(fn)
         if code is None or library_file(code.co_filename) or code.co_filename.startswith("<"):
             continue

@@ -39,3 +39,18 @@ def test_weights_updated_by_hand_say_from_which_backward_pass_in_english(tmp_pat
     done, _, said = diagnosed(tmp_path, SCRIPTS / "cpu_real.py", "--case", "manual-sgd", "--steps", "40")
     assert done.returncode == 0, done.stderr
     assert "from the 32nd backward pass on, each was taken as a step" in said and "32th" not in said
+
+
+def test_a_slow_dataset_under_lightning_is_named_at_its_getitem_not_its_collate_fn(tmp_path: pathlib.Path) -> None:
+    import pytest
+
+    pytest.importorskip("lightning", reason="lightning is in the test environment (noxfile.py); not here")
+    script = SCRIPTS / "lightning_fit_loader.py"
+    done, result, said = diagnosed(tmp_path, script)
+    assert done.returncode == 0 and done.stdout.rstrip().endswith("done 20"), done.stderr
+    [found] = result["findings"]
+    assert found["kind"] == "input-bound"
+    # Each sample is slow; the collate_fn only stacks them.
+    assert found["evidence"]["where"] == f"{script}:{line_of(script, 'def __getitem__')}"
+    # The script has no train_dataloader(): it hands its DataLoader to trainer.fit.
+    assert "the one handed to trainer.fit" in found["fix"] and "in train_dataloader()" not in found["fix"]

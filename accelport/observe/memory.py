@@ -545,12 +545,17 @@ class MemoryWatch:
         return last or self._fallback_capacity
 
     def metrics(self) -> dict[str, int | None]:
-        """``ap.metrics()``'s memory fields, read now (the static part counted afresh)."""
+        """``ap.metrics()``'s memory fields, read now (the static part counted afresh; the gradients are the
+        step's, as counted at the last step's end where none exist now)."""
         if self.optimizers() or getattr(getattr(self._backend, "shard_registry", None), "models", None):
             registry = getattr(self._backend, "shard_registry", None)
             budget = memory_of(list(registry.models) if registry is not None else [], self.optimizers())
         else:
             budget = {}
+        if budget and self.budget:
+            # The step's gradients, however late it is read: after zero_grad() (set to None) they are gone
+            # now, but the step holds them again; the count at the last step's end has them.
+            budget["gradient_bytes"] = max(budget["gradient_bytes"], self.budget["gradient_bytes"])
         try:
             now = {} if self._broken else dict(self._backend.memory_reading())
         except Exception:

@@ -236,10 +236,18 @@ def diagnose(records: Sequence[dict[str, Any]], rules: Sequence[tuple[str, type[
     return found
 
 
+def after_steps(record: dict[str, Any]) -> bool:
+    """Whether ``record`` holds what the counters moved by after the run's last step (a final evaluation's
+    compilations): no step's time, no batch, ``counted_steps`` 0 (see accelport.diagnose.metrics_log)."""
+    return record.get("counted_steps") == 0 and not record.get("breakdown") and not record.get("seconds")
+
+
 def batch_shapes(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each distinct batch shape: the steps that had it, the compilations and compile time at those steps."""
     shapes: dict[str, dict[str, Any]] = {}
     for r in records:
+        if after_steps(r):
+            continue
         sig = r.get("signature") or []
         key = json.dumps(sig)
         entry = shapes.setdefault(key, {"signature": sig, "steps": 0, "compilations": 0, "compile_seconds": 0.0,
@@ -278,7 +286,7 @@ def breakdown(record: dict[str, Any]) -> dict[str, float]:
 
 #: The chart's colour of each time category; two joined (not told apart) take the first one's, lighter.
 CATEGORY_COLORS = {"data": "#d4a72c", "transfer": "#e16f24", "compile": "#cf222e", "device": "#0969da",
-                   "host_sync": "#8250df", "collective": "#1a7f37", "other": "#8c959f"}
+                   "host_sync": "#8250df", "collective": "#1a7f37", "other": "#8c959f", "between_steps": "#57606a"}
 
 
 def _categories(records: Sequence[dict[str, Any]]) -> tuple[dict[str, float], dict[str, str], dict[str, str]]:
@@ -315,13 +323,14 @@ def _verdict(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any]) -> lis
     timed = [r for r in records if r.get("breakdown")]
     if not timed:
         return []
+    shapes = len({json.dumps(r.get("signature")) for r in timed if r.get("signature")}) or None
     total: dict[str, float] = {}
     for r in timed:
         add_into(total, _category_parts(r, {k: 0.0 for k in r["breakdown"]}))
     first = _category_parts(timed[0], {k: 0.0 for k in timed[0]["breakdown"]}) if timed[0]["step"] == 1 else None
     last = timed[-1]
     return explain(total, len(timed), first=first, loader=last.get("loader") or {}, findings=diagnoses,
-                   lazy=bool(last.get("lazy")))
+                   lazy=bool(last.get("lazy")), shapes=shapes)
 
 
 def _profiles_html(records: Sequence[dict[str, Any]], safe: Any) -> str:
@@ -496,8 +505,9 @@ def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], tit
         steps.append({"step": r["step"], "total": sum(parts.values()),
                       "compilations": r.get("compilations", 0) or 0, **parts})
     total = sum(totals.values()) or 1e-12
-    compilations = sum(int(r.get("compilations", 0) or 0) for r in records)
-    signatures = len({json.dumps(r.get("signature")) for r in records})
+    compilations = sum(int(r.get("compilations", 0) or 0) for r in records)  # (after the last step's too)
+    stepped = [r for r in records if not after_steps(r)]
+    signatures = len({json.dumps(r.get("signature")) for r in stepped})
     backend = records[-1].get("backend", "?")
     # json.dumps does not escape "</script>"; make the embedded data unable to close the tag.
     # allow_nan=False: every number above is finite, and JSON.parse rejects NaN.
@@ -534,7 +544,7 @@ def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], tit
             for d in ordered)
     else:
         diag_html = "<p class=ok>No diagnosis: nothing in this run looks slow or wrong.</p>"
-    return html_page(title, f"""<div class=sub>backend {safe(backend)} · {len(records)} steps · {total:.2f} s in steps ·
+    return html_page(title, f"""<div class=sub>backend {safe(backend)} · {len(stepped)} steps · {total:.2f} s in steps ·
 {compilations} compilations · {signatures} distinct batch shapes</div>
 {notes_html}
 <h2>Where the time went, per step</h2>

@@ -63,7 +63,7 @@ def _finding(findings: Sequence[Any], kind: str) -> Any:
 
 
 def _fix(kind: str, after: Mapping[str, float], *, lazy: bool, loader: Mapping[str, Any],
-         findings: Sequence[Any], style: str) -> str:
+         findings: Sequence[Any], style: str, shapes: int | None = None) -> str:
     """The one fix that matters most for ``kind``: that of the diagnosis kind it points at, in the script's terms."""
     if kind == "input-bound":
         if after.get("transfer", 0.0) > after.get("data", 0.0):
@@ -81,6 +81,10 @@ def _fix(kind: str, after: Mapping[str, float], *, lazy: bool, loader: Mapping[s
         found = _finding(findings, "recompilation") or _finding(findings, "compile-limit")
         if found is not None and getattr(found, "fix", None):
             return _said_by(found.fix, found.kind)
+        if shapes == 1:  # (no input changed shape: the graph itself does)
+            return ("It compiles after the first step on one batch shape: the graph itself changes (a Python "
+                    "value baked into it, a tensor made inside the step whose shape changes); accelport diagnose "
+                    "names the op once it repeats.")
         if lazy:
             return ("Graphs compile after the first step: see which input changes shape (accelport diagnose names "
                     "it once it repeats); for compilations that are the same every run, a persistent cache "
@@ -105,10 +109,12 @@ def _fix(kind: str, after: Mapping[str, float], *, lazy: bool, loader: Mapping[s
 
 def explain(total: Mapping[str, float], steps: int, *, first: Mapping[str, float] | None = None,
             loader: Mapping[str, Any] | None = None, findings: Sequence[Any] = (), lazy: bool = False,
-            style: str = "accelport") -> list[str]:
+            style: str = "accelport", shapes: int | None = None) -> list[str]:
     """[the line, the verdict, its fix] for a run whose ``steps`` steps took ``total`` (seconds by category), of
     which the first step took ``first`` (left out of the verdict when there are more); the fix spelled for a
-    script that trains as ``style`` says (``RunView.style``). Only the line where no verdict can be made."""
+    script that trains as ``style`` says (``RunView.style``), for a run of ``shapes`` batch shapes (None: not
+    known). Work between the steps (``between_steps``) is on the line, not in the verdict, which judges the
+    training steps. Only the line where no verdict can be made."""
     if steps <= 0 or not total:
         return []
     seconds = sum(total.values())
@@ -119,6 +125,7 @@ def explain(total: Mapping[str, float], steps: int, *, first: Mapping[str, float
         for key, value in first.items():
             after[key] = max(after.get(key, 0.0) - value, 0.0)
         judged = steps - 1
+    after.pop("between_steps", None)
     kind, share, _ = verdict(after)
     if not kind:
         return lines
@@ -127,7 +134,7 @@ def explain(total: Mapping[str, float], steps: int, *, first: Mapping[str, float
             "device-bound": "is the device's own work", "sync-bound": "waits for device values or other replicas",
             "host-bound": "runs the host's own code"}.get(kind, "goes there")
     lines.append(f"{kind}: {share:.0%} of the step time {which} {goes} ({judged} step(s))")
-    lines.append(_fix(kind, after, lazy=lazy, loader=loader or {}, findings=findings, style=style))
+    lines.append(_fix(kind, after, lazy=lazy, loader=loader or {}, findings=findings, style=style, shapes=shapes))
     return lines
 
 

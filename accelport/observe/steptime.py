@@ -13,7 +13,13 @@ A :class:`StepClock` charges every moment of the loop's thread to the phase it i
   backward inside the optimizer step (the closure of ``opt.step(closure)``: LBFGS) is the
   step's own work: after it the optimizer runs on, still the body;
 - what a backend marks itself (:meth:`accelport.contract.Backend.time_with`): its syncs,
-  its waits for the other replicas, host reads of its tensors (the tracer times those).
+  its waits for the other replicas, host reads of its tensors (the tracer times those);
+- the end of a loader's pass (:meth:`StepClock.pass_ended`).
+
+Work between two training steps (an evaluation loop, a checkpoint save, an epoch's logging) is
+no step's own: it is told by a batch that no training work followed (no backward, no optimizer
+step) before the next batch came, and by the end of a pass. What the step had run until such a
+batch arrived is charged to ``between`` (category ``between_steps``), on every backend alike.
 
 The time between two boundaries goes to the phase on top of the clock's stack. A step's
 phases add up to its wall time exactly (each moment is charged once); the backend maps them
@@ -44,14 +50,15 @@ _get_ident = threading.get_ident
 #: Below this a category holds nothing worth telling apart (the tolerance of a step's sum).
 MIN_SECONDS = 50e-6
 #: Phases whose category does not depend on the backend.
-_DIRECT = {"data": "data", "transfer": "transfer", "sched": "other"}
+_DIRECT = {"data": "data", "transfer": "transfer", "sched": "other", "between": "between_steps"}
 _ORDER = {name: i for i, name in enumerate(TIME_CATEGORIES)}
 
 
 class StepClock:
     """Charges the loop thread's time to the phase it is in; :meth:`close` hands over a step's phases."""
 
-    __slots__ = ("_stack", "_mark", "parts", "thread", "_stepping", "__weakref__")
+    __slots__ = ("_stack", "_mark", "parts", "thread", "_stepping", "_idle", "_passed", "_closed", "_loose",
+                 "__weakref__")
 
     def __init__(self) -> None:
         self._stack = ["pre"]
@@ -63,6 +70,17 @@ class StepClock:
         # The optimizer step runs (from its start to the step's end): a backward in it (a closure's) ends in the
         # body, not in the script's own code.
         self._stepping = False
+        # A batch arrived and no training work (a backward, an optimizer step) followed it yet; a loader's
+        # pass ended: the next batch's arrival makes what ran since the step's start work between steps.
+        self._idle = False
+        self._passed = False
+        # The step ended and no backward or optimizer step started since: a backward that ends after the
+        # step did (a loop that updates its weights by hand ends its steps inside the backward) leaves the
+        # next step's start as it is.
+        self._closed = False
+        # The clock was started by a backward, and no step has ended yet (a loop without batches): the first
+        # step starts at its last backward, not at the first of the passes that were no step.
+        self._loose = False
 
     @property
     def started(self) -> bool:
@@ -81,12 +99,16 @@ class StepClock:
         ``transfer`` the backend's copies; the loop's body starts."""
         start = now - blocked
         mark = self._mark
-        if mark is None:
-            self._mark = start
+        if mark is None or self._loose:
+            self._mark, self.parts, self._loose = start, {}, False
             self.thread = threading.get_ident()
+            mark = None
         elif start > mark:
             self._charge(start)
-        elif start < mark:
+        if mark is not None and (self._idle or self._passed):
+            self._between()
+        self._idle, self._passed = True, False
+        if mark is not None and start < mark:
             # The wait began before this step did (the step before was finished during it, as a loader that
             # syncs first finishes it): that part is the step before's. Only what is left is this step's,
             # data first.
@@ -110,6 +132,18 @@ class StepClock:
                 parts["tail"] = parts.get("tail", 0.0) + pre
         stack[0] = "body"
 
+    def _between(self) -> None:
+        """What the step ran so far was work between two training steps (an evaluation's batches)."""
+        parts = self.parts
+        moved = sum(v for k, v in parts.items() if k != "between")
+        if moved:
+            self.parts = {"between": parts.get("between", 0.0) + moved}
+
+    def pass_ended(self) -> None:
+        """A loader's pass ended: until the next batch, the loop runs work between training steps."""
+        if self._mark is not None and (self.thread is None or _get_ident() == self.thread):
+            self._passed = True
+
     def body(self) -> None:
         """The optimizer step starts: it is the body until the step ends, closures' forwards and backwards too."""
         if self.thread is None or _get_ident() == self.thread:
@@ -118,7 +152,10 @@ class StepClock:
 
     def tail(self) -> None:
         """A backward ended: the script's own code runs until the next body; inside the optimizer step (a
-        closure's backward) the optimizer's own work goes on."""
+        closure's backward) the optimizer's own work goes on. A step that ended inside the backward (a loop
+        that updates its weights by hand) leaves the next step's start as it is: the forward is in it."""
+        if self._closed:
+            return
         self._base("body" if self._stepping else "tail")
 
     def _base(self, phase: str) -> None:
@@ -128,7 +165,13 @@ class StepClock:
             return
         stack = self._stack
         mark = self._mark
-        if mark is not None:
+        self._idle = self._closed = False  # training work: the batch before it was a training batch
+        if mark is None or (self._loose and not self._stepping):
+            # The first step of a loop without batches starts at its backward (the last one before it ends:
+            # the passes before, of a loop that updates its weights by hand, were no step).
+            self._mark, self.parts, self._loose = _clock(), {}, True
+            self.thread = _get_ident()
+        else:
             now = _clock()
             top = stack[-1]
             parts = self.parts
@@ -177,8 +220,9 @@ class StepClock:
 
     def close(self, now: float) -> dict[str, float]:
         """A step ended at ``now``: its phases (adding up to its wall time), and the next step starts."""
-        self._stepping = False
-        if self._mark is None:  # the first step, of a loop without batches: it starts here
+        self._stepping = self._idle = self._passed = self._loose = False
+        self._closed = True
+        if self._mark is None:  # the first step, of a loop without batches nor backward: it starts here
             self._mark = now
             self.thread = threading.get_ident()
             return {}
@@ -205,7 +249,7 @@ def joined(names: Iterable[str]) -> str:
 
 
 def carve_compile(breakdown: dict[str, float], seconds: float, phases: Mapping[str, str],
-                  split: bool = True) -> None:
+                  split: bool = True) -> float:
     """Move ``seconds`` of compilation out of the categories of the phases compilers run in, into ``compile``.
 
     A compiler runs inside a sync or a host read (XLA graphs) or the forward pass (torch.compile):
@@ -214,9 +258,17 @@ def carve_compile(breakdown: dict[str, float], seconds: float, phases: Mapping[s
     as one category (``device+host_sync``): which one held it is not known. ``split=False`` (one
     figure for several steps, each of which may or may not have compiled) carves nothing and joins
     ``compile`` with those categories instead.
+
+    Work between the steps (``between_steps``: an evaluation's first graphs) compiles first: what it
+    held of the compilation stays its own, and only the rest is carved out of the step's categories.
+    Returns the seconds that no category held (a compilation before the step's clock started).
     """
     if seconds <= 0:
-        return
+        return 0.0
+    if split:
+        seconds -= min(seconds, breakdown.get("between_steps", 0.0))
+        if seconds <= 0:
+            return 0.0
     groups: list[list[str]] = []
     used: set[str] = set()
     for names in (("sync", "read"), ("body",), ("pre",), ("tail",)):
@@ -236,7 +288,7 @@ def carve_compile(breakdown: dict[str, float], seconds: float, phases: Mapping[s
         if not split:
             label = joined(["compile", *present])
             breakdown[label] = breakdown.get(label, 0.0) + held
-            return
+            return 0.0
         taken = min(seconds, held)
         label = present[0] if len(present) == 1 else joined(present)
         if held - taken > 0:
@@ -244,7 +296,8 @@ def carve_compile(breakdown: dict[str, float], seconds: float, phases: Mapping[s
         breakdown["compile"] = breakdown.get("compile", 0.0) + taken
         seconds -= taken
         if seconds <= 0:
-            return
+            return 0.0
+    return seconds if split else 0.0
 
 
 def add_into(total: dict[str, float], breakdown: Mapping[str, float]) -> None:

@@ -124,7 +124,10 @@ class Runtime:
                     backend.reason = reason
                     # The backends' counters are process-wide: from its start, every one is 0.
                     self._baseline = {} if self._from_process_start else backend.counters()
-                    backend.step_delta()  # per-step changes count from here, not from the process start
+                    if not self._from_process_start:
+                        # Per-step changes count from here; from the process start, the first step's record
+                        # holds what came before it (a torch.compile'd forward), as ap.metrics() does.
+                        backend.step_delta()
                     tracker, self._first_tracker = self._first_tracker or StepTracker(), None
                     self._start_run(backend, tracker)
                     self.tracker = tracker
@@ -338,7 +341,7 @@ class Runtime:
 
     def findings(self) -> list[Diagnosis]:
         """What the rules found so far in this run (every finished step judged first)."""
-        self.tracker.flush()  # steps not yet handed over (see StepRecord)
+        self.tracker.flush(pass_ended=False)  # steps not yet handed over (see StepRecord)
         engine = self._engine
         return engine.current() if engine is not None else []
 
@@ -485,7 +488,8 @@ class Runtime:
         return explain(t.time_total, t.time_steps, first=t.first_breakdown, loader=t.loader_info,
                        # (the findings as the whole run has them: the fix the summary says for the same kind)
                        findings=engine.current() if engine is not None else (),
-                       lazy=bool(self._backend is not None and self._backend.lazy), style=self._style)
+                       lazy=bool(self._backend is not None and self._backend.lazy), style=self._style,
+                       shapes=len(t.signatures) or None)
 
 
 RUNTIME = Runtime()

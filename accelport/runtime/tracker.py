@@ -6,7 +6,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from accelport.contract import TIME_PHASES, Backend, StepRecord
-from accelport.observe.steptime import StepClock, add_into, carve_compile, categories, watch_backward
+from accelport.observe.steptime import MIN_SECONDS, StepClock, add_into, carve_compile, categories, watch_backward
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -59,9 +59,12 @@ class StepTracker:
         self.steps = 0
         self.data_wait = 0.0
         self.step_seconds = 0.0
-        #: Distinct batch signatures. Within an ap.loader loop, a batch with the shapes of the
-        #: previous one carries the very same signature object (observers compare by identity).
+        #: Distinct batch signatures of the training steps (an evaluation's batches are no step's). Within an
+        #: ap.loader loop, a batch with the shapes of the previous one carries the very same signature object
+        #: (observers compare by identity).
         self.signatures: set[tuple[Any, ...]] = set()
+        self._arrived: set[Any] = set()  # every batch signature that arrived, steps' or not
+        self._step_signature: Any = None
         self._pending_wait = 0.0
         self._last_signature: tuple[Any, ...] | None = None
         self._last_end: float | None = None
@@ -101,6 +104,9 @@ class StepTracker:
         self.first_breakdown: dict[str, float] = {}
         #: A window of steps to profile (ap.profile, ACCELPORT_PROFILE), None if none.
         self.profile: StepProfile | None = None
+        # What the counters moved by outside the steps (a graph ap.sync() or an evaluation ran), read there:
+        # it goes with the next record, so the records count every compilation and host read once.
+        self._carried: dict[str, float] = {}
 
     def bind(self, backend: Backend, host: PluginHost, engine: Diagnostics | None,
              numerics: NumericsWatch | None, shapes: ShapeTrace | None = None,
@@ -161,9 +167,9 @@ class StepTracker:
         self.data_wait += wait
         self._pending_wait += wait
         if sig is not self._last_signature:  # ap.loader hands equal signatures as one object
-            if sig not in self.signatures:
+            if sig not in self._arrived:
                 self._fresh = True
-                self.signatures.add(sig)
+                self._arrived.add(sig)
             self._last_signature = sig
         if self.flops is not None:
             self.flops.batch(sig, batch)
@@ -203,12 +209,18 @@ class StepTracker:
 
     def _finish(self, step: int) -> None:
         now = time.perf_counter()
-        seconds = now - self._last_end if self._last_end is not None else 0.0
+        parts = self.clock.close(now)
+        # (The first step of a loop without batches started at its first backward: the clock knows when.)
+        seconds = now - self._last_end if self._last_end is not None else sum(parts.values())
         self.step_seconds += seconds
         self._last_end = now
         wait, self._pending_wait = self._pending_wait, 0.0
+        signature = self._last_signature
+        if signature is not self._step_signature and signature is not None:
+            self._step_signature = signature
+            self.signatures.add(signature)
         pending = self._pending
-        pending.append((step, seconds, wait, self._last_signature, now + self._wall_offset, self.clock.close(now)))
+        pending.append((step, seconds, wait, signature, now + self._wall_offset, parts))
         profile = self.profile
         if profile is not None and step >= profile.next_step:
             state = profile.state
@@ -224,16 +236,19 @@ class StepTracker:
         if len(pending) >= self._every:
             self._hand_over()
 
-    def flush(self) -> None:
+    def flush(self, *, pass_ended: bool = True) -> None:
         """Hand every finished step over, and settle what is still open.
 
-        The end of an ``ap.loader`` loop, ``ap.diagnostics()``, a change of backend
-        and the end of the process call it: kept gradients are read, a graph run
-        outside the steps is looked at, and the rules see what was found since the last step.
+        The end of an ``ap.loader`` loop (``pass_ended``: what runs until its next batch is work between
+        the training steps), ``ap.diagnostics()``, a change of backend and the end of the process call it:
+        kept gradients are read, a graph run outside the steps is looked at, and the rules see what was
+        found since the last step.
         """
         self._hand_over()
         if self.flops is not None:
             self.flops.pause()
+        if pass_ended:
+            self.clock.pass_ended()
         backend = self._backend
         if backend is None or not self._recording:
             return
@@ -264,20 +279,50 @@ class StepTracker:
         backend, engine = self._backend, self._engine
         if backend is None or not backend.lazy or engine is None:
             return
-        delta = backend.step_delta()
+        delta = self._carry(backend.step_delta())
         if not delta.get("compilations"):
             return
-        nodes = backend.compile_facts().get("graph_nodes")
+        facts = backend.compile_facts()
+        self._carry(facts)
+        nodes = facts.get("graph_nodes")
         if nodes:
             self._unsaid += engine.graph_ran(int(nodes), where)
+
+    def _carry(self, delta: Mapping[str, float]) -> Mapping[str, float]:
+        """Keep what the counters moved by outside the steps for the next record (a graph's size: the largest)."""
+        carried = self._carried
+        for key, value in delta.items():
+            if key == "graph_nodes":
+                carried[key] = max(carried.get(key, 0), value)
+            elif value:
+                carried[key] = carried.get(key, 0) + value
+        return delta
 
     def end_run(self) -> None:
         """The run is over (the process exits, the diagnosed script ended): every step handed over, and a
         profile window still open closed (or said to have been missed)."""
-        self.flush()
+        self.flush(pass_ended=False)
+        self._after_last_step()
         profile = self.profile
         if profile is not None:
             profile.run_ended(self.steps)
+
+    def _after_last_step(self) -> None:
+        """What the counters moved by after the last step (a final evaluation that compiled its graphs) goes on a
+        record of its own: the last step's number, no time (it is no step's), ``counted_steps`` 0, so the
+        records count every compilation that ``ap.metrics()`` counts."""
+        backend, host = self._backend, self._host
+        if backend is None or host is None or not self.steps or self._failed or self._pending:
+            return
+        self._carry(backend.step_delta())
+        carried, self._carried = self._carried, {}
+        if not any(carried.get(key) for key in ("compilations", "device_to_host")):
+            return
+        if carried.get("compilations") and "compile_seconds" not in carried:
+            carried.update(backend.compile_facts())
+        if self._recording:
+            self._record(host, StepRecord(self.steps, backend.name, backend.lazy, 0.0, 0.0, None, carried,
+                                          time.perf_counter() + self._wall_offset, {}, 0))
 
     def hand_over_finished(self) -> None:
         """Hand over the finished steps (their breakdowns made final), leaving a step that waits for its sync."""
@@ -293,6 +338,11 @@ class StepTracker:
             return
         self._pending = []
         delta = backend.step_delta()
+        carried = self._carried
+        if carried:  # (work outside the steps since the last record: its counters are this record's)
+            self._carried = {}
+            for key, value in carried.items():
+                delta[key] = max(delta.get(key, 0), value) if key == "graph_nodes" else delta.get(key, 0) + value
         last = pending[-1][0]
         # A compilation or a host read (other than ap.after_step's) ends a quiet stretch.
         if delta.get("compilations") or delta.get("device_to_host", 0) - delta.get("after_step_reads", 0):
@@ -300,7 +350,8 @@ class StepTracker:
         if delta.get("compilations"):
             # Only then: these cost more than the counters, and a graph that grew is a
             # new graph, which compiles first.
-            delta.update(backend.compile_facts())
+            for key, value in backend.compile_facts().items():
+                delta[key] = max(delta.get(key, 0), value) if key == "graph_nodes" else delta.get(key, 0) + value
             if self._shapes is not None and last > 1 and not self._fresh:
                 self._shapes.arm()  # it compiled on batch shapes seen before: which tensor changed?
         self._fresh = False
@@ -331,7 +382,8 @@ class StepTracker:
         self._record(host, record)
 
     def _breakdowns(self, pending: list[tuple[Any, ...]], compile_seconds: float) -> list[dict[str, float]]:
-        """The final breakdown of each step read together, with the compile time carved out, added to the totals.
+        """The final breakdown of each step read together, with the compile time carved out, added to the totals
+        (the first step's seconds in ``pending`` grow by a compilation from before its clock started).
 
         Compilation is known for the steps together: one step's share is carved out of it; steps read
         together that compiled say ``compile`` joined with what it may have been in (the run's totals
@@ -344,7 +396,15 @@ class StepTracker:
             together: dict[str, float] = {}
             for breakdown in out:
                 add_into(together, breakdown)
-            carve_compile(together, compile_seconds, phases)
+            left = carve_compile(together, compile_seconds, phases)
+            if left > MIN_SECONDS and pending[0][0] == 1 and len(out) == 1:
+                # It compiled before the first step's clock started (torch.compile's first forward, in a loop
+                # whose first step starts at its first backward; what ran before the first step under accelport
+                # diagnose): the start-up is the first step's, and so is its compilation.
+                together["compile"] = together.get("compile", 0.0) + left
+                step, seconds, *rest = pending[0]
+                pending[0] = (step, seconds + left, *rest)
+                self.step_seconds += left
             if len(out) == 1:
                 out[0] = dict(together)
             else:

@@ -75,7 +75,7 @@ def test_a_breakdown_of_unknown_categories_is_an_error_naming_the_line(tmp_path)
         path.write_text(json.dumps(timed(1, breakdown=value)) + "\n")
         with pytest.raises(ReportError, match=rf"bad{i}.jsonl:1: not a step record: 'breakdown' must map time "
                                               r"categories \(data, transfer, compile, device, host_sync, collective, "
-                                              r"other, or two joined by '\+'\) to seconds"):
+                                              r"other, between_steps, or two joined by '\+'\) to seconds"):
             load_records(str(path))
 
 

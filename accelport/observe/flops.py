@@ -5,17 +5,22 @@ is counted again; at most :attr:`FlopWatch.MAX_SIGNATURES` of them), never every
 starts when the step's batch arrives (or, in a loop without a loader accelport sees, at the end of
 the step before) and ends at the end of its optimizer step, in the training loop's thread.
 
-- On eager backends (cpu, cuda, tpu, neuron) it is ``torch.utils.flop_counter.FlopCounterMode``
-  (source ``"flop_counter"``), with formulas of its own for the operators it does not know (CPU's
-  ``_scaled_dot_product_flash_attention_for_cpu``, which ``F.scaled_dot_product_attention`` runs on
-  the host, is counted 0 by FlopCounterMode of torch 2.9 to 2.13).
-- On XLA nothing in torch_xla counts the FLOPs of a lowered graph: its Python bindings (2.9) offer
-  the graph's HLO text and the runtime's counters, no cost analysis (XLA's HloCostAnalysis is
-  compiled in but not exposed); xprof's FLOPS utilisation needs a profile on the hardware.
-  FlopCounterMode itself changes the traced graph (it decomposes the operators it has no formula
-  for: one more compilation per counted signature, measured on XLA:CPU), so on lazy backends the
-  count is a pass-through dispatch mode applying the same formulas (FlopCounterMode's registry) to
-  the operators as they are traced (source ``"flop_counter:xla_trace"``): the graph is unchanged.
+The count is a pass-through dispatch mode that runs every operator as it is and adds its FLOPs by
+``torch.utils.flop_counter``'s formulas (FlopCounterMode's registry), with formulas of its own for the
+operators the registry does not know (CPU's ``_scaled_dot_product_flash_attention_for_cpu``, which
+``F.scaled_dot_product_attention`` runs on the host, is counted 0 by FlopCounterMode of torch 2.9 to 2.13).
+FlopCounterMode itself is not used, for what it does to the run it counts:
+
+- under ``torch.compile`` a dispatch mode on the stack makes dynamo skip the frame and run it eagerly
+  (``convert_frame``: "non-infra torch dispatch mode present"), so the counted step would neither compile
+  nor recompile, and its ModuleTracker sets global module hooks that torch warns about. This mode says
+  ``ignore_compile_internals``: dynamo compiles as in any run, and the compiled code's matmuls and
+  convolutions (inductor's extern kernels: ``aten.addmm.out``, ``aten.mm.out``) still dispatch through
+  it, so a compiled step counts the FLOPs its eager twin does (measured on cpu, torch 2.13);
+- on XLA it decomposes the operators it has no formula for, which changes the traced graph (one more
+  compilation per counted signature, measured on XLA:CPU). Nothing in torch_xla counts the FLOPs of a
+  lowered graph (its Python bindings, 2.9, offer the HLO text and the runtime's counters, no cost
+  analysis), so the count is of the operators as they are traced (source ``"flop_counter:xla_trace"``).
 
 With the matmuls it also notes, for the step's forward pass, the dtype they run in and their
 dimensions, so that :func:`efficiency` can say why the MFU is low. Nothing here imports torch
@@ -115,26 +120,21 @@ def _cpu_sdpa_formulas(torch: Any, fc: Any) -> dict[Any, Callable[..., int]]:
         out[fwd] = lambda q, k, v, *a, out_val=None, **kw: count(q.shape, k.shape, v.shape)
     if bwd is not None and count_bw is not None:
         out[bwd] = lambda g, q, k, v, *a, out_val=None, **kw: count_bw(g.shape, q.shape, k.shape, v.shape)
-    for formula in out.values():
-        formula._get_raw = True  # type: ignore[attr-defined]  # (it reads the tensors' shapes itself)
     return out
 
 
-def _formulas(notes: _Notes) -> tuple[Any, dict[Any, Callable[..., int]], dict[Any, Callable[..., int]]]:
-    """(torch.utils.flop_counter, every formula, the formulas FlopCounterMode is given besides its own): each
-    takes the raw operands (the registry's are wrapped so already); the matmuls' note what they saw."""
+def _formulas(notes: _Notes) -> dict[Any, Callable[..., int]]:
+    """Every formula, each taking the raw operands (the registry's are wrapped to pass shapes already);
+    the matmuls' note what they saw."""
     import torch
     import torch.utils.flop_counter as fc
 
     registry: dict[Any, Callable[..., int]] = {**fc.flop_registry, **_cpu_sdpa_formulas(torch, fc)}
-    # (FlopCounterMode wraps what it is given to pass shapes unless it says _get_raw: its registry's own are
-    # wrapped already, so only the noted and the added ones go to it.)
     noted = {getattr(torch.ops.aten, n, None) for n in (*_MATMULS, "bmm", "baddbmm")}
-    wrapped: dict[Any, Callable[..., int]] = {}
-    extra = _cpu_sdpa_formulas(torch, fc)
+    out: dict[Any, Callable[..., int]] = {}
     for packet, formula in registry.items():
         if packet not in noted:
-            wrapped[packet] = formula
+            out[packet] = formula
             continue
         name = getattr(packet, "__name__", str(packet)).split(".")[-1]
 
@@ -144,13 +144,12 @@ def _formulas(notes: _Notes) -> tuple[Any, dict[Any, Callable[..., int]], dict[A
             notes.saw(_n, args, flops)
             return flops
 
-        raw._get_raw = True  # type: ignore[attr-defined]  # (FlopCounterMode passes tensors, not shapes)
-        wrapped[packet] = extra[packet] = raw
-    return fc, wrapped, extra
+        out[packet] = raw
+    return out
 
 
 class _Counting:
-    """One step being counted: FlopCounterMode (eager) or the pass-through mode (lazy), entered in one thread."""
+    """One step being counted: the pass-through mode, entered in one thread."""
 
     def __init__(self, lazy: bool, signature: Any) -> None:
         import torch
@@ -158,30 +157,30 @@ class _Counting:
         self.signature = signature
         self.thread = threading.get_ident()
         self.notes = _Notes(getattr(torch._C, "_current_autograd_node", None))
-        fc, formulas, extra = _formulas(self.notes)
-        self.lazy = lazy
-        if lazy:
-            self.mode: Any = _trace_mode(formulas)
-            self.notes.count.source = SOURCE_LAZY
-        else:
-            self.mode = fc.FlopCounterMode(display=False, custom_mapping=extra)
+        self.notes.count.source = SOURCE_LAZY if lazy else SOURCE_EAGER
+        self.mode = _trace_mode(_formulas(self.notes))
         self.mode.__enter__()
 
     def close(self) -> StepCount:
         self.mode.__exit__(None, None, None)
         count = self.notes.count
-        count.flops = int(self.mode.total if self.lazy else self.mode.get_total_flops())
+        count.flops = int(self.mode.total)
         return count
 
 
 def _trace_mode(formulas: Mapping[Any, Callable[..., int]]) -> Any:
-    """A dispatch mode that runs every operator as it is and adds its FLOPs by the same formulas."""
+    """A dispatch mode that runs every operator as it is and adds its FLOPs by the formulas."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class _Trace(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
             self.total = 0
+
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            # (dynamo compiles with this mode on the stack, as without it: see the module's docstring)
+            return True
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}

@@ -82,6 +82,27 @@ def test_a_lazy_backend_counts_the_same_without_changing_the_traced_graph() -> N
     assert count.source == "flop_counter:xla_trace"
 
 
+def test_a_compiled_model_compiles_each_new_shape_while_its_step_is_counted() -> None:
+    # Counting must not change the run it counts: a dispatch mode torch.compile does not ignore makes dynamo
+    # run the counted step eagerly (no compilation, no recompilation to diagnose). Compiled, the extern
+    # matmul kernels still pass through the count: the same FLOPs as the eager step's.
+    ap.use("cpu")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    compiled = ap.compile(model, dynamic=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = [torch.randn(4 + i, 8) for i in range(3)]
+    for x in ap.loader(batches):
+        compiled(x).sum().backward()
+        ap.optimizer_step(opt)
+        opt.zero_grad()
+    watch = RUNTIME.tracker.flops
+    assert watch is not None and watch.problem is None
+    m = ap.metrics()
+    assert m.compilations == 3  # one graph per batch size, each compiled on its counted step
+    assert sorted(c.flops for c in watch.counts.values()) == [mlp_flops(rows, [8, 16, 4]) for rows in (4, 5, 6)]
+
+
 def test_a_new_shape_counts_again_and_a_seen_one_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
     starts: list[Any] = []
     real = flops_mod._Counting.__init__

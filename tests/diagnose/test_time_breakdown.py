@@ -140,7 +140,8 @@ def test_a_compiled_model_that_recompiles_every_step_spends_its_time_compiling()
     m = ap.metrics()
     assert m.compilations == 4
     assert max(m.time_breakdown, key=lambda k: m.time_breakdown[k]) == "compile", m.time_breakdown
-    assert m.time_breakdown["compile"] == pytest.approx(m.compile_seconds, rel=0.02)
+    # (An earlier run's compilations in this process are not this run's: tests/diagnose/test_compiled.py first.)
+    assert m.time_breakdown["compile"] == pytest.approx(m.compile_seconds, rel=0.02), m.time_breakdown
     assert sum(m.time_breakdown.values()) == pytest.approx(m.step_seconds, rel=0.02)
     assert m.time_verdict.startswith("compile-bound: "), m.time_verdict
 

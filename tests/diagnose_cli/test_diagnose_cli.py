@@ -58,7 +58,8 @@ def test_a_healthy_script_runs_as_under_python_and_has_no_finding(healthy: dict[
                               "and exited with status 0\n"), summary
     assert "[ok  ] no finding after 30 step(s) with every check running" in summary
     result = json.loads((healthy["dir"] / "out" / "findings.json").read_text())
-    assert set(result) == {"findings", "metrics", "steps", "backend", "exit_status", "verdict", "notes", "setup"}
+    assert set(result) == {"findings", "metrics", "steps", "backend", "exit_status", "verdict", "notes", "setup",
+                           "efficiency"}
     assert result["setup"]["script"] == str(SCRIPTS / "cpu_healthy.py")
     assert result["setup"]["args"] == ["--steps", "30", "--read-stdin"] and result["setup"]["torch"]
     assert result["verdict"] == {"judged_every_step": True, "steps_judged": 30, "not_judged": {},
@@ -138,8 +139,9 @@ def test_a_script_that_raises_prints_its_own_traceback(tmp_path: pathlib.Path) -
     assert watched.stderr[len(plain.stderr):].startswith("accelport diagnose: ")
     assert "[note] no optimizer step ran in this process" in watched.stderr
     result = json.loads((tmp_path / "f.json").read_text())
-    assert {k: v for k, v in result.items() if k not in ("verdict", "notes")} == {
-        "findings": [], "metrics": {}, "steps": 0, "backend": None, "exit_status": 1}
+    assert {k: v for k, v in result.items() if k not in ("verdict", "notes", "setup")} == {
+        "findings": [], "metrics": {}, "steps": 0, "backend": None, "exit_status": 1, "efficiency": None}
+    assert result["setup"]["args"] == ["raise"]
     assert result["verdict"]["judged_every_step"] is False and result["verdict"]["steps_judged"] == 0
 
 

@@ -171,7 +171,9 @@ class StepTracker:
                 self._fresh = True
                 self._arrived.add(sig)
             self._last_signature = sig
-        if self.flops is not None:
+        # (--find-nan's checked steps run under a dispatch mode of their own: no count beside it, whose mode
+        # would be left under the search's on the stack)
+        if self.flops is not None and self.nan_search is None:
             self.flops.batch(sig, batch)
 
     def optimizer_started(self) -> None:
@@ -188,7 +190,7 @@ class StepTracker:
             watch.step_end(self.steps, optimizer)
         if self._shapes is not None:
             self._shapes.step_end()
-        if self.flops is not None:
+        if self.flops is not None and self.nan_search is None:
             self.flops.step_end(self._last_signature)
         memory = self.memory
         if memory is not None:

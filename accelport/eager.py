@@ -187,8 +187,6 @@ class EagerBackend(Backend):
         from accelport.observe import dynamo, tracer
 
         self._observer = dynamo.observer()
-        # (its records are the process's: this run's compile time is what comes after them)
-        self._compile_seconds_seen = self._observer.compile_seconds()
         if self.sync_api != "none":  # an accelerator: a host read stalls it (on cpu, the host is the device)
             tracer.count_reads(self.device_type)
             self._reads = tracer.reads

@@ -130,7 +130,7 @@ class Metrics:
     #: The one fix that matters most for that verdict (the fix of the diagnosis kind it points at).
     time_fix: str = ""
     #: The model FLOPs of a step (forward, backward and the optimizer's matmuls), counted once on a sampled
-    #: step per batch shape (torch's FlopCounterMode; its formulas on the traced ops on XLA); None before.
+    #: step per batch shape (torch.utils.flop_counter's formulas on the dispatched ops); None before.
     flops_per_step: int | None = None
     #: ``flops_per_step`` over the device time of a step (the ``device`` category, after the first step).
     achieved_flops: float | None = None

@@ -7,9 +7,10 @@ scaled_dot_product_attention), each step timed three ways side by side, in a rot
 within each round so machine noise hits all alike:
 
 - plain:     the step as it is;
-- counted:   the same step under the eager count (torch.utils.flop_counter.FlopCounterMode, as
-             accelport counts one step per batch shape on cpu, cuda, tpu and neuron);
-- traced:    under the pass-through mode that counts on XLA (the same formulas, no decomposition);
+- counted:   the same step under the count of an eager backend (cpu, cuda, tpu, neuron: one step
+             per batch shape);
+- traced:    under the count of a lazy backend (XLA). Both are the one pass-through mode with
+             torch.utils.flop_counter's formulas, so the two columns differ by noise alone;
 
 and a run of ``--steps`` steps with one of them counted against the same run without. Reported per
 model: the median step times, the median over rounds of each round's ratio to plain (the sampled

@@ -552,7 +552,12 @@ class _Position:
                     f"the checkpoint's data position is of a {saved.get('kind')} loader and this one is {self.kind}: "
                     "the pass in progress starts again from its first batch")
         if self.kind == "map":
-            self._apply(self.loader, dict(saved.get("now") or {}))
+            start = saved.get("start")
+            read_out = ended and (self.max_batches is None or consumed < self.max_batches)
+            if read_out and isinstance(start, Mapping):
+                self._draw_to_end(start)
+            else:
+                self._apply(self.loader, dict(saved.get("now") or {}))
             self._warm = _persistent(self.loader)
         if self.kind == "stateful" and saved.get("state") is not None:
             # The loader's own state, even at the end of a pass: its order for the next one depends on it.
@@ -569,6 +574,23 @@ class _Position:
                     f"at the checkpoint (epoch {epoch}, {consumed} batches in) starts again from its first batch; "
                     "torchdata's StatefulDataLoader resumes such a dataset where it was")
         return ""
+
+    def _draw_to_end(self, start: Mapping[str, Any]) -> None:
+        """Leave the loader's generators as a pass read to its end left them: its order drawn again from the
+        states it started from, every index skipped, nothing loaded. The state saved at its last batch is not
+        that: a sampler draws again as it runs out (RandomSampler's last ``randperm``), after that batch."""
+        loader = self.loader
+        training = _host_rng()
+        try:
+            if start.get("fresh", True):
+                self._apply(loader, start)
+                skipped = _remaining(loader, sys.maxsize, load=False)
+            else:  # a persistent iterator's later pass drew its order alone
+                skipped = _remaining(loader, sys.maxsize, before=lambda: self._apply(loader, start), load=False)
+            for _ in skipped:
+                pass
+        finally:
+            _set_host_rng(training)
 
     def next_epoch(self) -> int:
         """The epoch the loop's next pass is: the one in progress at the checkpoint, or the one after it."""
@@ -590,20 +612,22 @@ def _keep_iterator(loader: Any, capture: Callable[[], Any], apply: Callable[[Any
         apply(states)
 
 
-def _remaining(loader: Any, skip: int, before: Callable[[], None] | None = None) -> Any:
+def _remaining(loader: Any, skip: int, before: Callable[[], None] | None = None, *, load: bool = True) -> Any:
     """A DataLoader like ``loader`` whose sampler leaves out the first ``skip`` batches (as indices);
-    ``before`` runs as the sampler draws its order (see :class:`_Skipped`)."""
+    ``before`` runs as the sampler draws its order (see :class:`_Skipped`). ``load=False``: no workers and
+    no pinning, for a pass that only draws its order and loads nothing."""
     import inspect
 
     from torch.utils.data import DataLoader
 
     accepted = inspect.signature(DataLoader.__init__).parameters
+    workers = loader.num_workers if load else 0
     kwargs: dict[str, Any] = {
-        "num_workers": loader.num_workers, "collate_fn": loader.collate_fn, "pin_memory": loader.pin_memory,
-        "timeout": loader.timeout, "worker_init_fn": loader.worker_init_fn, "generator": loader.generator,
-        "persistent_workers": False,
+        "num_workers": workers, "collate_fn": loader.collate_fn, "pin_memory": loader.pin_memory and load,
+        "timeout": loader.timeout if workers else 0, "worker_init_fn": loader.worker_init_fn,
+        "generator": loader.generator, "persistent_workers": False,
     }
-    if loader.num_workers > 0:
+    if workers > 0:
         kwargs["multiprocessing_context"] = loader.multiprocessing_context
         kwargs["prefetch_factor"] = loader.prefetch_factor
     if "in_order" in accepted and hasattr(loader, "in_order"):

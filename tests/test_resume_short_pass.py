@@ -1,4 +1,5 @@
-"""A loop that leaves each pass early (max_steps_per_epoch) resumes bit-identically with batches_per_pass."""
+"""Pass ends: a loop that leaves each pass early (max_steps_per_epoch) resumes bit-identically with
+batches_per_pass; a run stopped at the last batch of a whole pass resumes the next pass in its order."""
 
 from __future__ import annotations
 
@@ -61,3 +62,44 @@ def test_batches_per_pass_is_checked(tmp_path: Path) -> None:
             ckpt.restore(loader=[1, 2], batches_per_pass=0)
         with pytest.raises(ap.AccelportError, match="pass loader= too"):
             ckpt.restore(batches_per_pass=3)
+
+
+def _whole_passes(directory: Path, loader_args: dict[str, Any], stop_after: int | None = None) -> list[list[float]]:
+    """Two whole passes of 6 batches, each step checkpointed; ``stop_after``: the process stops there."""
+    import torch
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.arange(24.0).view(24, 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, **loader_args)
+    seen: list[list[float]] = []
+    with ap.Checkpointer(directory, every_steps=1, stop_on=()) as ckpt:
+        ckpt.restore(loader=loader)
+        for _ in range(ckpt.epoch, 2):
+            for (x,) in ap.loader(loader):
+                seen.append(x.view(-1).tolist())
+                ckpt.step()
+                if ckpt.steps == stop_after:
+                    return seen
+    return seen
+
+
+@pytest.mark.parametrize("loader_args", [
+    {"generator": "own"},  # the loader's own generator
+    {},  # the global one: the sampler seeds a generator of its own from it
+    {"generator": "own", "num_workers": 1, "persistent_workers": True},
+], ids=["own-generator", "global-generator", "persistent-worker"])
+def test_a_run_stopped_at_the_last_batch_of_a_pass_resumes_the_next_pass_in_its_order(
+        tmp_path: Path, loader_args: dict[str, Any]) -> None:
+    """RandomSampler draws once more as it runs out, after the pass's last batch: the state saved at that
+    batch is not the one the next pass draws its order from."""
+    import torch
+
+    def args() -> dict[str, Any]:
+        return {k: torch.Generator().manual_seed(1) if v == "own" else v for k, v in loader_args.items()}
+
+    ap.use("cpu")
+    full = _whole_passes(tmp_path / "full", args())
+    before = _whole_passes(tmp_path / "stopped", args(), stop_after=6)
+    after = _whole_passes(tmp_path / "stopped", args())
+    assert len(before) == 6 and len(after) == 6
+    assert before + after == full

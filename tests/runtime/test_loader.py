@@ -238,13 +238,17 @@ def test_data_wait_is_measured_and_signatures_counted() -> None:
             yield torch.zeros(n)
 
     ap.use("cpu")
+    weight = torch.zeros(1, requires_grad=True)
+    optimizer = torch.optim.SGD([weight], lr=0.1)
     out = []
     for batch in ap.loader(slow(), prefetch=0):
         out.append(batch.shape[0])
+        (weight * batch.sum()).backward()
+        ap.optimizer_step(optimizer)
     m = ap.metrics()
     assert out == [3, 3, 5]
     assert m.data_wait_seconds >= 0.15 * 0.9  # the sleeps happened while the loop waited
-    assert m.batch_signatures == 2
+    assert m.batch_signatures == 2  # the shapes of the training steps' batches: (3,) and (5,)
 
 
 def test_len_passes_through_and_each_iteration_is_a_new_epoch() -> None:

@@ -160,6 +160,53 @@ def _where(filename: str, line: int) -> str:
     return f"{filename}:{line}"
 
 
+#: The frame torch.compile puts around what it cannot start tracing itself (a torch.nn class of torch's own,
+#: a built-in function): torch/_dynamo/external_utils.py's wrap_inline, whose ``inner`` dynamo compiles.
+_WRAPPER_FILE = os.path.join("torch", "_dynamo", "external_utils.py")
+
+
+def _is_wrapper(name: str, filename: str) -> bool:
+    return name in ("inner", "wrap_inline.<locals>.inner") and filename.endswith(_WRAPPER_FILE)
+
+
+def _wrapped() -> tuple[str, str] | None:
+    """(name, where) of the module that dynamo's wrapper frame stands for, or None where it cannot be told.
+
+    The frame names only the wrapper; the compiled module (``torch.compile(model.linear)``) is found among
+    the live ``OptimizedModule`` objects whose forward goes through that wrapper: the one class there is."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    if not isinstance(optimized, type):
+        return None
+    import gc
+    import inspect
+
+    classes = set()
+    for o in gc.get_objects():  # read once per finding, when a wrapper frame is in dynamo's records
+        if issubclass(type(o), optimized):  # (not isinstance: it reads __class__, which some objects warn on)
+            code = getattr(getattr(getattr(o, "forward", None), "__wrapped__", None), "__code__", None)
+            original = getattr(o, "_orig_mod", None)
+            if code is not None and original is not None and _is_wrapper(code.co_qualname, code.co_filename):
+                classes.add(type(original))
+    if len(classes) != 1:
+        return None
+    (cls,) = classes
+    try:
+        first = inspect.getsourcelines(cls.forward)[1]
+        where = _where(inspect.getsourcefile(cls.forward) or "?", first)
+    except (OSError, TypeError):
+        where = "?"
+    return f"{cls.__module__}.{cls.__qualname__}.forward", where
+
+
+def _named(name: str, filename: str, line: int) -> tuple[str, str]:
+    """The name and place a finding gives a compiled function: the module itself for dynamo's wrapper frame."""
+    if _is_wrapper(name, filename):
+        return _wrapped() or ("a module or built-in function compiled through dynamo's wrapper frame (torch.nn's own "
+                              "classes are compiled so)", _where(filename, line))
+    return name, _where(filename, line)
+
+
 class CompileObserver:
     """Reads dynamo's records of compilations, recompilation reasons, graph breaks and limit hits.
 
@@ -220,6 +267,9 @@ class CompileObserver:
             (None, None, None, None)
         m = re.match(r"^'(?P<name>.*)' \((?P<where>.*)\)$", str(function or ""))
         name, where = (m["name"], m["where"]) if m else (str(function or "?"), "?")
+        place = re.match(r"^(?P<file>.*):(?P<line>\d+)$", where)
+        if place and _is_wrapper(name, place["file"]):
+            name, where = _named(name, place["file"], int(place["line"]))
         try:
             limit = int(value)  # type: ignore[arg-type]
         except (TypeError, ValueError):
@@ -286,7 +336,7 @@ class CompileObserver:
                 return found[key]
             key = (filename, line)
             if key not in found:
-                found[key] = FunctionCompiles(qualname or co_name, _where(filename, line))
+                found[key] = FunctionCompiles(*_named(qualname or co_name, filename, line))
                 names.setdefault((filename, co_name), key)
             elif qualname and found[key].name == co_name:
                 found[key].name = qualname

@@ -97,6 +97,20 @@ def test_the_recompile_limit_is_a_problem_naming_the_function_the_shapes_and_buc
     assert ap.metrics().compilations == 3  # and then it silently ran eagerly
 
 
+def test_a_torch_nn_module_compiled_on_its_own_is_named_not_dynamos_wrapper_frame() -> None:
+    """torch.compile of one of torch.nn's own classes compiles dynamo's wrapper (external_utils' ``inner``)."""
+    ap.use("cpu")
+    model = torch.nn.Linear(4, 1)
+    compiled_linear = torch.compile(model, backend="eager", dynamic=False)
+    data = [(torch.randn(n, 4), torch.randn(n, 1)) for n in (2, 3, 4, 5)]
+    with torch._dynamo.config.patch(recompile_limit=2), pytest.warns(ap.DiagnosticWarning, match="compile-limit"):
+        train(model, compiled_linear, data)
+    (found,) = ap.diagnostics()
+    line = torch.nn.Linear.forward.__code__.co_firstlineno
+    assert f"torch.nn.modules.linear.Linear.forward ({torch.nn.modules.linear.__file__}:{line}) reached" in found.text
+    assert "inner" not in found.text and "external_utils" not in found.text
+
+
 def test_a_graph_break_on_every_call_is_named_with_its_line_and_fix_not_as_recompilation() -> None:
     ap.use("cpu")
     model = Branchy()

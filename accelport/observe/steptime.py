@@ -94,9 +94,10 @@ class StepClock:
             parts[top] = parts.get(top, 0.0) + (now - mark)
             self._mark = now
 
-    def arrived(self, now: float, blocked: float, data: float, transfer: float) -> None:
+    def arrived(self, now: float, blocked: float, data: float, transfer: float) -> bool:
         """A batch reached the loop at ``now`` after ``blocked`` seconds, of which ``data`` the source took and
-        ``transfer`` the backend's copies; the loop's body starts."""
+        ``transfer`` the backend's copies; the loop's body starts. Returns whether what ran since the step
+        started, the batches that arrived before this one included, was work between training steps."""
         start = now - blocked
         mark = self._mark
         if mark is None or self._loose:
@@ -105,7 +106,8 @@ class StepClock:
             mark = None
         elif start > mark:
             self._charge(start)
-        if mark is not None and (self._idle or self._passed):
+        between = mark is not None and (self._idle or self._passed)
+        if between:
             self._between()
         self._idle, self._passed = True, False
         if mark is not None and start < mark:
@@ -131,6 +133,7 @@ class StepClock:
             if pre:
                 parts["tail"] = parts.get("tail", 0.0) + pre
         stack[0] = "body"
+        return between
 
     def _between(self) -> None:
         """What the step ran so far was work between two training steps (an evaluation's batches)."""

@@ -161,7 +161,11 @@ class StepTracker:
         now = time.perf_counter()
         if blocked is None:
             blocked = wait
-        self.clock.arrived(now, blocked, wait, transfer)
+        if self.clock.arrived(now, blocked, wait, transfer):
+            # The batches that came before this one were no step's (an evaluation's): their wait is not the
+            # training loop's wait for data (it is in the step's between_steps).
+            self.data_wait -= self._pending_wait
+            self._pending_wait = 0.0
         if self._last_end is None:  # the first step starts when the loop first asks for data
             self._last_end = now - blocked
         self.data_wait += wait

@@ -73,6 +73,39 @@ def test_an_evaluation_each_epoch_is_work_between_steps_not_the_next_steps(tmp_p
     assert "1 distinct batch shapes" in page
 
 
+def test_an_evaluations_wait_for_its_data_is_not_the_training_loops(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A slow evaluation loader (0.8 s of sleeps) between two steps: between_steps, not the steps' data wait."""
+    import time
+
+    class Slow(torch.utils.data.Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            time.sleep(0.1)
+            return torch.randn(4)
+
+    metrics_file = tmp_path / "run.jsonl"
+    monkeypatch.setenv("ACCELPORT_METRICS_FILE", str(metrics_file))
+    ap.use("cpu")
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i, x in enumerate(ap.loader([torch.randn(2, 4) for _ in range(6)])):
+        model(x).sum().backward()
+        ap.optimizer_step(opt)
+        opt.zero_grad()
+        if i == 2:
+            with torch.no_grad():
+                for batch in ap.loader(torch.utils.data.DataLoader(Slow(), batch_size=2)):
+                    model(batch)
+    m = ap.metrics()
+    step_four = records_of(metrics_file)[3]
+    assert step_four["step"] == 4 and step_four["breakdown"]["between_steps"] >= 0.8
+    # The training batches come from a list: their waits are all the loop's wait for data.
+    assert step_four["data_wait_seconds"] < 0.4 and m.data_wait_seconds < 0.4
+    assert m.time_breakdown["between_steps"] >= 0.8
+
+
 def test_a_verdict_judges_the_training_steps_not_the_work_between_them() -> None:
     total = {"device": 1.0, "other": 0.1, "between_steps": 30.0}
     lines = explain(total, 10, first={"device": 0.1})

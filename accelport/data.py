@@ -112,6 +112,13 @@ class BucketCollate:
         fixed_fields: keys (dict samples) or positions (tuple samples) of
             fields that are not sequences: stacked, never padded in length
             (a short final batch is still padded to ``batch_size``).
+        mask: also give the batch its padding mask, ``(batch, length)`` int64,
+            1 at a sample's own positions and 0 at padding (the samples added
+            for ``batch_size`` included): for dict samples, the key to put it
+            under (``"attention_mask"``, the name models take it by, also lets
+            accelport's FLOPs count say the padding share of the batches); for
+            tuple samples, ``True`` appends it as the last field. The length is
+            that of the first sequence field.
     """
 
     def __init__(
@@ -121,6 +128,7 @@ class BucketCollate:
         batch_size: int | None = None,
         too_long: str = "error",
         fixed_fields: Sequence[Any] = (),
+        mask: str | bool | None = None,
     ) -> None:
         if not buckets or any(not isinstance(b, int) or b <= 0 for b in buckets):
             raise ValueError(f"buckets must be positive ints, e.g. (128, 256, 512), not {buckets!r}")
@@ -140,6 +148,10 @@ class BucketCollate:
             raise TypeError("fixed_fields must name fields by key (dict samples) or position (tuple samples), "
                             f"e.g. ('pixel_values',) or (1,), not {fixed_fields!r}")
         self.fixed_fields = frozenset(fixed_fields)
+        if not (mask is None or mask is False or mask is True or (isinstance(mask, str) and mask)):
+            raise TypeError(f"mask must be a key for dict samples (e.g. 'attention_mask'), True for tuple samples, "
+                            f"or None, not {mask!r}")
+        self.mask = mask or None
 
     def bucket_for(self, length: int) -> int:
         """The smallest bucket >= ``length`` (the largest if truncating)."""
@@ -194,15 +206,52 @@ class BucketCollate:
             raise ValueError(f"batch of {len(samples)} samples is larger than batch_size={self.batch_size}")
         first = samples[0]
         self._check_fields(first)
+        self._check_mask(first)
         if isinstance(first, Mapping):
             _same_keys(samples)
             fields = {k: [s[k] for s in samples] for k in first}
-            return {k: self._field(v, k, torch) for k, v in fields.items()}
+            out_fields = {k: self._field(v, k, torch) for k, v in fields.items()}
+            if isinstance(self.mask, str):
+                out_fields[self.mask] = self._mask(fields.items(), torch)
+            return out_fields
         if isinstance(first, (tuple, list)):
             _same_length(samples)
-            out = [self._field([s[i] for s in samples], i, torch) for i in range(len(first))]
+            columns = [[s[i] for s in samples] for i in range(len(first))]
+            out = [self._field(column, i, torch) for i, column in enumerate(columns)]
+            if self.mask is True:
+                out.append(self._mask(enumerate(columns), torch))
             return type(first)(out) if isinstance(first, tuple) and not hasattr(first, "_fields") else out
         return self._field(list(samples), None, torch)
+
+    def _check_mask(self, first: Any) -> None:
+        mask = self.mask
+        if mask is None:
+            return
+        if isinstance(first, Mapping):
+            if not isinstance(mask, str):
+                raise ValueError("mask=True is for tuple samples; the samples are dicts: give the key to put the "
+                                 "mask under, e.g. mask='attention_mask'")
+            if mask in first:
+                raise ValueError(f"mask={mask!r} is a field the samples already have: give another key")
+        elif isinstance(first, (tuple, list)):
+            if mask is not True:
+                raise ValueError(f"mask={mask!r} names a key, and the samples are {type(first).__name__}s: give "
+                                 "mask=True to append the mask as the last field")
+        else:
+            raise ValueError("mask needs dict or tuple samples (a field to put it in): the samples are single "
+                             f"{type(first).__name__}s")
+
+    def _mask(self, columns: Any, torch: Any) -> Any:
+        """1 at each sample's own positions of the first sequence field, 0 at its padding."""
+        for key, values in columns:
+            tensors = [v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for v in values]
+            if key in self.fixed_fields or tensors[0].ndim == 0:
+                continue
+            length = self.bucket_for(max(t.shape[0] for t in tensors))
+            own = torch.tensor([min(t.shape[0], length) for t in tensors])
+            mask = (torch.arange(length).unsqueeze(0) < own.unsqueeze(1)).to(torch.int64)
+            return self._pad_batch(mask, 0, torch)
+        raise ValueError("mask: the samples have no sequence field (every field is 0-d or in fixed_fields)")
 
     def _field(self, values: list[Any], key: Any, torch: Any) -> Any:
         tensors = [v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for v in values]

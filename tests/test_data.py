@@ -47,6 +47,37 @@ def test_bucket_collate_tuples_and_short_final_batch() -> None:
     assert x[1:].eq(0).all() and y.tolist() == [1, -100, -100]
 
 
+def test_the_padding_mask_marks_each_samples_own_positions_and_the_padded_samples() -> None:
+    import torch
+
+    collate = ap.data.BucketCollate(buckets=(4, 8), batch_size=3, mask="attention_mask", pad_value={"labels": -100})
+    batch = collate([{"input_ids": torch.tensor([5, 6, 7]), "labels": torch.tensor([1, 2, 3])},
+                     {"input_ids": torch.arange(1, 6), "labels": torch.arange(5)}])
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0], [0] * 8]
+    assert batch["attention_mask"].dtype == torch.int64
+    # The mask selects exactly the labels that are not the ignore index.
+    assert torch.equal(batch["attention_mask"].bool(), batch["labels"] != -100)
+    x, label, mask = ap.data.BucketCollate(buckets=(4,), mask=True, too_long="truncate")(
+        [(torch.arange(6), torch.tensor(0)), (torch.arange(2), torch.tensor(1))])
+    assert mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]] and x.shape == (2, 4) and label.tolist() == [0, 1]
+
+
+@pytest.mark.parametrize(("mask", "samples", "message"), [
+    (True, [{"a": [1]}], "mask=True is for tuple samples; the samples are dicts: give the key"),
+    ("a", [{"a": [1]}], "mask='a' is a field the samples already have"),
+    ("attention_mask", [([1], [2])], "give mask=True to append the mask as the last field"),
+    (True, [[1, 2]], "the samples have no sequence field"),
+])
+def test_a_mask_with_nowhere_to_go_is_refused(mask: object, samples: list, message: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ValueError, match=message):
+        ap.data.BucketCollate(buckets=(4,), mask=mask)(samples)  # type: ignore[arg-type]
+
+
+def test_mask_must_be_a_key_or_true() -> None:
+    with pytest.raises(TypeError, match="mask must be a key for dict samples"):
+        ap.data.BucketCollate(mask=3)  # type: ignore[arg-type]
+
+
 def test_fixed_size_fields_are_stacked_not_padded_to_the_bucket() -> None:
     import torch
 

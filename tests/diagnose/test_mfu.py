@@ -124,6 +124,14 @@ def test_padding_the_attention_mask_shows() -> None:
     assert kinds(healthy(), torch.randn(256, 256, dtype=torch.bfloat16), {"attention_mask": mask}) == {"padding"}
 
 
+def test_padding_of_batches_ap_data_built_shows_through_their_mask() -> None:
+    collate = ap.data.BucketCollate(buckets=(16,), mask="attention_mask")
+    batch = collate([{"input": torch.ones(6)} for _ in range(16)])  # 10 of 16 positions padding, as above
+    found = efficiency(count(healthy(), torch.randn(256, 256, dtype=torch.bfloat16), batch), 1e-3, V5E)
+    [cause] = found["causes"]
+    assert cause["kind"] == "padding" and cause["share"] == pytest.approx(10 / 16)
+
+
 def test_a_batch_too_small_to_fill_the_chip() -> None:
     found = efficiency(count(healthy(), torch.randn(32, 256, dtype=torch.bfloat16)), 1e-3, V5E)
     [cause] = found["causes"]

@@ -730,6 +730,45 @@ def _host_rng() -> dict[str, Any]:
     return out
 
 
+#: Marks a numpy array or scalar in a saved loader position. A loader's own state (a dataset's counters, its
+#: generator) may hold them, and a weights_only load refuses numpy's own pickles: they are kept as bytes.
+_NUMPY = "__accelport_numpy__"
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with its numpy arrays and scalars as tagged bytes, so that ``weights_only=True`` loads it."""
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(value, (np.ndarray, np.generic)) and value.dtype != object:
+        from numpy.lib.format import dtype_to_descr
+
+        return {_NUMPY: "array" if isinstance(value, np.ndarray) else "scalar", "dtype": dtype_to_descr(value.dtype),
+                "shape": list(np.shape(value)), "data": np.ascontiguousarray(value).tobytes()}
+    if isinstance(value, dict):
+        return type(value)((k, _plain(v)) for k, v in value.items())
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def _restored(value: Any) -> Any:
+    """What :func:`_plain` took, as it was."""
+    if isinstance(value, dict):
+        if value.get(_NUMPY) in ("array", "scalar") and set(value) == {_NUMPY, "dtype", "shape", "data"}:
+            import numpy as np
+            from numpy.lib.format import descr_to_dtype
+
+            array = np.frombuffer(value["data"], dtype=descr_to_dtype(value["dtype"])).reshape(value["shape"]).copy()
+            return array if value[_NUMPY] == "array" else array[()]
+        return type(value)((k, _restored(v)) for k, v in value.items())
+    if isinstance(value, list):
+        return [_restored(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_restored(v) for v in value)
+    return value
+
+
 def _set_host_rng(saved: Mapping[str, Any]) -> None:
     """Put back what :func:`_host_rng` took (the parts ``saved`` has)."""
     import torch
@@ -1310,7 +1349,7 @@ class Checkpointer:
         if failure is None:
             try:
                 mine = {"rank": rank, "world_size": world, "step": step, "rng": _rng_states(backend),
-                        "data": self._position.state() if self._position is not None else None}
+                        "data": _plain(self._position.state()) if self._position is not None else None}
                 import torch
 
                 checkpoint.atomic_torch_save(torch, mine, os.path.join(target, f"rank-{rank}.pt"))
@@ -1417,6 +1456,8 @@ class Checkpointer:
         damage = None
         try:
             mine = load_file(own, "cpu")
+            if isinstance(mine, dict) and mine.get("data") is not None:
+                mine["data"] = _restored(mine["data"])
             if not isinstance(mine, Mapping) or mine.get("step") != found.step:
                 damage = (f"{os.path.basename(own)} is of step {mine.get('step') if isinstance(mine, Mapping) else '?'}"
                           f", not of the step {found.step} the checkpoint is")

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -493,3 +494,68 @@ def test_a_pass_left_early_cannot_move_the_next_pass_position() -> None:
     # Each batch's saved position is its own: the first pass's late batch used to add its snapshot to this
     # pass's, and every later save recorded the batch before (a batch repeated on resume).
     assert states == [(i, i + 1) for i in range(12)]
+
+
+class _NumpyState:
+    """A dataset whose own state (a StatefulDataLoader saves it) holds numpy arrays, a scalar and a generator."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        self.rng = np.random.default_rng(0)
+        self.seen = np.zeros((2, 3), dtype=np.float32)
+        self.count = np.int64(0)
+        self.loaded: dict[str, Any] | None = None
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> Any:
+        import torch
+
+        return torch.tensor([float(i)])
+
+    def state_dict(self) -> dict[str, Any]:
+        import numpy as np
+
+        return {"rng": self.rng.bit_generator.state, "seen": self.seen + 1, "count": self.count + 7,
+                "order": np.arange(4, dtype=np.int16), "names": np.array(["a", "bc"])}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded = state
+
+
+def test_a_loader_state_holding_numpy_arrays_resumes_under_weights_only(tmp_path: Path) -> None:
+    import numpy as np
+    import torch
+
+    def run(stop_after: int | None) -> tuple[list[float], _NumpyState]:
+        dataset = _NumpyState()
+        loader = _stateful(dataset)
+        model = torch.nn.Linear(1, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        seen = []
+        with ap.Checkpointer(tmp_path / "ckpt", every_steps=1, stop_on=()) as ckpt:
+            ckpt.restore(model=model, optimizer=opt, loader=loader)
+            for (x,) in ap.loader(loader):
+                seen.append(float(x))
+                model(x).sum().backward()
+                ap.optimizer_step(opt)
+                opt.zero_grad()
+                ckpt.step()
+                if ckpt.steps == stop_after:
+                    break
+        return seen, dataset
+
+    ap.use("cpu")
+    before, _ = run(stop_after=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ap.CheckpointWarning)  # no checkpoint may be called damaged
+        after, dataset = run(stop_after=None)
+    assert before + after == [float(i) for i in range(12)]
+    state = dataset.loaded
+    assert state is not None
+    assert state["seen"].dtype == np.float32 and state["seen"].tolist() == [[1.0] * 3] * 2
+    assert type(state["count"]) is np.int64 and state["count"] == 7
+    assert state["order"].dtype == np.int16 and state["order"].tolist() == [0, 1, 2, 3]
+    assert state["names"].tolist() == ["a", "bc"] and state["rng"] == np.random.default_rng(0).bit_generator.state

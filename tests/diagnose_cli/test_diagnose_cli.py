@@ -105,6 +105,27 @@ def test_input_bound_is_found_and_shown_where_the_batches_are_built(capfd: pytes
     assert not hasattr(dataloader_module._SingleProcessDataLoaderIter._next_data, "__wrapped__")
 
 
+def test_a_limit_hit_earlier_in_the_process_is_not_the_diagnosed_scripts(tmp_path: pathlib.Path) -> None:
+    """dynamo's records are process-wide: a diagnose run in process judges what came after it started."""
+    import torch
+    import torch._dynamo
+
+    import accelport as ap
+
+    ap.use("cpu")  # a run before, which watches dynamo's records from then on
+    compiled = torch.compile(torch.nn.Linear(4, 1), backend="eager", dynamic=False)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for n in range(2, 6):  # the limit is hit before the diagnosed run starts
+                compiled(torch.randn(n, 4))
+        out = tmp_path / "findings.json"
+        assert main(["diagnose", "--output", str(out), str(SCRIPTS / "cpu_slow_data.py"), "--steps", "16"]) == 0
+        assert [f["kind"] for f in json.loads(out.read_text())["findings"]] == ["input-bound"]
+    finally:
+        torch._dynamo.reset()
+
+
 def test_exit_status_3_is_kept_and_the_findings_still_written(tmp_path: pathlib.Path) -> None:
     script = SCRIPTS / "cpu_slow_data.py"
     out = run("--output", str(tmp_path / "f.json"), str(script), "--exit", "3")

@@ -34,8 +34,14 @@ class CompileLimitRule(Rule):
         # On the records whose counters were read (a quiet block's last): at most 15 steps late.
         if not delta:
             return
+        if self.run.compile_events is not None:
+            # Live: dynamo's record since this run's start. (The records' count is process-wide, and under an
+            # in-process diagnose its first step holds every hit since the process started.)
+            if not self.reported and self._live_hits():
+                self._judge(record)
+            return
         self._hits += int(delta.get("compile_limit_hits", 0))
-        if not self.reported and (self._hits or self._live_hits()):
+        if not self.reported and self._hits:
             self._judge(record)
 
     def settle(self) -> None:

@@ -1,8 +1,8 @@
 """A training job that checkpoints itself with ap.Checkpointer (tests/test_resume.py, tests/launch/).
 
     python resume_job.py OUT CKPT [--steps 60] [--every 10] [--kill-at STEP --kill-rank R] [--hang-at STEP]
-                         [--pause-at STEP] [--shard] [--workers N [--persistent]] [--generator] [--numpy-sampler]
-                         [--stateful] [--background] [--prefetch N] [--step-seconds S]
+                         [--pause-at STEP] [--shard] [--workers N [--persistent] [--start-method M]] [--generator]
+                         [--numpy-sampler] [--stateful] [--background] [--prefetch N] [--step-seconds S]
 
 A seeded, shuffled DataLoader (a DistributedSampler with several ranks), dropout, AdamW,
 a learning-rate schedule, and draws from Python's and numpy's global generators every
@@ -69,6 +69,7 @@ def main() -> None:
     parser.add_argument("--background", action="store_true")
     parser.add_argument("--prefetch", type=int, default=None)
     parser.add_argument("--persistent", action="store_true", help="persistent_workers=True (with --workers)")
+    parser.add_argument("--start-method", default=None, help="how loader workers start: fork, spawn, forkserver")
     parser.add_argument("--generator", action="store_true", help="the loader draws its order from a generator")
     parser.add_argument("--numpy-sampler", action="store_true", help="a sampler that shuffles with numpy")
     args = parser.parse_args()
@@ -101,7 +102,7 @@ def main() -> None:
             sampler = NumpyShuffle(SAMPLES)
         loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=sampler is None, sampler=sampler,
                                              num_workers=args.workers, persistent_workers=args.persistent,
-                                             generator=order)
+                                             generator=order, multiprocessing_context=args.start_method)
 
     ckpt = ap.Checkpointer(args.ckpt, every_steps=args.every, background=args.background)
     step = ckpt.restore(model=model, optimizer=opt, scheduler=sched, loader=loader)

@@ -554,9 +554,11 @@ class _Position:
         if self.kind == "map":
             start = saved.get("start")
             read_out = ended and (self.max_batches is None or consumed < self.max_batches)
-            if read_out and isinstance(start, Mapping):
-                self._draw_to_end(start)
-            else:
+            try:
+                drawn = read_out and isinstance(start, Mapping) and self._draw_to_end(start)
+            except Exception:  # noqa: BLE001 - a sampler that cannot run again here: the state at the last batch
+                drawn = False
+            if not drawn:
                 self._apply(self.loader, dict(saved.get("now") or {}))
             self._warm = _persistent(self.loader)
         if self.kind == "stateful" and saved.get("state") is not None:
@@ -575,7 +577,7 @@ class _Position:
                     "torchdata's StatefulDataLoader resumes such a dataset where it was")
         return ""
 
-    def _draw_to_end(self, start: Mapping[str, Any]) -> None:
+    def _draw_to_end(self, start: Mapping[str, Any]) -> bool:
         """Leave the loader's generators as a pass read to its end left them: its order drawn again from the
         states it started from, every index skipped, nothing loaded. The state saved at its last batch is not
         that: a sampler draws again as it runs out (RandomSampler's last ``randperm``), after that batch."""
@@ -591,6 +593,7 @@ class _Position:
                 pass
         finally:
             _set_host_rng(training)
+        return True
 
     def next_epoch(self) -> int:
         """The epoch the loop's next pass is: the one in progress at the checkpoint, or the one after it."""

@@ -323,6 +323,7 @@ class _Position:
         self._per_batch = 1
         self._length: int | None = None
         self._start: dict[str, Any] | None = None  # map: the RNG states the pass in progress was drawn from
+        self._exhausted = False  # map: the pass in progress has run its sampler out
         self._snapshots: deque[Any] = deque()  # stateful: the loader's state after each batch read
         self._state: Any = None  # stateful: after the last batch consumed
         self._live = True  # stateful: read in the loop's own thread, so its state_dict() is the loop's position
@@ -394,7 +395,8 @@ class _Position:
                 self._warm = False
                 _keep_iterator(loader, lambda: self._capture(loader), lambda states: self._apply(loader, states))
             self._start = self._capture(loader)
-            yield from loader
+            self._exhausted = False
+            yield from self._run_out(iter(loader), self._length)
             return
         # The rest of the pass in progress at the checkpoint: its order drawn again from the
         # same RNG states, its first batches skipped as indices, never loaded.
@@ -410,10 +412,32 @@ class _Position:
             first = next(it, _END)  # the pass's own draws (its order, the workers' seed) happen here
         finally:
             _set_host_rng(training)
+        self._exhausted = first is _END
         if first is _END:
             return
-        yield first
-        yield from it
+        left = self._length - self.consumed if self._length is not None else None
+        yield from self._run_out(itertools.chain([first], it), left)
+
+    def _run_out(self, it: Iterator[Any], left: int | None) -> Iterator[Any]:
+        """``it``'s batches, of which ``left`` are left by ``len()``. The one after the last is asked for before
+        the last is handed out: the sampler runs out there, drawing what it draws then (RandomSampler draws once
+        more), so a checkpoint at the last batch holds the generators as the next pass finds them, whether or not
+        the loop asks for another batch (a loop may leave a pass at its last batch)."""
+        n = 0
+        for batch in it:
+            n += 1
+            if left is not None and n >= left:
+                after = next(it, _END)  # past the sampler's end: indices only, no sample is loaded
+                if after is _END:
+                    self._exhausted = True
+                    yield batch
+                    return
+                left = None  # len() was short of the truth: read on as it comes
+                yield batch
+                yield after
+                continue
+            yield batch
+        self._exhausted = True
 
     def _capture(self, loader: Any) -> dict[str, Any]:
         owner = _epoch_owner(loader)
@@ -536,6 +560,7 @@ class _Position:
         if self.kind == "map":
             out["start"] = self._start
             out["now"] = {"generators": {k: g.get_state() for k, g in _generators(self.loader).items()}}
+            out["exhausted"], out["per_batch"] = self._exhausted, self._per_batch
         elif self.kind == "stateful":
             out["state"] = self.loader.state_dict() if self._live else self._state
         return out
@@ -553,9 +578,12 @@ class _Position:
                     "the pass in progress starts again from its first batch")
         if self.kind == "map":
             start = saved.get("start")
-            read_out = ended and (self.max_batches is None or consumed < self.max_batches)
+            # A pass that ended with source batches left unread (a sharded loop drops a last short run of them):
+            # the loop's next read runs the sampler out. One it left early (batches_per_pass) never does.
+            limited = self.max_batches is not None and consumed >= self.max_batches * int(saved.get("per_batch") or 1)
+            unread = ended and not saved.get("exhausted") and not limited
             try:
-                drawn = read_out and isinstance(start, Mapping) and self._draw_to_end(start)
+                drawn = unread and isinstance(start, Mapping) and self._draw_to_end(start)
             except Exception:  # noqa: BLE001 - a sampler that cannot run again here: the state at the last batch
                 drawn = False
             if not drawn:
@@ -579,8 +607,8 @@ class _Position:
 
     def _draw_to_end(self, start: Mapping[str, Any]) -> bool:
         """Leave the loader's generators as a pass read to its end left them: its order drawn again from the
-        states it started from, every index skipped, nothing loaded. The state saved at its last batch is not
-        that: a sampler draws again as it runs out (RandomSampler's last ``randperm``), after that batch."""
+        states it started from, every index skipped, nothing loaded. The state saved before its sampler ran out
+        is not that: a sampler draws again as it runs out (RandomSampler's last ``randperm``)."""
         loader = self.loader
         training = _host_rng()
         try:
@@ -741,13 +769,17 @@ _NUMPY = "__accelport_numpy__"
 def _plain(value: Any) -> Any:
     """``value`` with its numpy arrays and scalars as tagged bytes, so that ``weights_only=True`` loads it."""
     np = sys.modules.get("numpy")
-    if np is not None and isinstance(value, (np.ndarray, np.generic)) and value.dtype != object:
+    if np is not None and isinstance(value, (np.ndarray, np.generic)) and not value.dtype.hasobject:
+        import torch
         from numpy.lib.format import dtype_to_descr
 
+        raw = np.ascontiguousarray(value).tobytes()
+        # (as a uint8 tensor: an empty bytes object pickles as a call that weights_only refuses)
         return {_NUMPY: "array" if isinstance(value, np.ndarray) else "scalar", "dtype": dtype_to_descr(value.dtype),
-                "shape": list(np.shape(value)), "data": np.ascontiguousarray(value).tobytes()}
+                "shape": list(np.shape(value)), "data": torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                if raw else torch.empty(0, dtype=torch.uint8)}
     if isinstance(value, dict):
-        return type(value)((k, _plain(v)) for k, v in value.items())
+        return _same_kind(value, {k: _plain(v) for k, v in value.items()})
     if isinstance(value, list):
         return [_plain(v) for v in value]
     if type(value) is tuple:
@@ -755,16 +787,31 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _same_kind(like: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
+    """``items`` in a dict of ``like``'s class (an OrderedDict, a defaultdict with its factory), else a dict."""
+    import copy
+
+    try:
+        out = copy.copy(like)
+        out.clear()
+        out.update(items)
+        return out
+    except Exception:  # noqa: BLE001 - a mapping class that cannot be copied so: a plain dict holds the same
+        return items
+
+
 def _restored(value: Any) -> Any:
     """What :func:`_plain` took, as it was."""
     if isinstance(value, dict):
-        if value.get(_NUMPY) in ("array", "scalar") and set(value) == {_NUMPY, "dtype", "shape", "data"}:
+        if value.get(_NUMPY) in ("array", "scalar") and set(value) == {_NUMPY, "dtype", "shape", "data"} \
+                and callable(getattr(value["data"], "numpy", None)):
             import numpy as np
             from numpy.lib.format import descr_to_dtype
 
-            array = np.frombuffer(value["data"], dtype=descr_to_dtype(value["dtype"])).reshape(value["shape"]).copy()
+            raw = value["data"].numpy().tobytes()
+            array = np.frombuffer(raw, dtype=descr_to_dtype(value["dtype"])).reshape(value["shape"]).copy()
             return array if value[_NUMPY] == "array" else array[()]
-        return type(value)((k, _restored(v)) for k, v in value.items())
+        return _same_kind(value, {k: _restored(v) for k, v in value.items()})
     if isinstance(value, list):
         return [_restored(v) for v in value]
     if type(value) is tuple:

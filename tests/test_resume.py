@@ -3,6 +3,7 @@ of loader), the deadline, and a specific error for each kind of bad input."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -525,7 +526,8 @@ class _NumpyState:
         import numpy as np
 
         return {"rng": self.rng.bit_generator.state, "seen": self.seen + 1, "count": self.count + 7,
-                "order": np.arange(4, dtype=np.int16), "names": np.array(["a", "bc"])}
+                "order": np.arange(4, dtype=np.int16), "names": np.array(["a", "bc"]), "none": np.zeros((0, 3)),
+                "by_name": collections.OrderedDict(x=np.float64(0.5))}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loaded = state
@@ -565,3 +567,5 @@ def test_a_loader_state_holding_numpy_arrays_resumes_under_weights_only(tmp_path
     assert type(state["count"]) is np.int64 and state["count"] == 7
     assert state["order"].dtype == np.int16 and state["order"].tolist() == [0, 1, 2, 3]
     assert state["names"].tolist() == ["a", "bc"] and state["rng"] == np.random.default_rng(0).bit_generator.state
+    assert state["none"].shape == (0, 3) and state["by_name"] == collections.OrderedDict(x=0.5)
+    assert type(state["by_name"]) is collections.OrderedDict

@@ -186,7 +186,8 @@ def _wrapped() -> tuple[str, str] | None:
         if issubclass(type(o), optimized):  # (not isinstance: it reads __class__, which some objects warn on)
             code = getattr(getattr(getattr(o, "forward", None), "__wrapped__", None), "__code__", None)
             original = getattr(o, "_orig_mod", None)
-            if code is not None and original is not None and _is_wrapper(code.co_qualname, code.co_filename):
+            if code is not None and original is not None \
+                    and _is_wrapper(getattr(code, "co_qualname", code.co_name), code.co_filename):  # (3.11+)
                 classes.add(type(original))
     if len(classes) != 1:
         return None
@@ -199,12 +200,6 @@ def _wrapped() -> tuple[str, str] | None:
     return f"{cls.__module__}.{cls.__qualname__}.forward", where
 
 
-def _named(name: str, filename: str, line: int) -> tuple[str, str]:
-    """The name and place a finding gives a compiled function: the module itself for dynamo's wrapper frame."""
-    if _is_wrapper(name, filename):
-        return _wrapped() or ("a module or built-in function compiled through dynamo's wrapper frame (torch.nn's own "
-                              "classes are compiled so)", _where(filename, line))
-    return name, _where(filename, line)
 
 
 class CompileObserver:
@@ -222,6 +217,7 @@ class CompileObserver:
         self._metrics: list[Any] = []  # every CompilationMetrics drained, in order
         self._window: list[Any] = []  # the last drained window (held: ids stay unique)
         self._callback_on: Any = None  # the callback handler we registered with
+        self._wrapper: tuple[int, tuple[str, str] | None] | None = None  # (compilations seen, _wrapped()'s answer)
 
     # -- arming ---------------------------------------------------------------------
     def arm(self) -> None:
@@ -269,13 +265,24 @@ class CompileObserver:
         name, where = (m["name"], m["where"]) if m else (str(function or "?"), "?")
         place = re.match(r"^(?P<file>.*):(?P<line>\d+)$", where)
         if place and _is_wrapper(name, place["file"]):
-            name, where = _named(name, place["file"], int(place["line"]))
+            name, where = self._named(name, place["file"], int(place["line"]))
         try:
             limit = int(value)  # type: ignore[arg-type]
         except (TypeError, ValueError):
             limit = -1
         with self._lock:
             self._hits.append(LimitHit(str(limit_type or "recompile_limit"), limit, name, where, str(reason or "")))
+
+    def _named(self, name: str, filename: str, line: int) -> tuple[str, str]:
+        """The name and place a finding gives a compiled function: the module itself for dynamo's wrapper frame
+        (looked up once per new compilation: the lookup walks the process's objects)."""
+        if not _is_wrapper(name, filename):
+            return name, _where(filename, line)
+        seen = len(self._metrics)
+        if self._wrapper is None or self._wrapper[0] != seen:
+            self._wrapper = (seen, _wrapped())
+        return self._wrapper[1] or ("a module or built-in function compiled through dynamo's wrapper frame "
+                                    "(torch.nn's own classes are compiled so)", _where(filename, line))
 
     # -- marks ------------------------------------------------------------------------
     def mark(self) -> Mark:
@@ -336,7 +343,7 @@ class CompileObserver:
                 return found[key]
             key = (filename, line)
             if key not in found:
-                found[key] = FunctionCompiles(*_named(qualname or co_name, filename, line))
+                found[key] = FunctionCompiles(*self._named(qualname or co_name, filename, line))
                 names.setdefault((filename, co_name), key)
             elif qualname and found[key].name == co_name:
                 found[key].name = qualname

@@ -81,6 +81,14 @@ def test_an_ap_checkpointer_resume_is_identical_after_sigterm_and_two_restarts(t
     assert result["resumed_at"] == 5
 
 
+def test_an_ap_checkpointer_killed_at_the_last_step_of_a_pass_resumes_identical(tmp_path: pathlib.Path) -> None:
+    # Step 6 is the last of the first pass (24 samples, batches of 4): the next pass's shuffled order is drawn
+    # from the generator as the first pass's sampler left it when it ran out.
+    done, result = verify_resume("--kill-at", "6", "--", str(SCRIPTS / "checkpointer.py"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert result["verdict"] == "identical" and result["resumed_at"] == 7, result
+
+
 def test_a_script_that_differs_from_itself_is_nondeterministic_not_a_bad_resume(tmp_path: pathlib.Path) -> None:
     done, result = verify_resume("--", str(SCRIPTS / "unseeded.py"), cwd=tmp_path)
     assert done.returncode == 1, done.stderr

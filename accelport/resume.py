@@ -769,54 +769,44 @@ _NUMPY = "__accelport_numpy__"
 def _plain(value: Any) -> Any:
     """``value`` with its numpy arrays and scalars as tagged bytes, so that ``weights_only=True`` loads it."""
     np = sys.modules.get("numpy")
-    if np is not None and isinstance(value, (np.ndarray, np.generic)) and not value.dtype.hasobject:
-        import torch
-        from numpy.lib.format import dtype_to_descr
+    if np is None:
+        return value
+    from accelport.tensors import tree_map
 
-        raw = np.ascontiguousarray(value).tobytes()
-        # (as a uint8 tensor: an empty bytes object pickles as a call that weights_only refuses)
-        return {_NUMPY: "array" if isinstance(value, np.ndarray) else "scalar", "dtype": dtype_to_descr(value.dtype),
-                "shape": list(np.shape(value)), "data": torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-                if raw else torch.empty(0, dtype=torch.uint8)}
-    if isinstance(value, dict):
-        return _same_kind(value, {k: _plain(v) for k, v in value.items()})
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if type(value) is tuple:
-        return tuple(_plain(v) for v in value)
-    return value
+    return tree_map(value, _encoded, lambda x: isinstance(x, (np.ndarray, np.generic)) and not x.dtype.hasobject)
 
 
-def _same_kind(like: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
-    """``items`` in a dict of ``like``'s class (an OrderedDict, a defaultdict with its factory), else a dict."""
-    import copy
+def _encoded(value: Any) -> dict[str, Any]:
+    import numpy as np
+    import torch
+    from numpy.lib.format import dtype_to_descr
 
-    try:
-        out = copy.copy(like)
-        out.clear()
-        out.update(items)
-        return out
-    except Exception:  # noqa: BLE001 - a mapping class that cannot be copied so: a plain dict holds the same
-        return items
+    raw = np.ascontiguousarray(value).tobytes()
+    # (as a uint8 tensor: an empty bytes object pickles as a call that weights_only refuses)
+    return {_NUMPY: "array" if isinstance(value, np.ndarray) else "scalar", "dtype": dtype_to_descr(value.dtype),
+            "shape": list(np.shape(value)), "data": torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            if raw else torch.empty(0, dtype=torch.uint8)}
+
+
+def _is_encoded(value: Any) -> bool:
+    return isinstance(value, dict) and value.get(_NUMPY) in ("array", "scalar") \
+        and set(value) == {_NUMPY, "dtype", "shape", "data"} and callable(getattr(value["data"], "numpy", None))
+
+
+def _decoded(value: dict[str, Any]) -> Any:
+    import numpy as np
+    from numpy.lib.format import descr_to_dtype
+
+    raw = value["data"].numpy().tobytes()
+    array = np.frombuffer(raw, dtype=descr_to_dtype(value["dtype"])).reshape(value["shape"]).copy()
+    return array if value[_NUMPY] == "array" else array[()]
 
 
 def _restored(value: Any) -> Any:
     """What :func:`_plain` took, as it was."""
-    if isinstance(value, dict):
-        if value.get(_NUMPY) in ("array", "scalar") and set(value) == {_NUMPY, "dtype", "shape", "data"} \
-                and callable(getattr(value["data"], "numpy", None)):
-            import numpy as np
-            from numpy.lib.format import descr_to_dtype
+    from accelport.tensors import tree_map
 
-            raw = value["data"].numpy().tobytes()
-            array = np.frombuffer(raw, dtype=descr_to_dtype(value["dtype"])).reshape(value["shape"]).copy()
-            return array if value[_NUMPY] == "array" else array[()]
-        return _same_kind(value, {k: _restored(v) for k, v in value.items()})
-    if isinstance(value, list):
-        return [_restored(v) for v in value]
-    if type(value) is tuple:
-        return tuple(_restored(v) for v in value)
-    return value
+    return tree_map(value, _decoded, _is_encoded)
 
 
 def _set_host_rng(saved: Mapping[str, Any]) -> None:

@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["tree_map_tensors", "to_host", "collective_device", "same_on_every_rank"]
+__all__ = ["tree_map", "tree_map_tensors", "to_host", "collective_device", "same_on_every_rank"]
 
 
-def tree_map_tensors(obj: Any, fn: Callable[[Any], Any]) -> Any:
-    """Apply ``fn`` to every tensor inside nested dicts, lists, tuples and namedtuples."""
-    import torch
+def tree_map(obj: Any, fn: Callable[[Any], Any], leaf: Callable[[Any], bool]) -> Any:
+    """Apply ``fn`` to every value ``leaf`` accepts inside nested dicts, lists, tuples and namedtuples, each
+    container rebuilt in its own class."""
 
     def walk(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
+        if leaf(x):
             return fn(x)
         if isinstance(x, dict):
-            out = type(x)((k, walk(v)) for k, v in x.items())
+            out = _rebuilt(x, {k: walk(v) for k, v in x.items()})
             # A module's state_dict carries version metadata that load_state_dict reads.
             if hasattr(x, "_metadata"):
                 out._metadata = x._metadata  # type: ignore[attr-defined]
@@ -28,6 +29,27 @@ def tree_map_tensors(obj: Any, fn: Callable[[Any], Any]) -> Any:
         return x
 
     return walk(obj)
+
+
+def _rebuilt(like: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
+    """``items`` in a mapping of ``like``'s class: made from the items, or where its constructor takes something
+    else first (a defaultdict's factory), copied and refilled."""
+    if type(like) is dict:
+        return items
+    try:
+        return type(like)(items)
+    except TypeError:
+        out = copy.copy(like)
+        out.clear()
+        out.update(items)
+        return out
+
+
+def tree_map_tensors(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """Apply ``fn`` to every tensor inside nested dicts, lists, tuples and namedtuples."""
+    import torch
+
+    return tree_map(obj, fn, lambda x: isinstance(x, torch.Tensor))
 
 
 def to_host(value: Any) -> Any:

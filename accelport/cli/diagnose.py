@@ -36,6 +36,7 @@ from accelport.errors import AccelportError, UsageError
 from accelport.safe_io import output_target, replace_with, same_file, temp_beside, write_atomic
 
 if TYPE_CHECKING:
+    from accelport.diagnose.job import JobPlace, JobResult, RankRun
     from accelport.observe.profile import StepProfile
     from accelport.redact import Redactor
     from accelport.runtime.watch import Outcome, Watcher
@@ -163,6 +164,60 @@ def _plan(args: argparse.Namespace) -> _Plan:
                  paths.get("--metrics-file"), find_nan, find_nan_dir)
     _plan_profile(plan, args.profile, args.profile_dir)
     return plan
+
+
+#: The modules that are torchrun: diagnosing one of them diagnoses every rank it starts.
+TORCHRUN_MODULES = ("torch.distributed.run",)
+
+
+def _torchrun_argv(plan: _Plan, args: argparse.Namespace) -> list[str] | None:
+    """For ``diagnose -m torch.distributed.run ...`` (or the torchrun command as the script): the argv of a
+    torchrun that starts each rank under ``accelport diagnose`` with this command's options; None for any other
+    script. UsageError where torchrun's own command line cannot be run so."""
+    if plan.module not in TORCHRUN_MODULES and not (
+            plan.script is not None and os.path.basename(plan.script) == "torchrun"):
+        return None
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.exit_on_error = False
+    try:
+        parsed = parser.parse_args(plan.args)
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise UsageError(f"diagnose: torchrun's arguments: {exc}; give them as torchrun takes them, then the "
+                         "training script and its arguments") from None
+    if parsed.no_python:
+        raise UsageError("diagnose: torchrun --no-python runs a program that is not a Python script, which "
+                         "diagnose cannot watch; drop --no-python and give the training script")
+    at = _script_index(parser, plan.args, parsed.training_script)
+    options = [a for a in plan.args[:at] if a not in ("-m", "--module", "--run-path", "--run_path")]
+    ours: list[str] = []
+    for option, value in (("--output", plan.output), ("--report", plan.report),
+                          ("--metrics-file", plan.metrics_file), ("--backend", plan.backend),
+                          ("--find-nan-dir", plan.find_nan_dir), ("--profile", args.profile),
+                          ("--profile-dir", args.profile_dir)):
+        if value is not None:
+            ours += [option, str(value)]
+    if plan.find_nan is not None:
+        ours += ["--find-nan-from", str(plan.find_nan)]
+    rest = plan.args[at + 1:]
+    script = (["-m", parsed.training_script] if parsed.module else ["--", parsed.training_script])
+    return ["-m", "torch.distributed.run", *options, "-m", "accelport", "diagnose", *ours, *script, *rest]
+
+
+def _script_index(parser: argparse.ArgumentParser, argv: Sequence[str], script: str) -> int:
+    """Where the training script stands in torchrun's argv: the first place that parses as it (an option's
+    value that happens to equal it does not)."""
+    for i, arg in enumerate(argv):
+        if arg != script:
+            continue
+        try:
+            if parser.parse_args([*argv[:i], "\0script"]).training_script == "\0script":
+                return i
+        except (argparse.ArgumentError, SystemExit):
+            continue
+    raise UsageError(f"diagnose: cannot tell where the training script {script} stands in torchrun's arguments; "
+                     "give torchrun's options first, then the script")
 
 
 def _find_nan(args: argparse.Namespace) -> int | None:
@@ -495,17 +550,7 @@ def _setup(plan: _Plan) -> dict[str, Any]:
 
 
 def _result(watcher: Watcher, outcome: Outcome, plan: _Plan | None = None) -> dict[str, Any]:
-    from accelport.runtime.watch import where
-
-    findings = []
-    for f in watcher.findings:
-        item = f.to_dict()
-        site = where(f, watcher.sites)
-        if site:
-            item["evidence"]["where"] = f"{site.file}:{site.line}"
-            if site.label:
-                item["evidence"]["where_is"] = site.label
-        findings.append(item)
+    findings = [_finding_dict(f, watcher) for f in watcher.findings]
     severity, text = verdict(watcher, outcome)
     steps = watcher.steps + watcher.manual_steps
     out = {"findings": findings, "metrics": watcher.metrics(), "steps": watcher.steps,
@@ -548,7 +593,16 @@ def _write_report(plan: _Plan, records: str, watcher: Watcher, redactor: Redacto
 
 def _conclude(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | None, redactor: Redactor,
               stderr: Any) -> bool:
-    """Write the outputs and say what was found; whether writing one failed."""
+    """Write the outputs and say what was found; whether writing one failed. A rank of a torchrun job hands
+    its run to rank 0, which says the job's (:mod:`accelport.diagnose.job`)."""
+    from accelport.diagnose.job import JobPlace
+
+    place = JobPlace.from_environ(os.environ)
+    if place is not None and not outcome.forked:
+        done = _conclude_rank(plan, watcher, outcome, records, redactor, stderr, place)
+        if done is not None:
+            return done
+        watcher.notes.append(f"rank {place.rank} of {place.world_size}")
     written: list[str] = []
     problems: list[str] = []
     if plan.output is not None:
@@ -581,6 +635,191 @@ def _conclude(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | No
     return bool(problems)
 
 
+def _rank_run(watcher: Watcher, outcome: Outcome, place: JobPlace) -> RankRun:
+    """This rank's run, as it goes to rank 0: its seconds per step by category after the first step."""
+    from accelport.diagnose.job import RankRun
+
+    tracker = watcher.tracker
+    steps = tracker.time_steps
+    per_step: dict[str, float] = {}
+    backward = 0.0
+    if steps > 1:
+        for category, seconds in tracker.time_total.items():
+            per_step[category] = (seconds - tracker.first_breakdown.get(category, 0.0)) / (steps - 1)
+        backward = (tracker.clock.backward - tracker.first_backward) / (steps - 1)
+    elif steps == 1:
+        per_step = dict(tracker.time_total)
+    metrics = watcher.metrics()
+    findings = [_finding_dict(f, watcher) for f in watcher.findings]
+    return RankRun(rank=place.rank, host=place.host, pid=os.getpid(), steps=watcher.steps + watcher.manual_steps,
+                   exit_status=outcome.exit_status, per_step={k: v for k, v in per_step.items() if v > 0},
+                   backward=max(backward, 0.0),
+                   findings=findings, compilations=int(metrics.get("compilations") or 0),
+                   peak_memory_bytes=metrics.get("peak_memory_bytes"), backend=watcher.backend_name,
+                   style=watcher.style, verdict=verdict(watcher, outcome)[1])
+
+
+def _conclude_rank(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | None, redactor: Redactor,
+                   stderr: Any, place: JobPlace) -> bool | None:
+    """A rank of a torchrun job: ranks other than 0 hand their run to rank 0 and say nothing; rank 0 gathers
+    every rank's, judges the job and writes the outputs. None where the job view cannot be had (this rank
+    then says its own run, labelled with its rank)."""
+    from accelport.diagnose.job import gather, judge, publish, wait_seconds
+
+    own = _rank_run(watcher, outcome, place)
+    if place.rank != 0:
+        problem = publish(place, own)
+        if problem is None:
+            return False
+        watcher.notes.append(f"this rank's run could not be handed to rank 0 ({problem}): it is said here alone")
+        return None
+    runs, missing, problem = gather(place, own, wait_seconds(os.environ, outcome.ended_by is not None))
+    if problem is not None:
+        watcher.notes.append(f"the other ranks' runs could not be read ({problem}): rank 0's is said alone")
+        return None
+    job = judge(runs, place.world_size, missing)
+    written: list[str] = []
+    problems: list[str] = []
+    if plan.output is not None:
+        try:
+            result = _result(watcher, outcome, plan)
+            result.update(_job_result(job, runs))
+            write_atomic(plan.output, _json(result, redactor), what="--output")
+            written.append(plan.output)
+        except AccelportError as exc:
+            problems.append(str(exc))
+    if plan.report is not None:
+        if records is None or not os.path.isfile(records) or os.path.getsize(records) == 0:
+            job.notes.append("no report page: no step was recorded on rank 0, and the page draws the steps")
+        else:
+            from accelport.diagnose.report import ReportError, load_records, render_html
+
+            try:
+                page = render_html(load_records(records), job.findings,
+                                   title=f"accelport diagnose: {plan.target} (rank 0's steps; the job's findings)",
+                                   redactor=redactor)
+                write_atomic(plan.report, page.encode("utf-8"), what="--report")
+                written.append(plan.report)
+            except (ReportError, AccelportError) as exc:
+                problems.append(str(exc))
+    if plan.metrics_file is not None and records is not None:
+        try:
+            replace_with(records, output_target(plan.metrics_file, what="--metrics-file"))
+            written.append(f"{plan.metrics_file} (rank 0's steps)")
+        except (OSError, AccelportError) as exc:
+            problems.append(f"cannot write --metrics-file {plan.metrics_file}: "
+                            f"{getattr(exc, 'strerror', None) or exc}")
+    _flush(sys.stdout)
+    _say(stderr, render_job(plan.target, job, watcher, written, redactor))
+    for problem in problems:
+        _say(stderr, f"accelport: error: {redactor.text(problem)}")
+    return bool(problems)
+
+
+def _finding_dict(f: Any, watcher: Watcher) -> dict[str, Any]:
+    from accelport.runtime.watch import where
+
+    item: dict[str, Any] = f.to_dict()
+    site = where(f, watcher.sites)
+    if site:
+        item["evidence"]["where"] = f"{site.file}:{site.line}"
+        if site.label:
+            item["evidence"]["where_is"] = site.label
+    return item
+
+
+def _job_result(job: JobResult, runs: Sequence[RankRun]) -> dict[str, Any]:
+    """The job's part of --output: its findings (with evidence.rank), one entry per rank, what was judged."""
+    from accelport.diagnose.timing import verdict as time_verdict
+
+    severity, text = job_verdict(job)
+    ranks = [{"rank": r.rank, "host": r.host, "pid": r.pid, "steps": r.steps, "exit_status": r.exit_status,
+              "time_breakdown": {k: round(v, 6) for k, v in job.by_rank.get(r.rank, {}).items()},
+              "findings": list(r.findings), "straggler": r.rank == job.straggler} for r in runs]
+    kind, share, _ = time_verdict(job.breakdown)
+    return {"findings": [f.to_dict() for f in job.findings], "ranks": ranks,
+            "job": {"world_size": job.world_size, "ranks_judged": [r.rank for r in runs],
+                    "ranks_missing": list(job.missing), "straggler": job.straggler,
+                    "time_breakdown_per_step": {k: round(v, 6) for k, v in job.breakdown.items()},
+                    "time_verdict": _job_time_verdict(job) or kind},
+            "verdict": {"judged_every_step": severity == "ok", "steps_judged": sum(r.steps for r in runs),
+                        "text": text, "not_judged": {}, "ranks_missing": list(job.missing)}}
+
+
+def _job_time_verdict(job: JobResult) -> str:
+    from accelport.diagnose.timing import verdict as time_verdict
+
+    if job.straggler is not None:
+        found = next(f for f in job.findings if f.kind == "straggler")
+        return f"straggler-bound: rank {job.straggler}'s {found.evidence['category']}"
+    kind, share, _ = time_verdict(job.breakdown)
+    return f"{kind}: {share:.0%} of the job's step time" if kind else ""
+
+
+def job_verdict(job: JobResult) -> tuple[str, str]:
+    """How much of the job was judged, in one line; "ok" only where every rank was judged, ended well and
+    nothing was found."""
+    judged = ", ".join(str(r.rank) for r in job.runs)
+    failed = [r for r in job.runs if r.exit_status != 0]
+    if job.missing:
+        gone = ", ".join(map(str, job.missing))
+        return "note", (f"judged ranks {judged} of {job.world_size}; not judged: rank(s) {gone} (no result reached "
+                        "rank 0: crashed, killed or still running when rank 0 stopped waiting, ACCELPORT_JOB_WAIT)")
+    if failed:
+        return "note", ("the job did not end well: " + ", ".join(f"rank {r.rank} exited with status {r.exit_status}"
+                                                                   for r in failed))
+    if not any(r.steps for r in job.runs):
+        return "note", "no rank took an optimizer step, so nothing was diagnosed"
+    if job.findings:
+        return "ok", ""
+    return "ok", f"no finding on any of the {job.world_size} ranks"
+
+
+def render_job(target: str, job: JobResult, watcher: Watcher, written: Sequence[str], redactor: Redactor) -> str:
+    """The job's summary: its findings (each once, naming its ranks), its verdict, the job's time per step
+    with waiting charged to collective, one row per rank with the straggler marked."""
+    from accelport.observe.steptime import breakdown_line
+
+    shown = redactor.text
+    hosts = len({r.host for r in job.runs})
+    steps = sorted({r.steps for r in job.runs})
+    each = f"{steps[0]} optimizer step(s) each" if len(steps) == 1 else \
+        f"{'-'.join(map(str, (steps[0], steps[-1])))} optimizer steps"
+    on = f" on {watcher.backend_name}" if watcher.backend_name else ""
+    found = f": {len(job.findings)} finding(s)" if job.findings else ""
+    lines = [shown(f"accelport diagnose: {target}, a job of {job.world_size} ranks on {hosts} host(s), took {each}"
+                   f"{on}{found}")]
+    for f in job.findings:
+        lines += _wrapped(shown(f"{f.kind}: {f.message}"), f"  [{_ICON[f.severity]}] ")
+        if f.fix:
+            lines += _wrapped(shown(f.fix), f"{_INDENT}fix: ")
+        where = (f.evidence or {}).get("where")
+        if where and str(where) not in f.message:
+            lines += _wrapped(shown(str(where)), f"{_INDENT}at ")
+    severity, text = job_verdict(job)
+    if text:
+        lines += _wrapped(shown(text), f"  [{_ICON[severity]}] ")
+    if job.breakdown:
+        per_step = sum(job.breakdown.values())
+        lines.append(shown(f"  [time] job {breakdown_line(job.breakdown, per_step, 1)}"))
+        said = _job_time_verdict(job)
+        if said:
+            lines += _wrapped(shown(said + " (the ranks' mean after the first step; waiting for other ranks is "
+                                    "collective)"), _INDENT)
+    for run in job.runs:
+        parts = job.by_rank.get(run.rank, {})
+        total = sum(parts.values())
+        row = breakdown_line(parts, total, 1) if parts else "no step timed"
+        mark = "  <- straggler" if run.rank == job.straggler else ""
+        lines += _wrapped(shown(f"rank {run.rank} ({run.host}, pid {run.pid}): {run.steps} step(s), status "
+                                f"{run.exit_status}; {row}{mark}"), "  [rank] ")
+    for note in [*job.notes, *watcher.notes, *watcher.rule_failures]:
+        lines += _wrapped(shown(note), f"  [{_ICON['note']}] ")
+    if written:
+        lines.append(shown(f"  [{_ICON['note']}] wrote {', '.join(written)}"))
+    return "\n".join(lines)
+
+
 # -- running it ---------------------------------------------------------------------------------
 
 
@@ -595,6 +834,13 @@ def run(args: argparse.Namespace) -> int:
     except UsageError as exc:
         # Printed on the script's stderr, which no redacting stream guards: the one pass is here.
         raise UsageError(redactor.text(str(exc))) from None
+    launcher = _torchrun_argv(plan, args)
+    if launcher is not None:
+        # torchrun starts one `python -m accelport diagnose` per rank; rank 0 says the job's summary. This process
+        # becomes torchrun, so its exit status and its handling of signals are torchrun's.
+        _flush(sys.stdout)
+        _flush(sys.stderr)
+        os.execv(sys.executable, [sys.executable, *launcher])
     if plan.report is not None:
         # Imported before the script's directory goes on sys.path (an html.py there is the script's).
         import accelport.diagnose.report  # noqa: F401

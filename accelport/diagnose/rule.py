@@ -45,7 +45,8 @@ if TYPE_CHECKING:
     from accelport.observe.numerics import NumericsWatch
     from accelport.observe.shapes import ShapeTrace
 
-__all__ = ["Diagnosis", "Rule", "RunView", "BatchShapes", "SEVERITIES", "KIND_PATTERN", "describe_shape_change"]
+__all__ = ["Diagnosis", "Rule", "RunView", "RankRun", "JobView", "JobRule", "BatchShapes", "SEVERITIES",
+           "KIND_PATTERN", "describe_shape_change"]
 
 #: "warning": the run is slower than it needs to be. "problem": it is wrong or crippled
 #: (NaN weights, weights that stopped moving, a function silently run uncompiled).
@@ -190,6 +191,124 @@ class BatchShapes:
 
 def _never(kind: str) -> bool:
     return False
+
+
+@dataclass(frozen=True)
+class RankRun:
+    """One rank's run of a job, as the job's rules see it (what each rank hands rank 0 at its end).
+
+    ``per_step`` is the seconds per step by time category after the first step (which holds the start-up
+    and the first compilations), as that rank measured it; ``findings`` its own findings, as dicts.
+    """
+
+    rank: int
+    host: str
+    pid: int
+    steps: int
+    exit_status: int
+    per_step: Mapping[str, float] = field(default_factory=dict)
+    #: Seconds per step (after the first) inside backward passes, whichever category holds them: where a
+    #: data-parallel rank waits for the others (DDP's gradient all-reduce, FSDP's reduce-scatters).
+    backward: float = 0.0
+    findings: Sequence[Mapping[str, Any]] = ()
+    compilations: int = 0
+    peak_memory_bytes: int | None = None
+    backend: str | None = None
+    #: How the script trains (``RunView.style``): the job's fixes are said in its terms.
+    style: str = "torch"
+    #: The verdict of its own run ("no finding after 12 step(s) ..."), for its row of the job.
+    verdict: str = ""
+
+    @property
+    def step_seconds(self) -> float:
+        return sum(v for v in self.per_step.values() if v > 0)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RankRun:
+        """A rank's summary as it travelled (JSON); ValueError where it is not one."""
+        try:
+            return cls(rank=int(data["rank"]), host=str(data["host"]), pid=int(data["pid"]),
+                       steps=int(data["steps"]), exit_status=int(data["exit_status"]),
+                       per_step={str(k): float(v) for k, v in dict(data.get("per_step") or {}).items()},
+                       backward=float(data.get("backward") or 0.0),
+                       findings=[dict(f) for f in data.get("findings") or ()],
+                       compilations=int(data.get("compilations") or 0),
+                       peak_memory_bytes=(int(data["peak_memory_bytes"]) if data.get("peak_memory_bytes") is not None
+                                          else None),
+                       backend=data.get("backend"), style=str(data.get("style") or "torch"),
+                       verdict=str(data.get("verdict") or ""))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a rank's summary: {exc}") from None
+
+
+@dataclass(frozen=True)
+class JobView:
+    """What a job rule sees: every rank's run that reached rank 0, and the ranks that did not."""
+
+    world_size: int
+    runs: Sequence[RankRun]
+    missing: Sequence[int] = ()
+
+    @property
+    def meeting(self) -> str:
+        """Where the ranks meet each step: ``collective`` where the ranks' collectives were timed (a ported
+        loop, accelport's own), else ``backward`` (DDP's gradient all-reduce and FSDP's collectives run inside
+        the backward pass, which one process alone cannot tell from its own compute)."""
+        for run in self.runs:
+            total = run.step_seconds
+            if total > 0 and run.per_step.get("collective", 0.0) > 0.05 * total:
+                return "collective"
+        return "backward"
+
+    def waits(self) -> dict[int, float]:
+        """rank -> seconds per step it waits for the others: its time where the ranks meet beyond that of the rank
+        that spends least there (the last to arrive waits for no one; the ranks run the same program)."""
+        where = self.meeting
+
+        def met(run: RankRun) -> float:
+            return run.per_step.get("collective", 0.0) if where == "collective" else run.backward
+
+        if not self.runs:
+            return {}
+        least = min(met(run) for run in self.runs)
+        return {run.rank: max(met(run) - least, 0.0) for run in self.runs}
+
+    def breakdown(self) -> dict[int, dict[str, float]]:
+        """rank -> its seconds per step by category, with the time it waited for the others charged to
+        ``collective`` instead of the category its backward pass was charged to."""
+        if len(self.runs) < 2:
+            return {run.rank: dict(run.per_step) for run in self.runs}
+        waited = self.waits()
+        out: dict[int, dict[str, float]] = {}
+        for run in self.runs:
+            parts = dict(run.per_step)
+            wait = waited[run.rank]
+            holder = _holder(parts, wait) if self.meeting == "backward" and wait > 0 else None
+            if holder is not None:
+                parts[holder] -= wait
+                parts["collective"] = parts.get("collective", 0.0) + wait
+            out[run.rank] = {k: v for k, v in parts.items() if v > 0}
+        return out
+
+
+def _holder(parts: Mapping[str, float], seconds: float) -> str | None:
+    """The category a backward pass's time was charged to on a rank: the largest with the device in it."""
+    held = [c for c, v in parts.items() if "device" in c.split("+") and v >= seconds * 0.999]
+    if not held:
+        held = [c for c, v in parts.items() if v >= seconds * 0.999]
+    return max(held, key=lambda c: parts[c]) if held else None
+
+
+class JobRule:
+    """A rule over a whole job's ranks (a straggler, ranks doing different work): one judgement at the job's end.
+
+    ``judge`` returns the finding, with ``evidence["rank"]`` the rank it is about, or None.
+    """
+
+    kind: ClassVar[str] = ""
+
+    def judge(self, job: JobView) -> Diagnosis | None:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)

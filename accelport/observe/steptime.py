@@ -58,7 +58,7 @@ class StepClock:
     """Charges the loop thread's time to the phase it is in; :meth:`close` hands over a step's phases."""
 
     __slots__ = ("_stack", "_mark", "parts", "thread", "_stepping", "_idle", "_passed", "_closed", "_loose",
-                 "__weakref__")
+                 "backward", "_backward_from", "__weakref__")
 
     def __init__(self) -> None:
         self._stack = ["pre"]
@@ -81,6 +81,10 @@ class StepClock:
         # The clock was started by a backward, and no step has ended yet (a loop without batches): the first
         # step starts at its last backward, not at the first of the passes that were no step.
         self._loose = False
+        #: Seconds the loop's thread spent inside backward passes over the run (a job's ranks wait for each other
+        #: there: DDP's gradient all-reduce runs inside the backward), whatever phase they were charged to.
+        self.backward = 0.0
+        self._backward_from: float | None = None
 
     @property
     def started(self) -> bool:
@@ -358,6 +362,7 @@ def watch_backward(clock: StepClock) -> None:
             clock = ref()
             if clock is not None:
                 clock._base("body")
+                clock._backward_from = clock._mark
         try:
             return original(*args, **kwargs)
         finally:
@@ -365,6 +370,9 @@ def watch_backward(clock: StepClock) -> None:
                 clock = ref()
                 if clock is not None:
                     clock.tail()
+                    since, clock._backward_from = clock._backward_from, None
+                    if since is not None and (clock.thread is None or _get_ident() == clock.thread):
+                        clock.backward += _clock() - since
 
     backward.__wrapped__ = original  # type: ignore[attr-defined]
     backward.__doc__ = original.__doc__

@@ -102,6 +102,8 @@ class StepTracker:
         self.time_steps = 0
         #: The first step's breakdown (start-up and the first compilation), left out of the verdict.
         self.first_breakdown: dict[str, float] = {}
+        #: Seconds inside backward passes by the end of the first step (the clock's ``backward`` counts on).
+        self.first_backward = 0.0
         #: A window of steps to profile (ap.profile, ACCELPORT_PROFILE), None if none.
         self.profile: StepProfile | None = None
         # What the counters moved by outside the steps (a graph ap.sync() or an evaluation ran), read there:
@@ -216,6 +218,8 @@ class StepTracker:
     def _finish(self, step: int) -> None:
         now = time.perf_counter()
         parts = self.clock.close(now)
+        if step == 1:
+            self.first_backward = self.clock.backward
         # (The first step of a loop without batches started at its first backward: the clock knows when.)
         seconds = now - self._last_end if self._last_end is not None else sum(parts.values())
         self.step_seconds += seconds

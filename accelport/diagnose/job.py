@@ -1,0 +1,193 @@
+"""A whole job under ``accelport diagnose``: every rank's result gathered on rank 0 and judged together.
+
+Each rank of a job started by torchrun (``torchrun ... -m accelport diagnose train.py``, or
+``accelport diagnose -m torch.distributed.run ...``, which starts exactly that) watches itself as one
+process does. When its script ends, it hands a small summary of its run (:class:`RankRun`: steps,
+exit status, where a step's time went, what its rules found) to rank 0 through the job's own
+rendezvous: the c10d store torchrun's agent already hosts at ``MASTER_ADDR:MASTER_PORT``
+(``TORCHELASTIC_USE_AGENT_STORE``, the store every rank's process group joins; see
+torch/distributed/rendezvous.py, ``_create_c10d_store``). Nothing travels during the run, and no
+shared filesystem is needed. Rank 0 waits for the others' summaries (``ACCELPORT_JOB_WAIT`` seconds,
+default 120, after its own script ended), runs the job's rules on them
+(:data:`JOB_RULES`: a straggler, ranks that do different work) and says one verdict for the job.
+
+Waiting is never the device's work: a rank that waits for a slower peer in the gradient all-reduce
+spends that time inside its backward pass (DDP's reducer), which one process alone cannot tell from
+its own compute. Across ranks it can: the ranks run the same program, so the part of that phase a
+rank spends beyond the rank that waits least in it is waiting, and is charged to ``collective``
+(:meth:`JobView.breakdown`).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from accelport.diagnose.rule import Diagnosis, JobView, RankRun
+
+__all__ = ["JobPlace", "RankRun", "JobView", "JobResult", "judge", "publish", "gather", "ENV_WAIT"]
+
+#: Seconds rank 0 waits, after its own script ended, for the other ranks' results.
+ENV_WAIT = "ACCELPORT_JOB_WAIT"
+DEFAULT_WAIT = 120.0
+#: After a SIGTERM (the scheduler's or torchrun's stop), the others are given this long at most.
+STOPPED_WAIT = 5.0
+
+
+@dataclass(frozen=True)
+class JobPlace:
+    """Where this process stands in a job torchrun started: its rank, and the store its agent hosts."""
+
+    rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    #: One job's attempt: a restart of the job (--max-restarts) gathers its own ranks, not the last attempt's.
+    key: str
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> JobPlace | None:
+        """The place of a rank of a torchrun job of more than one process; None for anything else (one
+        process, or ranks started without torchrun's agent, which hosts no store once the script ends)."""
+        try:
+            rank, world = int(environ["RANK"]), int(environ["WORLD_SIZE"])
+            host, port = environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
+        except (KeyError, ValueError):
+            return None
+        if world < 2 or not 0 <= rank < world or environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            return None
+        run = environ.get("TORCHELASTIC_RUN_ID", "job")
+        attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return cls(rank, world, host, port, f"accelport/diagnose/{run}/{attempt}/")
+
+    @property
+    def host(self) -> str:
+        return socket.gethostname()
+
+
+def _store(place: JobPlace, timeout: float) -> Any:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    client = dist.TCPStore(place.store_host, place.store_port, is_master=False,
+                           timeout=timedelta(seconds=max(timeout, 1.0)))
+    return dist.PrefixStore(place.key, client)
+
+
+def publish(place: JobPlace, run: RankRun, timeout: float = 30.0) -> str | None:
+    """Hand this rank's summary to rank 0; why it could not be (None when it was)."""
+    try:
+        _store(place, timeout).set(f"rank/{run.rank}", json.dumps(asdict(run), default=str))
+    except Exception as exc:  # the agent gone (the job is being torn down), or no store at that address
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def wait_seconds(environ: Mapping[str, str], stopped: bool) -> float:
+    """How long rank 0 waits for the others: ACCELPORT_JOB_WAIT, or less after a stop request."""
+    try:
+        wait = float(environ.get(ENV_WAIT, DEFAULT_WAIT))
+    except ValueError:
+        wait = DEFAULT_WAIT
+    wait = max(wait, 0.0)
+    return min(wait, STOPPED_WAIT) if stopped else wait
+
+
+def gather(place: JobPlace, own: RankRun, wait: float) -> tuple[list[RankRun], list[int], str | None]:
+    """Rank 0: every rank's summary that arrives within ``wait`` seconds, in rank order; the ranks whose did
+    not; why none could be read (the store cannot be reached), or None."""
+    runs = {own.rank: own}
+    try:
+        store = _store(place, wait + 5.0)
+    except Exception as exc:
+        return [own], [r for r in range(place.world_size) if r != own.rank], f"{type(exc).__name__}: {exc}"
+    pending = [r for r in range(place.world_size) if r != own.rank]
+    deadline = time.monotonic() + wait
+    while pending:
+        for r in list(pending):
+            key = f"rank/{r}"
+            try:
+                if store.check([key]):
+                    runs[r] = RankRun.from_dict(json.loads(store.get(key)))
+                    pending.remove(r)
+            except Exception:  # a value that is not one of ours: that rank is not judged
+                pending.remove(r)
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    return [runs[r] for r in sorted(runs)], pending, None
+
+
+# -- judging the job ----------------------------------------------------------------------------
+
+
+@dataclass
+class JobResult:
+    """What the job's judgement says: its findings (the job rules' and the ranks', each said once), the job's
+    time per step by category, the straggler if there is one, and which ranks were judged."""
+
+    world_size: int
+    runs: list[RankRun]
+    missing: list[int]
+    findings: list[Diagnosis]
+    breakdown: dict[str, float]
+    by_rank: dict[int, dict[str, float]]
+    straggler: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def judge(runs: Sequence[RankRun], world_size: int, missing: Sequence[int] = ()) -> JobResult:
+    """The job's findings over the ranks' summaries: the job rules first, then what the ranks found, each kind
+    once, naming the ranks that found it."""
+    from accelport.diagnose.rules.rank_divergence import RankDivergenceRule
+    from accelport.diagnose.rules.straggler import StragglerRule
+
+    view = JobView(world_size=world_size, runs=tuple(runs), missing=tuple(missing))
+    findings: list[Diagnosis] = []
+    straggler = None
+    for rule in (StragglerRule(), RankDivergenceRule()):
+        found = rule.judge(view)
+        if found is not None:
+            findings.append(found)
+            if found.kind == "straggler":
+                straggler = int(found.evidence["rank"])
+    findings += _ranks_findings(runs, world_size)
+    by_rank = view.breakdown()
+    stepping = [r for r in runs if r.steps > 1]
+    mean: dict[str, float] = {}
+    for run in stepping:
+        for category, seconds in by_rank.get(run.rank, {}).items():
+            mean[category] = mean.get(category, 0.0) + seconds / len(stepping)
+    return JobResult(world_size, list(runs), list(missing), findings, mean, by_rank, straggler)
+
+
+def _ranks_findings(runs: Sequence[RankRun], world_size: int) -> list[Diagnosis]:
+    """Each kind the ranks found, once: "on all 4 ranks" where every rank found it, else the ranks that did,
+    with the first of them in ``evidence.rank`` (for non-finite values, the rank that went non-finite first)."""
+    by_kind: dict[str, list[tuple[int, Mapping[str, Any]]]] = {}
+    for run in runs:
+        for item in run.findings:
+            by_kind.setdefault(str(item.get("kind")), []).append((run.rank, item))
+    out = []
+    for kind, seen in by_kind.items():
+        if kind == "non-finite":  # the rank that went non-finite first (the others got it from it)
+            seen.sort(key=lambda pair: (int(pair[1].get("step") or 0), pair[0]))
+        rank, first = seen[0]
+        ranks = [r for r, _ in seen]
+        where = (f"on all {world_size} ranks" if len(ranks) == world_size else
+                 f"on rank {rank}" if len(ranks) == 1 else "on ranks " + ", ".join(map(str, sorted(ranks))))
+        message = f"{where}: {first.get('message', '')}"
+        steps = sorted(int(item.get("step") or 0) for _, item in seen)
+        if kind == "non-finite" and len(ranks) > 1 and steps[0] < steps[1]:
+            message += (f" Rank {rank} went non-finite first (step {steps[0]}); the others got it later, through "
+                        f"the gradient all-reduce: look at rank {rank}'s data and loss at that step.")
+        evidence = {**dict(first.get("evidence") or {}), "rank": rank, "ranks": sorted(ranks)}
+        out.append(Diagnosis(kind=kind, message=message, step=int(first.get("step") or 0), evidence=evidence,
+                             severity=str(first.get("severity") or "warning"), fix=str(first.get("fix") or ""),
+                             totals=dict(first.get("totals") or {})))
+    return out

@@ -1,0 +1,64 @@
+"""``rank-divergence``: the ranks of a job do different work.
+
+A data-parallel job's ranks run the same program on their own share of the data. Where one rank takes
+more optimizer steps than the others (uneven inputs), a collective of its extra step has no partner: DDP
+hangs there, or the job ends with that rank's work unmatched. Where one rank compiles more programs than
+the others (another batch shape there), on XLA it runs a different graph: it recompiles alone, and a
+collective in that graph may wait for ever. The finding names the rank that does the odd work.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from accelport.diagnose.rule import Diagnosis, JobRule, JobView, RankRun
+
+__all__ = ["RankDivergenceRule"]
+
+
+def _odd(values: dict[int, int]) -> int | None:
+    """The rank whose value differs from the most common one (of a tie, the larger value's first rank)."""
+    counts = Counter(values.values())
+    if len(counts) < 2:
+        return None
+    common = max(counts, key=lambda v: (counts[v], -v))
+    return min((r for r, v in values.items() if v != common), key=lambda r: (-values[r], r))
+
+
+class RankDivergenceRule(JobRule):
+    kind = "rank-divergence"
+
+    def judge(self, job: JobView) -> Diagnosis | None:
+        runs: list[RankRun] = list(job.runs)
+        if len(runs) < 2:
+            return None
+        steps = {r.rank: r.steps for r in runs}
+        odd = _odd(steps)
+        if odd is not None:
+            others = sorted({v for r, v in steps.items() if r != odd})
+            said = " or ".join(map(str, others))
+            more = steps[odd] > max(others)
+            message = (f"rank {odd} took {steps[odd]} optimizer step(s) and the other ranks {said}: the ranks had "
+                       f"{'uneven inputs' if more else 'different amounts of work'}. In a DDP or FSDP job the "
+                       f"extra step's gradient all-reduce has no partner: the job hangs there (or, where the "
+                       "collectives do not meet each step, rank "
+                       f"{odd}'s extra updates are not matched on the others).")
+            fix = ("Give every rank the same number of batches: DistributedSampler(dataset, drop_last=True) (or "
+                   "ap.loader(..., shard=True), which shards evenly), or wrap the loop in DDP's "
+                   "model.join() to let ranks with fewer batches shadow the others' collectives.")
+            return Diagnosis(kind=self.kind, message=message, step=min(steps.values()) + 1, severity="problem",
+                             evidence={"rank": odd, "what": "steps", "steps_by_rank": steps}, fix=fix)
+        compiles = {r.rank: r.compilations for r in runs}
+        odd = _odd(compiles)
+        if odd is not None and compiles[odd] > 0:
+            others = sorted({v for r, v in compiles.items() if r != odd})
+            message = (f"rank {odd} compiled {compiles[odd]} time(s) and the other ranks "
+                       f"{' or '.join(map(str, others))}: it runs programs the others do not (another batch shape "
+                       f"or a different branch on that rank). It spends that time compiling alone while the others "
+                       "wait, and on XLA a collective in a graph only one rank runs can wait for ever.")
+            fix = ("Give every rank batches of the same shapes (the same padding or buckets on every rank, "
+                   "drop_last=True) and the same branches in the step (no `if rank == 0` inside it).")
+            return Diagnosis(kind=self.kind, message=message, step=1, severity="warning",
+                             evidence={"rank": odd, "what": "compilations", "compilations_by_rank": compiles},
+                             fix=fix)
+        return None

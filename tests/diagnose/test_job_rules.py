@@ -1,0 +1,102 @@
+"""The job's rules on ranks' summaries (no process started): straggler, rank divergence, ranks' findings said once."""
+
+from __future__ import annotations
+
+import pytest
+
+from accelport.diagnose.job import JobPlace, judge
+from accelport.diagnose.rule import JobView, RankRun
+
+
+def _rank(rank: int, backward: float = 0.01, steps: int = 20, findings: tuple = (), compilations: int = 0,
+          **per_step: float) -> RankRun:
+    parts = {"device": 0.02 + backward, "other": 0.001, **per_step}
+    return RankRun(rank=rank, host=f"h{rank // 2}", pid=100 + rank, steps=steps, exit_status=0, per_step=parts,
+                   backward=backward, findings=list(findings), compilations=compilations)
+
+
+def test_the_rank_that_arrives_last_at_the_all_reduce_is_the_straggler_and_the_others_wait():
+    # Rank 2's data takes 0.1 s more per step; ranks 0, 1 and 3 wait that long inside their backward.
+    runs = [_rank(0, backward=0.11), _rank(1, backward=0.11), _rank(2, data=0.1), _rank(3, backward=0.11)]
+    view = JobView(4, runs)
+    assert view.meeting == "backward"
+    assert view.waits() == pytest.approx({0: 0.1, 1: 0.1, 2: 0.0, 3: 0.1})
+    parts = view.breakdown()
+    assert parts[0]["collective"] == pytest.approx(0.1) and parts[0]["device"] == pytest.approx(0.03)
+    assert "collective" not in parts[2]
+    job = judge(runs, 4)
+    found = {f.kind: f for f in job.findings}
+    assert job.straggler == 2
+    evidence = found["straggler"].evidence
+    assert evidence["rank"] == 2 and evidence["host"] == "h1" and evidence["category"] == "data"
+    assert evidence["extra_seconds_per_step"] == pytest.approx(0.1)
+    assert evidence["others_wait_share"] == pytest.approx(0.1 / 0.131, rel=1e-3)
+    assert "rank 2 (host h1)" in found["straggler"].message and "num_workers" in found["straggler"].fix
+
+
+def test_a_balanced_job_has_no_straggler():
+    runs = [_rank(0, backward=0.0105), _rank(1, backward=0.01), _rank(2, backward=0.0102)]
+    job = judge(runs, 3)
+    assert job.findings == [] and job.straggler is None
+
+
+def test_timed_collectives_are_where_the_ranks_meet_in_a_ported_loop():
+    runs = [_rank(0, backward=0.0, collective=0.08), _rank(1, backward=0.0, collective=0.001, other=0.08)]
+    job = judge(runs, 2)
+    (found,) = [f for f in job.findings if f.kind == "straggler"]
+    assert found.evidence["rank"] == 1 and found.evidence["category"] == "other"
+    assert "in the collectives" in found.message
+
+
+def test_uneven_steps_name_the_rank_with_the_extra_step():
+    job = judge([_rank(0, steps=12), _rank(1, steps=13), _rank(2, steps=12)], 3)
+    (found,) = job.findings
+    assert found.kind == "rank-divergence" and found.severity == "problem"
+    assert found.evidence["rank"] == 1 and found.evidence["steps_by_rank"] == {0: 12, 1: 13, 2: 12}
+
+
+def test_one_rank_compiling_more_is_a_rank_divergence():
+    job = judge([_rank(0, compilations=2), _rank(1, compilations=7)], 2)
+    (found,) = job.findings
+    assert found.kind == "rank-divergence" and found.evidence == {
+        "rank": 1, "what": "compilations", "compilations_by_rank": {0: 2, 1: 7}}
+
+
+def _finding(kind: str, step: int) -> dict:
+    return {"kind": kind, "message": f"{kind} seen.", "fix": "do this.", "step": step, "evidence": {},
+            "severity": "problem"}
+
+
+def test_what_every_rank_found_is_said_once_and_what_one_found_names_it():
+    runs = [_rank(0, findings=(_finding("host-sync", 3), _finding("non-finite", 9))),
+            _rank(1, findings=(_finding("host-sync", 3), _finding("non-finite", 7)))]
+    found = {f.kind: f for f in judge(runs, 2).findings}
+    assert found["host-sync"].message.startswith("on all 2 ranks:")
+    assert found["non-finite"].evidence["rank"] == 1 and found["non-finite"].step == 7
+    assert "Rank 1 went non-finite first (step 7)" in found["non-finite"].message
+    only = judge([_rank(0), _rank(1, findings=(_finding("input-bound", 5),))], 2).findings
+    assert [(f.kind, f.evidence["rank"], f.evidence["ranks"]) for f in only] == [("input-bound", 1, [1])]
+    assert only[0].message.startswith("on rank 1:")
+
+
+def test_a_rank_summary_that_is_not_one_is_a_value_error():
+    with pytest.raises(ValueError, match="not a rank's summary"):
+        RankRun.from_dict({"rank": "zero"})
+    run = _rank(3, data=0.5)
+    from dataclasses import asdict
+
+    assert RankRun.from_dict(asdict(run)) == run
+
+
+@pytest.mark.parametrize(("environ", "expected"), [
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500",
+      "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "r", "TORCHELASTIC_RESTART_COUNT": "2"},
+     JobPlace(1, 2, "h", 29500, "accelport/diagnose/r/2/")),
+    ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"},
+     None),  # one process: no job
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, None),  # no agent's store
+    ({"RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"},
+     None),
+])
+def test_a_job_place_is_a_torchrun_rank_of_several(environ, expected):
+    assert JobPlace.from_environ(environ) == expected

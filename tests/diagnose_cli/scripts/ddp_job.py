@@ -1,0 +1,66 @@
+"""An unported DDP training script (gloo, cpu) for the job tests, with one fault chosen per run.
+
+    torchrun --nproc-per-node 2 ddp_job.py [--slow-rank R] [--slow-data-rank R] [--extra-step-rank R]
+                                             [--fail-rank R] [--steps N]
+
+--slow-rank: that rank sleeps 0.15 s in the loop each step (host work, an augmentation of its own).
+--slow-data-rank: that rank's Dataset sleeps 0.05 s per sample (4 per batch) in the main process.
+--extra-step-rank: that rank takes one step more, without DDP (uneven inputs; DDP itself would hang).
+--fail-rank: that rank raises after its steps.
+Every rank sleeps 0.05 s in its loop each step, so a balanced job's step is that long on a busy machine too.
+"""
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--slow-rank", type=int, default=-1)
+parser.add_argument("--slow-data-rank", type=int, default=-1)
+parser.add_argument("--extra-step-rank", type=int, default=-1)
+parser.add_argument("--fail-rank", type=int, default=-1)
+parser.add_argument("--steps", type=int, default=12)
+args = parser.parse_args()
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+uneven = args.extra_step_rank >= 0
+model = net if uneven else DDP(net)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+class Samples(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 4 * (args.steps + 1)
+
+    def __getitem__(self, i: int):
+        if rank == args.slow_data_rank:
+            time.sleep(0.05)
+        g = torch.Generator().manual_seed(1000 * rank + i)
+        return torch.randn(32, generator=g), torch.randn(1, generator=g)
+
+
+loader = torch.utils.data.DataLoader(Samples(), batch_size=4)
+steps = args.steps + (1 if rank == args.extra_step_rank else 0)
+for step, (x, y) in enumerate(loader):
+    if step == steps:
+        break
+    time.sleep(0.05)
+    if rank == args.slow_rank:
+        time.sleep(0.15)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+if uneven:
+    for p in net.parameters():  # the one collective: the ranks' weights averaged at the end
+        dist.all_reduce(p.data)
+print(f"rank {rank} done")
+if rank == args.fail_rank:
+    raise RuntimeError(f"rank {rank} failed after its steps")
+dist.destroy_process_group()

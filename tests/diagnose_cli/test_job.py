@@ -1,0 +1,139 @@
+"""``accelport diagnose`` over a whole torchrun job (cpu, gloo): every rank watched, one summary, one verdict.
+
+Each fault is built large against its threshold: a straggler's extra 0.15 s of host work (or 0.2 s of
+data loading) per step against a 0.05 s step, so two CPU-bound processes beside the suite cannot change
+which rank is named; a balanced job's ranks do the same 0.05 s of work per step.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.diagnose_cli.runs import SCRIPTS, child_env, default_signals, run
+
+pytest.importorskip("torch.distributed")
+
+JOB = str(SCRIPTS / "ddp_job.py")
+TORCHRUN = ("-m", "torch.distributed.run", "--nproc-per-node", "2")
+
+
+def _summaries(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("accelport diagnose:")]
+
+
+def _job(tmp_path: pathlib.Path, *script_args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    out = tmp_path / "job.json"
+    proc = run("--output", str(out), *TORCHRUN, JOB, *script_args, cwd=tmp_path)
+    assert out.is_file(), proc.stderr[-3000:]
+    return proc, json.loads(out.read_text())
+
+
+def test_a_rank_with_extra_host_work_is_named_the_straggler_and_the_others_wait_in_collective(tmp_path):
+    proc, result = _job(tmp_path, "--slow-rank", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summaries = _summaries(proc.stderr)
+    assert len(summaries) == 1 and "a job of 2 ranks" in summaries[0], proc.stderr[-3000:]
+    straggler = [f for f in result["findings"] if f["kind"] == "straggler"]
+    assert len(straggler) == 1, result["findings"]
+    evidence = straggler[0]["evidence"]
+    assert evidence["rank"] == 1 and evidence["category"] == "forward"
+    assert evidence["extra_seconds_per_step"] > 0.1 and evidence["others_wait_share"] > 0.4
+    ranks = {r["rank"]: r for r in result["ranks"]}
+    assert set(ranks) == {0, 1} and ranks[1]["straggler"] and not ranks[0]["straggler"]
+    # Rank 0 only waits: that time is the collective's, not its device's.
+    rank0 = ranks[0]["time_breakdown"]
+    assert rank0["collective"] > 0.1 and rank0["collective"] > rank0.get("device", 0.0)
+    assert result["job"]["time_verdict"].startswith("straggler-bound: rank 1")
+    said = " ".join(proc.stderr.split())
+    assert "rank 1 (host" in said and "<- straggler" in said
+    assert not any("device-bound" in line for line in proc.stderr.splitlines() if "rank 0" in line)
+
+
+def test_a_rank_with_a_slow_dataset_is_named_with_its_input_pipeline(tmp_path):
+    proc, result = _job(tmp_path, "--slow-data-rank", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kinds = {f["kind"]: f for f in result["findings"]}
+    assert kinds["straggler"]["evidence"]["rank"] == 1
+    assert kinds["straggler"]["evidence"]["category"] == "data"
+    assert "num_workers" in kinds["straggler"]["fix"]
+    # The input-bound finding was rank 1's alone, and says so.
+    assert kinds["input-bound"]["evidence"]["rank"] == 1 and kinds["input-bound"]["evidence"]["ranks"] == [1]
+    assert kinds["input-bound"]["message"].startswith("on rank 1:")
+
+
+def test_a_balanced_job_has_no_straggler_and_one_verdict(tmp_path):
+    proc, result = _job(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [f["kind"] for f in result["findings"]] == []
+    assert result["job"]["straggler"] is None and result["job"]["ranks_missing"] == []
+    assert [r["steps"] for r in result["ranks"]] == [12, 12]
+    assert "no finding on any of the 2 ranks" in proc.stderr
+    assert len(_summaries(proc.stderr)) == 1
+
+
+def test_uneven_inputs_are_a_rank_divergence_naming_the_rank_with_more_steps(tmp_path):
+    proc, result = _job(tmp_path, "--extra-step-rank", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = [f for f in result["findings"] if f["kind"] == "rank-divergence"]
+    assert len(found) == 1 and found[0]["severity"] == "problem"
+    assert found[0]["evidence"]["rank"] == 1 and found[0]["evidence"]["steps_by_rank"] == {"0": 12, "1": 13}
+    assert "drop_last=True" in found[0]["fix"] and "join()" in found[0]["fix"]
+
+
+def test_a_rank_that_fails_is_said_and_the_job_is_not_called_ok(tmp_path):
+    proc, result = _job(tmp_path, "--fail-rank", "1")
+    assert proc.returncode != 0
+    assert {r["rank"]: r["exit_status"] for r in result["ranks"]} == {0: 0, 1: 1}
+    assert result["verdict"]["judged_every_step"] is False
+    assert "rank 1 exited with status 1" in result["verdict"]["text"]
+    assert "[ok  ]" not in proc.stderr
+
+
+def test_torchrun_running_accelport_diagnose_on_each_rank_gives_the_same_job_summary(tmp_path):
+    out = tmp_path / "job.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "accelport", "diagnose",
+               "--output", str(out), JOB, "--slow-rank", "0"]
+    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=child_env(),
+                          preexec_fn=default_signals)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(_summaries(proc.stderr)) == 1
+    result = json.loads(out.read_text())
+    assert [f["evidence"]["rank"] for f in result["findings"] if f["kind"] == "straggler"] == [0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return int(s.getsockname()[1])
+
+
+def test_two_nodes_on_localhost_gather_on_node_0(tmp_path):
+    """Two launchers (--nnodes 2, one rank each) meeting at a c10d rendezvous: node 0's rank 0 says the job."""
+    port = _free_port()
+    procs = []
+    for node in (0, 1):
+        out = tmp_path / f"node{node}.json"
+        command = [sys.executable, "-m", "accelport", "diagnose", "--output", str(out), "-m",
+                   "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                   "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "accelport-test", JOB, "--slow-rank", "1"]
+        procs.append(subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env=child_env(), preexec_fn=default_signals))
+    outputs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outputs]
+    written = [p for p in (tmp_path / "node0.json", tmp_path / "node1.json") if p.is_file()]
+    assert len(written) == 1  # the node that ran rank 0
+    result = json.loads(written[0].read_text())
+    assert [r["rank"] for r in result["ranks"]] == [0, 1]
+    assert [f["evidence"]["rank"] for f in result["findings"] if f["kind"] == "straggler"] == [1]
+    assert sum(len(_summaries(e)) for _, e in outputs) == 1
+
+
+def test_torchrun_no_python_is_refused_with_what_to_do(tmp_path):
+    proc = run(*TORCHRUN, "--no-python", "echo", cwd=tmp_path)
+    assert proc.returncode == 2 and "--no-python" in proc.stderr and "Traceback" not in proc.stderr

@@ -24,6 +24,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -118,6 +119,8 @@ class _Plan:
     profile: StepProfile | None = None
     #: What is worth saying at the end about the options (a --profile that cannot be done).
     notes: list[str] = field(default_factory=list)
+    #: Where the workers the script starts itself write their runs (accelport.runtime.workers).
+    workers_dir: str | None = None
 
 
 def _plan(args: argparse.Namespace) -> _Plan:
@@ -550,7 +553,7 @@ def _setup(plan: _Plan) -> dict[str, Any]:
 
 
 def _result(watcher: Watcher, outcome: Outcome, plan: _Plan | None = None) -> dict[str, Any]:
-    findings = [_finding_dict(f, watcher) for f in watcher.findings]
+    findings = [watcher.finding_dict(f) for f in watcher.findings]
     severity, text = verdict(watcher, outcome)
     steps = watcher.steps + watcher.manual_steps
     out = {"findings": findings, "metrics": watcher.metrics(), "steps": watcher.steps,
@@ -595,14 +598,21 @@ def _conclude(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | No
               stderr: Any) -> bool:
     """Write the outputs and say what was found; whether writing one failed. A rank of a torchrun job hands
     its run to rank 0, which says the job's (:mod:`accelport.diagnose.job`)."""
-    from accelport.diagnose.job import JobPlace
+    from accelport.diagnose.job import JobPlace, rank_label
 
     place = JobPlace.from_environ(os.environ)
     if place is not None and not outcome.forked:
         done = _conclude_rank(plan, watcher, outcome, records, redactor, stderr, place)
         if done is not None:
             return done
-        watcher.notes.append(f"rank {place.rank} of {place.world_size}")
+    label = rank_label(os.environ)  # (a rank said alone: which one)
+    target = f"{plan.target} ({label})" if label else plan.target
+    workers = _worker_runs(plan)
+    if workers:  # the script trained in workers it started: each was watched, and is a rank of the job
+        counts = [n for _, _, n in watcher.spawned if isinstance(n, int)]
+        world = max([len(workers), max((r.rank for r in workers), default=0) + 1, *counts[:1]])
+        missing = sorted(set(range(world)) - {r.rank for r in workers})
+        return _say_job(plan, watcher, outcome, records, redactor, stderr, workers, world, missing)
     written: list[str] = []
     problems: list[str] = []
     if plan.output is not None:
@@ -629,34 +639,10 @@ def _conclude(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | No
             problems.append(f"cannot write --metrics-file {plan.metrics_file}: "
                             f"{getattr(exc, 'strerror', None) or exc}")
     _flush(sys.stdout)  # the script's output first, then what was found
-    _say(stderr, render_summary(plan.target, watcher, outcome, written, redactor))
+    _say(stderr, render_summary(target, watcher, outcome, written, redactor))
     for problem in problems:
         _say(stderr, f"accelport: error: {redactor.text(problem)}")
     return bool(problems)
-
-
-def _rank_run(watcher: Watcher, outcome: Outcome, place: JobPlace) -> RankRun:
-    """This rank's run, as it goes to rank 0: its seconds per step by category after the first step."""
-    from accelport.diagnose.job import RankRun
-
-    tracker = watcher.tracker
-    steps = tracker.time_steps
-    per_step: dict[str, float] = {}
-    backward = 0.0
-    if steps > 1:
-        for category, seconds in tracker.time_total.items():
-            per_step[category] = (seconds - tracker.first_breakdown.get(category, 0.0)) / (steps - 1)
-        backward = (tracker.clock.backward - tracker.first_backward) / (steps - 1)
-    elif steps == 1:
-        per_step = dict(tracker.time_total)
-    metrics = watcher.metrics()
-    findings = [_finding_dict(f, watcher) for f in watcher.findings]
-    return RankRun(rank=place.rank, host=place.host, pid=os.getpid(), steps=watcher.steps + watcher.manual_steps,
-                   exit_status=outcome.exit_status, per_step={k: v for k, v in per_step.items() if v > 0},
-                   backward=max(backward, 0.0),
-                   findings=findings, compilations=int(metrics.get("compilations") or 0),
-                   peak_memory_bytes=metrics.get("peak_memory_bytes"), backend=watcher.backend_name,
-                   style=watcher.style, verdict=verdict(watcher, outcome)[1])
 
 
 def _conclude_rank(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | None, redactor: Redactor,
@@ -664,20 +650,31 @@ def _conclude_rank(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str
     """A rank of a torchrun job: ranks other than 0 hand their run to rank 0 and say nothing; rank 0 gathers
     every rank's, judges the job and writes the outputs. None where the job view cannot be had (this rank
     then says its own run, labelled with its rank)."""
-    from accelport.diagnose.job import gather, judge, publish, wait_seconds
+    from accelport.diagnose.job import gather, publish, wait_seconds
+    from accelport.runtime.workers import rank_run
 
-    own = _rank_run(watcher, outcome, place)
+    own = rank_run(watcher, outcome.exit_status, place.rank, verdict(watcher, outcome)[1])
     if place.rank != 0:
         problem = publish(place, own)
         if problem is None:
             return False
         watcher.notes.append(f"this rank's run could not be handed to rank 0 ({problem}): it is said here alone")
         return None
-    runs, missing, problem = gather(place, own, wait_seconds(os.environ, outcome.ended_by is not None))
+    # (rank 0's own script failed or was stopped: torchrun ends the others soon, so they are not waited for long)
+    stopped = outcome.ended_by is not None or outcome.exit_status != 0
+    runs, missing, problem = gather(place, own, wait_seconds(os.environ, stopped))
     if problem is not None:
         watcher.notes.append(f"the other ranks' runs could not be read ({problem}): rank 0's is said alone")
         return None
-    job = judge(runs, place.world_size, missing)
+    return _say_job(plan, watcher, outcome, records, redactor, stderr, runs, place.world_size, missing)
+
+
+def _say_job(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | None, redactor: Redactor,
+             stderr: Any, runs: Sequence[RankRun], world_size: int, missing: Sequence[int]) -> bool:
+    """Judge a job from its ranks' runs, write the outputs and say it; whether writing one failed."""
+    from accelport.diagnose.job import judge
+
+    job = judge(runs, world_size, missing)
     written: list[str] = []
     problems: list[str] = []
     if plan.output is not None:
@@ -690,7 +687,7 @@ def _conclude_rank(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str
             problems.append(str(exc))
     if plan.report is not None:
         if records is None or not os.path.isfile(records) or os.path.getsize(records) == 0:
-            job.notes.append("no report page: no step was recorded on rank 0, and the page draws the steps")
+            job.notes.append("no report page: no step was recorded in this process, and the page draws the steps")
         else:
             from accelport.diagnose.report import ReportError, load_records, render_html
 
@@ -705,7 +702,7 @@ def _conclude_rank(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str
     if plan.metrics_file is not None and records is not None:
         try:
             replace_with(records, output_target(plan.metrics_file, what="--metrics-file"))
-            written.append(f"{plan.metrics_file} (rank 0's steps)")
+            written.append(f"{plan.metrics_file} (this process's steps)")
         except (OSError, AccelportError) as exc:
             problems.append(f"cannot write --metrics-file {plan.metrics_file}: "
                             f"{getattr(exc, 'strerror', None) or exc}")
@@ -716,16 +713,16 @@ def _conclude_rank(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str
     return bool(problems)
 
 
-def _finding_dict(f: Any, watcher: Watcher) -> dict[str, Any]:
-    from accelport.runtime.watch import where
+def _worker_runs(plan: _Plan) -> list[RankRun]:
+    """The runs of the workers the script started, each watched in its own process; their directory removed."""
+    if plan.workers_dir is None:
+        return []
+    from accelport.runtime.workers import read_runs
 
-    item: dict[str, Any] = f.to_dict()
-    site = where(f, watcher.sites)
-    if site:
-        item["evidence"]["where"] = f"{site.file}:{site.line}"
-        if site.label:
-            item["evidence"]["where_is"] = site.label
-    return item
+    runs = read_runs(plan.workers_dir)
+    shutil.rmtree(plan.workers_dir, ignore_errors=True)
+    plan.workers_dir = None
+    return runs
 
 
 def _job_result(job: JobResult, runs: Sequence[RankRun]) -> dict[str, Any]:
@@ -785,7 +782,8 @@ def render_job(target: str, job: JobResult, watcher: Watcher, written: Sequence[
     steps = sorted({r.steps for r in job.runs})
     each = f"{steps[0]} optimizer step(s) each" if len(steps) == 1 else \
         f"{'-'.join(map(str, (steps[0], steps[-1])))} optimizer steps"
-    on = f" on {watcher.backend_name}" if watcher.backend_name else ""
+    backends = sorted({r.backend for r in job.runs if r.backend})
+    on = f" on {', '.join(backends)}" if backends else ""
     found = f": {len(job.findings)} finding(s)" if job.findings else ""
     lines = [shown(f"accelport diagnose: {target}, a job of {job.world_size} ranks on {hosts} host(s), took {each}"
                    f"{on}{found}")]
@@ -847,8 +845,12 @@ def run(args: argparse.Namespace) -> int:
     stderr = sys.stderr  # accelport's messages go where stderr was, whatever the script makes of sys.stderr
     saved_builtins = dict(vars(builtins))
     command = ("--", plan.script) if plan.script is not None else ("-m", str(plan.module))
+    from accelport.runtime.workers import watch_workers
+
+    plan.workers_dir = tempfile.mkdtemp(prefix="accelport-workers-")
     watcher = Watcher(backend=plan.backend, metrics_file=records, redactor=redactor, find_nan=plan.find_nan,
-                      find_nan_dir=plan.find_nan_dir, command=(*command, *plan.args), profile=plan.profile)
+                      find_nan_dir=plan.find_nan_dir, command=(*command, *plan.args), profile=plan.profile,
+                      workers=watch_workers(plan.workers_dir, plan.backend))
     watcher.notes += plan.notes
 
     def conclude(outcome: Outcome) -> bool:
@@ -871,6 +873,8 @@ def run(args: argparse.Namespace) -> int:
         if os.getpid() == pid:
             ending.uninstall()
             _remove(records)
+            if plan.workers_dir is not None:
+                shutil.rmtree(plan.workers_dir, ignore_errors=True)
     _leave_streams_flushable()
     if ending.pending:
         _die_of(signal.SIGTERM)

@@ -29,7 +29,7 @@ from typing import Any
 
 from accelport.diagnose.rule import Diagnosis, JobView, RankRun
 
-__all__ = ["JobPlace", "RankRun", "JobView", "JobResult", "judge", "publish", "gather", "ENV_WAIT"]
+__all__ = ["JobPlace", "RankRun", "JobView", "JobResult", "judge", "publish", "gather", "rank_label", "ENV_WAIT"]
 
 #: Seconds rank 0 waits, after its own script ended, for the other ranks' results.
 ENV_WAIT = "ACCELPORT_JOB_WAIT"
@@ -67,6 +67,16 @@ class JobPlace:
     @property
     def host(self) -> str:
         return socket.gethostname()
+
+
+def rank_label(environ: Mapping[str, str]) -> str | None:
+    """"rank 3 of 8" for a process of a job (RANK and WORLD_SIZE, as torchrun, srun wrappers and launchers
+    set them), None for one process: a rank that says its run alone says which it is."""
+    try:
+        rank, world = int(environ["RANK"]), int(environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+    return f"rank {rank} of {world}" if world > 1 and 0 <= rank < world else None
 
 
 def _store(place: JobPlace, timeout: float) -> Any:

@@ -210,8 +210,12 @@ class Watcher:
     def __init__(self, environ: Mapping[str, str] | None = None, *, backend: str | None = None,
                  metrics_file: str | None = None, redactor: Redactor | None = None, find_nan: int | None = None,
                  find_nan_dir: str | None = None, command: Sequence[str] | None = None,
-                 profile: StepProfile | None = None, recorder: StepRecorder | None = None) -> None:
+                 profile: StepProfile | None = None, recorder: StepRecorder | None = None,
+                 workers: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None) -> None:
         self._recorder = recorder
+        # Workers the script starts itself (mp.spawn, torch_xla.launch) run their function wrapped by this, which
+        # watches it in the worker (accelport.runtime.workers); None: only this process is watched.
+        self._wrap_worker = workers
         self._environ = os.environ if environ is None else environ
         self._find_nan = find_nan
         self._find_nan_dir = find_nan_dir
@@ -278,6 +282,7 @@ class Watcher:
             "torch.utils.data.dataloader": self._on_dataloader,
             "torch.autograd": self._on_autograd,
             "torch.multiprocessing": self._on_multiprocessing,
+            "torch.distributed": self._on_distributed,
             "torch_xla": self._on_torch_xla,
             "torch_xla.core.xla_model": self._on_xla_model,
             "torch_xla.distributed.parallel_loader": self._on_parallel_loader,
@@ -378,6 +383,29 @@ class Watcher:
         if before is not None:  # the optimizer's time is the step's body (see accelport.observe.steptime)
             self._pre_hook = before(self._before_step)
         watch_backward(self.tracker.clock)
+
+    #: torch.distributed's collectives a script calls itself: the time in them is a wait for the other ranks.
+    COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
+                   "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list",
+                   "reduce", "gather", "scatter", "barrier")
+
+    def _on_distributed(self, module: types.ModuleType) -> None:
+        watcher = self
+        clock = self.tracker.clock
+
+        def make(original: Any) -> Any:
+            def collective(*args: Any, **kwargs: Any) -> Any:
+                if not (watcher._feeding and threading.get_ident() == watcher._main):
+                    return original(*args, **kwargs)
+                clock.enter("collective")
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    clock.leave("collective")
+            return collective
+
+        for name in self.COLLECTIVES:
+            self._patch(module, name, make)
 
     def _on_dataloader(self, module: types.ModuleType) -> None:
         watcher = self
@@ -590,10 +618,23 @@ class Watcher:
                         site = user_site()
                         watcher.spawned.append((launcher, Site(*site) if site else None,
                                                 nprocs if isinstance(nprocs, int) else None))
+                        # torch_xla's launchers run a thread per device in a process: not one watcher each.
+                        if watcher._wrap_worker is not None and launcher.startswith("torch.multiprocessing"):
+                            args, kwargs = watcher._watched_fn(watcher._wrap_worker, args, kwargs)
                 return original(*args, **kwargs)
             return launch
 
         return make
+
+    @staticmethod
+    def _watched_fn(wrap: Callable[[Callable[..., Any]], Callable[..., Any]], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """A launcher's arguments with its function (first, or ``fn=``) wrapped by ``wrap``."""
+        if args:
+            return (wrap(args[0]), *args[1:]), kwargs
+        if "fn" in kwargs:
+            return args, {**kwargs, "fn": wrap(kwargs["fn"])}
+        return args, kwargs
 
     def _on_autograd(self, module: types.ModuleType) -> None:
         watcher = self
@@ -799,6 +840,16 @@ class Watcher:
             self._active = self._feeding = False
             if search is not None:
                 self.notes += search.notes()
+
+    def finding_dict(self, finding: Diagnosis) -> dict[str, Any]:
+        """A finding as JSON holds it, with the script's line it is at (``evidence.where``) where one is known."""
+        item: dict[str, Any] = finding.to_dict()
+        site = where(finding, self.sites)
+        if site:
+            item["evidence"]["where"] = f"{site.file}:{site.line}"
+            if site.label:
+                item["evidence"]["where_is"] = site.label
+        return item
 
     @property
     def findings(self) -> list[Diagnosis]:

@@ -137,3 +137,38 @@ def test_two_nodes_on_localhost_gather_on_node_0(tmp_path):
 def test_torchrun_no_python_is_refused_with_what_to_do(tmp_path):
     proc = run(*TORCHRUN, "--no-python", "echo", cwd=tmp_path)
     assert proc.returncode == 2 and "--no-python" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+def test_workers_a_script_starts_itself_are_each_watched_and_judged_as_one_job(tmp_path, start_method):
+    out = tmp_path / "job.json"
+    proc = run("--output", str(out), str(SCRIPTS / "spawn_job.py"), str(_free_port()), "--slow-rank", "1",
+               "--start-method", start_method, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "all workers done" in proc.stdout
+    summaries = _summaries(proc.stderr)
+    assert len(summaries) == 1 and "a job of 2 ranks" in summaries[0] and "on cpu" in summaries[0]
+    assert "not watched" not in proc.stderr
+    result = json.loads(out.read_text())
+    assert [(r["rank"], r["steps"]) for r in result["ranks"]] == [(0, 12), (1, 12)]
+    assert len({r["pid"] for r in result["ranks"]}) == 2
+    assert [f["evidence"]["rank"] for f in result["findings"] if f["kind"] == "straggler"] == [1]
+
+
+def test_collectives_the_script_calls_itself_are_timed_as_collective(tmp_path):
+    """No DDP: the script averages its gradients with dist.all_reduce; rank 0's slow Dataset makes rank 1 wait."""
+    proc, result = _job(tmp_path, "--manual", "--slow-data-rank", "0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (found,) = [f for f in result["findings"] if f["kind"] == "straggler"]
+    assert found["evidence"]["rank"] == 0 and found["evidence"]["category"] == "data"
+    assert "in the collectives" in found["message"]
+    ranks = {r["rank"]: r["time_breakdown"] for r in result["ranks"]}
+    assert ranks[1]["collective"] > 0.1 and ranks[1]["collective"] > 5 * ranks[0].get("collective", 0.0)
+
+
+def test_a_rank_started_without_torchrun_says_its_own_run_labelled_with_its_rank(tmp_path):
+    """srun-style ranks (RANK and WORLD_SIZE, no torchrun agent hosting a store): each says its own, labelled."""
+    proc = run(str(SCRIPTS / "cpu_healthy.py"), cwd=tmp_path, env={"RANK": "1", "WORLD_SIZE": "2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (first,) = _summaries(proc.stderr)
+    assert "cpu_healthy.py (rank 1 of 2) took" in first

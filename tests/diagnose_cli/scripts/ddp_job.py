@@ -1,12 +1,13 @@
 """An unported DDP training script (gloo, cpu) for the job tests, with one fault chosen per run.
 
     torchrun --nproc-per-node 2 ddp_job.py [--slow-rank R] [--slow-data-rank R] [--extra-step-rank R]
-                                             [--fail-rank R] [--steps N]
+                                             [--fail-rank R] [--steps N] [--manual]
 
 --slow-rank: that rank sleeps 0.15 s in the loop each step (host work, an augmentation of its own).
 --slow-data-rank: that rank's Dataset sleeps 0.05 s per sample (4 per batch) in the main process.
 --extra-step-rank: that rank takes one step more, without DDP (uneven inputs; DDP itself would hang).
 --fail-rank: that rank raises after its steps.
+--manual: no DDP; the script averages the gradients itself with dist.all_reduce before each step.
 Every rank sleeps 0.05 s in its loop each step, so a balanced job's step is that long on a busy machine too.
 """
 
@@ -23,6 +24,7 @@ parser.add_argument("--slow-data-rank", type=int, default=-1)
 parser.add_argument("--extra-step-rank", type=int, default=-1)
 parser.add_argument("--fail-rank", type=int, default=-1)
 parser.add_argument("--steps", type=int, default=12)
+parser.add_argument("--manual", action="store_true")
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -30,7 +32,7 @@ rank = dist.get_rank()
 torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
 uneven = args.extra_step_rank >= 0
-model = net if uneven else DDP(net)
+model = net if uneven or args.manual else DDP(net)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
 
@@ -56,6 +58,10 @@ for step, (x, y) in enumerate(loader):
     loss = torch.nn.functional.mse_loss(model(x), y)
     opt.zero_grad()
     loss.backward()
+    if args.manual:
+        for p in net.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
     opt.step()
 if uneven:
     for p in net.parameters():  # the one collective: the ranks' weights averaged at the end

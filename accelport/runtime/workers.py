@@ -1,0 +1,117 @@
+"""Workers a watched script starts itself (``torch.multiprocessing.spawn`` / ``start_processes``,
+``torch_xla.launch``, ``xmp.spawn``): each is watched in its own process, and its run comes back to the parent.
+
+The launcher's function is handed over wrapped (:class:`WatchedWorker`): it travels to the worker as
+the function itself would (pickled by reference under spawn and forkserver, inherited under fork), and
+in the worker it runs the function under a :class:`~accelport.runtime.watch.Watcher` of that process.
+When the function ends, however it ends, the worker writes its summary (:class:`RankRun`) whole into a
+directory of the parent's; the parent reads them once the script ends (:func:`read_runs`) and judges
+them as one job (:mod:`accelport.diagnose.job`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from accelport.diagnose.rule import RankRun
+from accelport.runtime.watch import Watcher
+
+__all__ = ["WatchedWorker", "rank_run", "read_runs", "watch_workers"]
+
+_PREFIX = "rank-"
+
+
+def rank_run(watcher: Watcher, exit_status: int, rank: int, verdict: str = "") -> RankRun:
+    """``watcher``'s run as one rank's summary: seconds per step by category after the first step (which holds
+    the start-up and the first compilations), and the seconds inside backward passes per step."""
+    tracker = watcher.tracker
+    steps = tracker.time_steps
+    per_step: dict[str, float] = {}
+    backward = 0.0
+    if steps > 1:
+        for category, seconds in tracker.time_total.items():
+            per_step[category] = (seconds - tracker.first_breakdown.get(category, 0.0)) / (steps - 1)
+        backward = (tracker.clock.backward - tracker.first_backward) / (steps - 1)
+    elif steps == 1:
+        per_step = dict(tracker.time_total)
+    metrics = watcher.metrics()
+    return RankRun(rank=rank, host=socket.gethostname(), pid=os.getpid(), steps=watcher.steps + watcher.manual_steps,
+                   exit_status=exit_status, per_step={k: v for k, v in per_step.items() if v > 0},
+                   backward=max(backward, 0.0), findings=[watcher.finding_dict(f) for f in watcher.findings],
+                   compilations=int(metrics.get("compilations") or 0),
+                   peak_memory_bytes=metrics.get("peak_memory_bytes"), backend=watcher.backend_name,
+                   style=watcher.style, verdict=verdict)
+
+
+class WatchedWorker:
+    """A launcher's function, watched in the worker that runs it; its run written to ``directory``."""
+
+    def __init__(self, fn: Callable[..., Any], directory: str, backend: str | None) -> None:
+        self.fn = fn
+        self.directory = directory
+        self.backend = backend
+
+    def __call__(self, index: int, *args: Any, **kwargs: Any) -> Any:
+        watcher = Watcher(backend=self.backend)
+        watcher.install()
+        status = 0
+        try:
+            return self.fn(index, *args, **kwargs)
+        except SystemExit as exc:
+            status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            raise
+        except BaseException as exc:
+            status = 1
+            watcher.failed(exc)
+            raise
+        finally:
+            try:
+                watcher.finish()
+                watcher.uninstall()
+                _write(self.directory, rank_run(watcher, status, _rank(index)))
+            except Exception:  # noqa: BLE001 - never in the way of the worker's own end
+                pass
+
+
+def watch_workers(directory: str, backend: str | None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """What a Watcher wraps a launcher's function with, so each worker's run is written to ``directory``."""
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        return WatchedWorker(fn, directory, backend)
+    return wrap
+
+
+def _rank(index: int) -> int:
+    """The worker's rank: its launcher's index, or RANK where the script set it before starting the workers."""
+    return index if isinstance(index, int) else int(os.environ.get("RANK", "0"))
+
+
+def _write(directory: str, run: RankRun) -> None:
+    path = os.path.join(directory, f"{_PREFIX}{run.rank}.json")
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "w", encoding="utf-8") as f:
+        json.dump(asdict(run), f, default=str)
+    os.replace(temporary, path)
+
+
+def read_runs(directory: str) -> list[RankRun]:
+    """The workers' runs written to ``directory``, by rank; a file that is not one is left out."""
+    runs: dict[int, RankRun] = {}
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    for name in names:
+        if not (name.startswith(_PREFIX) and name.endswith(".json")):
+            continue
+        try:
+            with open(os.path.join(directory, name), encoding="utf-8") as f:
+                run = RankRun.from_dict(json.load(f))
+        except (OSError, ValueError):
+            continue
+        runs[run.rank] = run
+    return [runs[r] for r in sorted(runs)]

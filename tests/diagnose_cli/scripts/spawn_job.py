@@ -1,0 +1,44 @@
+"""An unported script that starts its own DDP workers with torch.multiprocessing.spawn (gloo, cpu).
+
+    python spawn_job.py PORT [--slow-rank R] [--start-method spawn|fork|forkserver]
+
+--slow-rank: that worker sleeps 0.15 s in its loop each step; every worker sleeps 0.05 s.
+"""
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def train(rank: int, world: int, port: int, slow: int) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "localhost", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(12):
+        x, y = torch.randn(4, 32, generator=g), torch.randn(4, 1, generator=g)
+        time.sleep(0.05)
+        if rank == slow:
+            time.sleep(0.15)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("port", type=int)
+    parser.add_argument("--slow-rank", type=int, default=-1)
+    parser.add_argument("--start-method", default="spawn")
+    args = parser.parse_args()
+    mp.start_processes(train, args=(2, args.port, args.slow_rank), nprocs=2, start_method=args.start_method)
+    print("all workers done")

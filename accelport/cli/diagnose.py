@@ -677,10 +677,11 @@ def _say_job(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | Non
     job = judge(runs, world_size, missing)
     written: list[str] = []
     problems: list[str] = []
+    said = _job_result(job, runs)
     if plan.output is not None:
         try:
             result = _result(watcher, outcome, plan)
-            result.update(_job_result(job, runs))
+            result.update(said)
             write_atomic(plan.output, _json(result, redactor), what="--output")
             written.append(plan.output)
         except AccelportError as exc:
@@ -694,7 +695,7 @@ def _say_job(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | Non
             try:
                 page = render_html(load_records(records), job.findings,
                                    title=f"accelport diagnose: {plan.target} (rank 0's steps; the job's findings)",
-                                   redactor=redactor)
+                                   redactor=redactor, ranks=said["ranks"])
                 write_atomic(plan.report, page.encode("utf-8"), what="--report")
                 written.append(plan.report)
             except (ReportError, AccelportError) as exc:

@@ -21,7 +21,7 @@ import os
 import stat
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -475,8 +475,10 @@ def _memory_section(records: Sequence[dict[str, Any]]) -> str:
 
 
 def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], title: str = "accelport run",
-                notes: Sequence[str] = (), redactor: Redactor | None = None) -> str:
-    """The report page as a string (self-contained: inline CSS, data and script); ``notes`` go under the title.
+                notes: Sequence[str] = (), redactor: Redactor | None = None,
+                ranks: Sequence[Mapping[str, Any]] = ()) -> str:
+    """The report page as a string (self-contained: inline CSS, data and script); ``notes`` go under the title;
+    ``ranks`` (a job's: ``--output``'s ``ranks`` entries) a row each, its time per step stacked by category.
 
     Every text from the run (title, notes, diagnoses, shapes, backend) is redacted by ``redactor``
     (give one built from the run's environment, so its secrets are known; default: the
@@ -554,12 +556,40 @@ def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], tit
 <noscript>The chart needs JavaScript; the totals below do not.</noscript>
 {verdict_html}
 <h2>Totals</h2><table>{rows}</table>{profiles_html}
-{_memory_section(records)}<h2>Diagnoses</h2>{diag_html}
+{_memory_section(records)}{_ranks_html(ranks, safe)}<h2>Diagnoses</h2>{diag_html}
 <h2>Batch shapes</h2>
 <table id=shapes><tr><th>shape of each input</th><th>steps</th><th>compilations</th><th>compile time</th>
 <th>first step</th></tr>{shape_rows}</table>{more}
 <script type="application/json" id="run-data">{data}</script>
 <script>{_SCRIPT}</script>""", safe)
+
+
+def _ranks_html(ranks: Sequence[Mapping[str, Any]], safe: Callable[[object], str]) -> str:
+    """A job's ranks, a row each: host, steps, exit status, and its time per step as a bar stacked by category
+    (the same scale for every rank, so the straggler's and the waiting ranks' bars compare), the straggler marked."""
+    if not ranks:
+        return ""
+    from accelport.observe.steptime import ordered
+
+    longest = max((sum(float(v) for v in dict(r.get("time_breakdown") or {}).values()) for r in ranks),
+                  default=0.0) or 1e-12
+    rows = []
+    for r in ranks:
+        parts = ordered({str(k): float(v) for k, v in dict(r.get("time_breakdown") or {}).items() if float(v) > 0})
+        total = sum(v for _, v in parts)
+        bar = "".join(
+            f"<span title='{safe(k)} {v * 1e3:.1f} ms' style='display:inline-block;height:12px;"
+            f"width:{max(v / longest * 400, 0.5):.1f}px;background:"
+            f"{CATEGORY_COLORS.get(k) or CATEGORY_COLORS.get(k.split('+')[0], '#8c959f')}'></span>"
+            for k, v in parts)
+        said = ", ".join(f"{safe(k)} {v * 1e3:.1f}" for k, v in parts)
+        mark = " <span class=badge>straggler</span>" if r.get("straggler") else ""
+        rows.append(f"<tr class=rank><td>{safe(r.get('rank'))}{mark}</td><td>{safe(r.get('host'))}</td>"
+                    f"<td>{safe(r.get('steps'))}</td><td>{safe(r.get('exit_status'))}</td>"
+                    f"<td>{total * 1e3:.1f} ms</td><td>{bar}<br><span class=sub>{said}</span></td></tr>")
+    return ("<h2>Ranks</h2><p class=sub>Time per step after the first, by category (ms); the time a rank waits for "
+            "the others is collective.</p><table id=ranks><tr><th>rank</th><th>host</th><th>steps</th>"
+            "<th>status</th><th>per step</th><th>where it goes</th></tr>" + "".join(rows) + "</table>")
 
 
 def escaper(redactor: Redactor | None = None) -> Callable[[object], str]:

@@ -100,3 +100,17 @@ def test_a_rank_summary_that_is_not_one_is_a_value_error():
 ])
 def test_a_job_place_is_a_torchrun_rank_of_several(environ, expected):
     assert JobPlace.from_environ(environ) == expected
+
+
+def test_memory_held_on_one_rank_only_names_that_rank():
+    from dataclasses import replace
+
+    gib = 2**30
+    runs = [replace(_rank(r), peak_memory_bytes=peak) for r, peak in enumerate((2 * gib, 2 * gib, 3 * gib))]
+    (found,) = judge(runs, 3).findings
+    assert found.kind == "rank-divergence" and found.evidence["rank"] == 2 and found.evidence["what"] == "memory"
+    assert "1024 MiB more" in found.message
+    # A few percent apart, or a small absolute difference: nothing.
+    close = [replace(_rank(r), peak_memory_bytes=peak) for r, peak in enumerate((2 * gib, int(2.2 * gib)))]
+    small = [replace(_rank(r), peak_memory_bytes=peak) for r, peak in enumerate((100 * 2**20, 300 * 2**20))]
+    assert judge(close, 2).findings == [] and judge(small, 2).findings == []

@@ -56,8 +56,15 @@ def test_a_rank_with_extra_host_work_is_named_the_straggler_and_the_others_wait_
 
 
 def test_a_rank_with_a_slow_dataset_is_named_with_its_input_pipeline(tmp_path):
-    proc, result = _job(tmp_path, "--slow-data-rank", "1")
+    out, page = tmp_path / "job.json", tmp_path / "job.html"
+    proc = run("--output", str(out), "--report", str(page), *TORCHRUN, JOB, "--slow-data-rank", "1", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    # The page has a row per rank, the straggler marked, beside rank 0's steps and the job's findings.
+    html = page.read_text()
+    rows = html.split("<tr class=rank>")[1:]
+    assert len(rows) == 2 and "straggler" not in rows[0] and "<span class=badge>straggler</span>" in rows[1]
+    assert "straggler" in html.split("<h2>Diagnoses</h2>")[1]
     kinds = {f["kind"]: f for f in result["findings"]}
     assert kinds["straggler"]["evidence"]["rank"] == 1
     assert kinds["straggler"]["evidence"]["category"] == "data"

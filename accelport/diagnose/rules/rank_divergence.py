@@ -4,7 +4,9 @@ A data-parallel job's ranks run the same program on their own share of the data.
 more optimizer steps than the others (uneven inputs), a collective of its extra step has no partner: DDP
 hangs there, or the job ends with that rank's work unmatched. Where one rank compiles more programs than
 the others (another batch shape there), on XLA it runs a different graph: it recompiles alone, and a
-collective in that graph may wait for ever. The finding names the rank that does the odd work.
+collective in that graph may wait for ever. Where one rank's memory peak is well above the others' (work
+it does alone: evaluation, logging), it runs out of memory first. The finding names the rank that does
+the odd work.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ def _odd(values: dict[int, int]) -> int | None:
 
 class RankDivergenceRule(JobRule):
     kind = "rank-divergence"
+    #: One rank's memory peak above the others' (their median) by this share and at least this many bytes.
+    MEMORY_SHARE = 0.25
+    MEMORY_BYTES = 256 * 2**20
 
     def judge(self, job: JobView) -> Diagnosis | None:
         runs: list[RankRun] = list(job.runs)
@@ -61,4 +66,22 @@ class RankDivergenceRule(JobRule):
             return Diagnosis(kind=self.kind, message=message, step=1, severity="warning",
                              evidence={"rank": odd, "what": "compilations", "compilations_by_rank": compiles},
                              fix=fix)
+        memory = {r.rank: r.peak_memory_bytes for r in runs if r.peak_memory_bytes}
+        if len(memory) == len(runs):
+            high = max(memory, key=lambda r: (memory[r], -r))
+            rest = sorted(v for r, v in memory.items() if r != high)
+            typical = rest[len(rest) // 2]
+            extra = memory[high] - typical
+            if extra > self.MEMORY_SHARE * typical and extra >= self.MEMORY_BYTES:
+                message = (f"rank {high} peaked at {memory[high] / 2**20:.0f} MiB of memory and the other ranks at "
+                           f"about {typical / 2**20:.0f} MiB: {extra / 2**20:.0f} MiB more, held by work that rank "
+                           "does alone (evaluation, logging or metrics kept on that rank, a larger shard of the "
+                           "data). The job's batch and model size are capped by that rank: it runs out of memory "
+                           "first.")
+                fix = ("Do rank-0-only work (evaluation, metric buffers, a copy of the model for saving) in small "
+                       "pieces or on every rank's share, free it after use (del, and no tensors kept in lists), and "
+                       "give every rank the same shard size.")
+                return Diagnosis(kind=self.kind, message=message, step=1, severity="warning",
+                                 evidence={"rank": high, "what": "memory", "peak_memory_bytes_by_rank": memory},
+                                 fix=fix)
         return None

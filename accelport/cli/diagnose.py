@@ -149,7 +149,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
     outputs = []
     for option, value in (("--output", args.output), ("--report", args.report),
                           ("--metrics-file", args.metrics_file)):
-        path = _output_path(option, value)
+        path = output_path(option, value)
         if path is not None:
             outputs.append((option, str(value), path))
     _check_apart(outputs, inputs)
@@ -332,7 +332,7 @@ def _module_file(name: str) -> str | None:
     return origin if os.path.isfile(origin) else None
 
 
-def _output_path(option: str, value: str | None) -> str | None:
+def output_path(option: str, value: str | None) -> str | None:
     """The absolute path for an output option: a regular file (or none yet) in a directory that can be written."""
     if value is None:
         return None

@@ -45,6 +45,11 @@ def register(sub: Any) -> None:
                    help="stop the job when a worker has not ended its first training step this long after the "
                         "launch (start-up, imports, data, a first compilation; default with --timeout: the larger "
                         "of --timeout and 600, else no limit)")
+    p.add_argument("--diagnose", action="store_true",
+                   help="run each worker under `accelport diagnose` (an unported script too): rank 0 says the "
+                        "job's findings once, with the rank that holds the others back (torchrun engines)")
+    p.add_argument("--output", metavar="FILE.json", help="with --diagnose: write the job's findings as JSON")
+    p.add_argument("--report", metavar="FILE.html", help="with --diagnose: write the job's report page")
     hosts = p.add_argument_group("several hosts (torchrun rendezvous; the same values on every host; "
                                  "refused with --nnodes 1)")
     hosts.add_argument("--nnodes", default="1", help="number of hosts, or MIN:MAX (default 1)")
@@ -84,6 +89,27 @@ def _backend(name: str | None, dry_run: bool) -> Any:
         raise
 
 
+def _diagnose_options(args: argparse.Namespace) -> list[str] | None:
+    """accelport diagnose's options for each worker under --diagnose (outputs as absolute paths, checked here);
+    None without --diagnose."""
+    from accelport.cli.diagnose import output_path
+    from accelport.errors import UsageError
+
+    given = [(o, v) for o, v in (("--output", args.output), ("--report", args.report)) if v is not None]
+    if not args.diagnose:
+        if given:
+            raise UsageError(f"launch: {given[0][0]} writes what --diagnose finds; add --diagnose")
+        return None
+    options: list[str] = []
+    for option, value in given:
+        try:
+            path = output_path(option, value)
+        except UsageError as exc:
+            raise UsageError(str(exc).replace("diagnose:", "launch:", 1)) from None
+        options += [option, str(path)]
+    return options
+
+
 def run(args: argparse.Namespace) -> int:
     from accelport.cli import emit_json
     from accelport.launch.plan import Rendezvous, build_plan
@@ -93,10 +119,11 @@ def run(args: argparse.Namespace) -> int:
     rdzv = Rendezvous(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                       master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint,
                       rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id, rdzv_timeout=args.rdzv_timeout)
+    diagnose = _diagnose_options(args)
     backend = _backend(args.backend, args.dry_run)
     plan = build_plan(backend, args.script, args.script_args, nprocs=args.nprocs, rdzv=rdzv, timeout=args.timeout,
                       startup_timeout=args.startup_timeout, oversubscribe=args.oversubscribe,
-                      max_restarts=args.max_restarts)
+                      max_restarts=args.max_restarts, diagnose=diagnose)
     if args.dry_run:
         if args.json:
             emit_json(plan.to_dict())

@@ -176,6 +176,17 @@ def judge(runs: Sequence[RankRun], world_size: int, missing: Sequence[int] = ())
     return JobResult(world_size, list(runs), list(missing), findings, mean, by_rank, straggler)
 
 
+#: Where a rank's non-finite values came from, the origin first: a rank whose own input or loss was non-finite
+#: made them; a rank whose gradients alone were got them from it through the all-reduce.
+_SOURCES = {"input": 0, "loss": 1}
+
+
+def _origin(pair: tuple[int, Mapping[str, Any]]) -> tuple[int, int, int]:
+    rank, item = pair
+    source = (item.get("evidence") or {}).get("source")
+    return int(item.get("step") or 0), _SOURCES.get(str(source), 2), rank
+
+
 def _ranks_findings(runs: Sequence[RankRun], world_size: int) -> list[Diagnosis]:
     """Each kind the ranks found, once: "on all 4 ranks" where every rank found it, else the ranks that did,
     with the first of them in ``evidence.rank`` (for non-finite values, the rank that went non-finite first)."""
@@ -186,16 +197,18 @@ def _ranks_findings(runs: Sequence[RankRun], world_size: int) -> list[Diagnosis]
     out = []
     for kind, seen in by_kind.items():
         if kind == "non-finite":  # the rank that went non-finite first (the others got it from it)
-            seen.sort(key=lambda pair: (int(pair[1].get("step") or 0), pair[0]))
+            seen.sort(key=_origin)
         rank, first = seen[0]
         ranks = [r for r, _ in seen]
         where = (f"on all {world_size} ranks" if len(ranks) == world_size else
                  f"on rank {rank}" if len(ranks) == 1 else "on ranks " + ", ".join(map(str, sorted(ranks))))
         message = f"{where}: {first.get('message', '')}"
-        steps = sorted(int(item.get("step") or 0) for _, item in seen)
-        if kind == "non-finite" and len(ranks) > 1 and steps[0] < steps[1]:
-            message += (f" Rank {rank} went non-finite first (step {steps[0]}); the others got it later, through "
-                        f"the gradient all-reduce: look at rank {rank}'s data and loss at that step.")
+        if kind == "non-finite" and len(ranks) > 1 and _origin(seen[0])[:2] < _origin(seen[1])[:2]:
+            source = (first.get("evidence") or {}).get("source")
+            its = {"input": "its own input batch held it", "loss": "its own loss was"}.get(str(source), "")
+            message += (f" Rank {rank} went non-finite first (step {first.get('step')}{': ' + its if its else ''}); "
+                        "the others got it through the gradient all-reduce: look at rank "
+                        f"{rank}'s data and loss at that step.")
         evidence = {**dict(first.get("evidence") or {}), "rank": rank, "ranks": sorted(ranks)}
         out.append(Diagnosis(kind=kind, message=message, step=int(first.get("step") or 0), evidence=evidence,
                              severity=str(first.get("severity") or "warning"), fix=str(first.get("fix") or ""),

@@ -172,13 +172,15 @@ def build_plan(
     startup_timeout: int | None = None,
     oversubscribe: bool = False,
     max_restarts: int = 0,
+    diagnose: Sequence[str] | None = None,
 ) -> LaunchPlan:
     """The command and environment that start ``script`` on ``backend``. Imports nothing heavy.
 
     Raises the CLI's usage error for bad input (no such script, a script path that
     starts with "-", ``nprocs`` < 1 or more than the host's devices without
     ``oversubscribe``, a ``timeout`` or ``startup_timeout`` < 1, ``max_restarts`` < 0,
-    rendezvous options that cannot work), with what to do instead.
+    rendezvous options that cannot work), with what to do instead. ``diagnose``: each worker runs the
+    script under ``accelport diagnose`` with these options (torchrun only), and rank 0 says the job's.
     """
     environ = os.environ if environ is None else environ
     rdzv = rdzv or Rendezvous()
@@ -209,6 +211,10 @@ def build_plan(
         _check_room(backend, nprocs, probe.available, probe.device_count)
     env = {"ACCELPORT_BACKEND": backend.name}
     notes: list[str] = []
+    if diagnose is not None and engine == "xla":
+        raise _usage(f"--diagnose runs under torchrun; {backend.name}'s workers start with torch_xla.launch, which "
+                     "runs a thread per device in each process: run `accelport diagnose SCRIPT` on one process "
+                     "(torch_xla.launch(fn, debug_single_process=True)) instead")
     if engine == "xla":
         command, n = _xla_command(backend, script, script_args, nprocs, rdzv, environ, platform, python,
                                   env, notes)
@@ -217,7 +223,8 @@ def build_plan(
                          "time(s), when a worker fails (TORCHELASTIC_RESTART_COUNT counts the restarts, as under "
                          "torchrun)")
     else:
-        command, n = _torchrun_command(backend, script, script_args, nprocs, rdzv, python, max_restarts)
+        command, n = _torchrun_command(backend, script, script_args, nprocs, rdzv, python, max_restarts,
+                                       diagnose)
     kwargs: dict[str, int] = {}
     if backend.launch_env_function:
         kwargs = {"nproc_per_node": n} if n is not None else {}
@@ -300,7 +307,8 @@ def check_resolves(rendezvous: Mapping[str, Any]) -> None:
 
 
 def _torchrun_command(backend: Backend, script: str, script_args: Sequence[str], nprocs: int | None,
-                      rdzv: Rendezvous, python: str, max_restarts: int = 0) -> tuple[list[str], int]:
+                      rdzv: Rendezvous, python: str, max_restarts: int = 0,
+                      diagnose: Sequence[str] | None = None) -> tuple[list[str], int]:
     n = nprocs if nprocs is not None else max(1, backend.probe().device_count or 1)
     args = ["--nproc-per-node", str(n), "--nnodes", rdzv.nnodes]
     if max_restarts:
@@ -354,7 +362,9 @@ def _torchrun_command(backend: Backend, script: str, script_args: Sequence[str],
     else:
         raise _usage(f"--nnodes {rdzv.nnodes} needs a meeting point: --rdzv-endpoint HOST:PORT "
                      "(the same on every host), or --master-addr HOST with --node-rank N")
-    return [python, "-m", "torch.distributed.run", *args, "-m", "accelport.launch.worker", script,
+    watched = ["--diagnose", *(x for option in diagnose for x in ("--diagnose-arg", option))] if diagnose is not None \
+        else []
+    return [python, "-m", "torch.distributed.run", *args, "-m", "accelport.launch.worker", *watched, script,
             *script_args], n
 
 

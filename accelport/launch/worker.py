@@ -1,6 +1,7 @@
 """What ``accelport launch`` runs in each worker: the user's script, as ``python script.py`` would.
 
-    python -m accelport.launch.worker [--engine torchrun|xla] [--single-process] SCRIPT [ARGS ...]
+    python -m accelport.launch.worker [--engine torchrun|xla] [--single-process]
+                                      [--diagnose [--diagnose-arg OPTION] ...] SCRIPT [ARGS ...]
 
 With ``--engine torchrun`` (the default) torchrun has already started one
 process per replica and this module runs the script in it. With ``--engine
@@ -250,8 +251,10 @@ class _Responder(threading.Thread):
                                      "attempt": attempt(os.environ), **place})
 
 
-def run_script(rank: int, script: str, args: list[str]) -> None:
-    """Run ``script`` as ``__main__`` with ``args``; record a failure before it propagates."""
+def run_script(rank: int, script: str, args: list[str], diagnose: list[str] | None = None) -> None:
+    """Run ``script`` as ``__main__`` with ``args``; record a failure before it propagates. ``diagnose``: run it
+    as ``accelport diagnose DIAGNOSE -- script args`` runs it (the program, as `python -m accelport` would), so
+    the worker is watched and rank 0 says the job's findings."""
     directory = os.environ.get("ACCELPORT_LAUNCH_DIR") or None
     if directory and attempt(os.environ):
         _forget_attempt(directory, rank)
@@ -260,11 +263,15 @@ def run_script(rank: int, script: str, args: list[str]) -> None:
         heartbeat = os.path.join(directory, f"{HEARTBEAT_PREFIX}{rank}")
         os.environ["ACCELPORT_HEARTBEAT"] = heartbeat  # read by the launch-heartbeat plugin on first use
         beat(heartbeat, 0)
-    sys.argv = [script, *args]
-    # As `python script.py` does: the script's own directory comes first on sys.path.
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
-        runpy.run_path(script, run_name="__main__")
+        if diagnose is not None:
+            sys.argv = ["accelport", "diagnose", *diagnose, "--", script, *args]
+            runpy.run_module("accelport", run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [script, *args]
+            # As `python script.py` does: the script's own directory comes first on sys.path.
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         # A stop request that saved (ap.Checkpointer) ends every rank at the same step: they meet at exit.
         if exc.code not in (None, 0, EXIT_PREEMPTED):  # sys.exit("message") or a non-zero status: this rank fails
@@ -298,12 +305,17 @@ def _xla_replica(index: int, script: str, args: list[str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     engine, single = "torchrun", False
+    diagnose: list[str] | None = None
     while argv and argv[0].startswith("--"):
         flag = argv.pop(0)
         if flag == "--engine" and argv:
             engine = argv.pop(0)
         elif flag == "--single-process":
             single = True
+        elif flag == "--diagnose":
+            diagnose = diagnose or []
+        elif flag == "--diagnose-arg" and argv and diagnose is not None:
+            diagnose.append(argv.pop(0))
         else:
             raise SystemExit(f"accelport.launch.worker: unknown option {flag!r}")
     if not argv:
@@ -325,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
 
         torch_xla.launch(replica, args=(script, args), debug_single_process=single)
     elif engine == "torchrun":
-        run_script(int(os.environ.get("RANK", "0")), script, args)
+        run_script(int(os.environ.get("RANK", "0")), script, args, diagnose)
     else:
         raise SystemExit(f"accelport.launch.worker: unknown engine {engine!r} (torchrun or xla)")
 

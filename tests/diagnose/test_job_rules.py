@@ -74,6 +74,11 @@ def test_what_every_rank_found_is_said_once_and_what_one_found_names_it():
     assert found["host-sync"].message.startswith("on all 2 ranks:")
     assert found["non-finite"].evidence["rank"] == 1 and found["non-finite"].step == 7
     assert "Rank 1 went non-finite first (step 7)" in found["non-finite"].message
+    # At the same step, the rank whose own input held it is the origin, not the one whose gradients got it.
+    same = [_rank(0, findings=({**_finding("non-finite", 5), "evidence": {"source": "loss"}},)),
+            _rank(1, findings=({**_finding("non-finite", 5), "evidence": {"source": "input"}},))]
+    (origin,) = judge(same, 2).findings
+    assert origin.evidence["rank"] == 1 and "its own input batch held it" in origin.message
     only = judge([_rank(0), _rank(1, findings=(_finding("input-bound", 5),))], 2).findings
     assert [(f.kind, f.evidence["rank"], f.evidence["ranks"]) for f in only] == [("input-bound", 1, [1])]
     assert only[0].message.startswith("on rank 1:")

@@ -179,3 +179,10 @@ def test_a_rank_started_without_torchrun_says_its_own_run_labelled_with_its_rank
     assert proc.returncode == 0, proc.stderr[-3000:]
     (first,) = _summaries(proc.stderr)
     assert "cpu_healthy.py (rank 1 of 2) took" in first
+
+
+def test_a_nan_in_one_ranks_batch_names_that_rank_as_where_it_came_from(tmp_path):
+    proc, result = _job(tmp_path, "--nan-rank", "1")
+    (found,) = [f for f in result["findings"] if f["kind"] == "non-finite"]
+    assert found["step"] == 5 and found["evidence"]["rank"] == 1 and found["evidence"]["ranks"] == [0, 1]
+    assert "Rank 1 went non-finite first (step 5: its own input batch held it)" in found["message"]

@@ -1,12 +1,13 @@
 """An unported DDP training script (gloo, cpu) for the job tests, with one fault chosen per run.
 
     torchrun --nproc-per-node 2 ddp_job.py [--slow-rank R] [--slow-data-rank R] [--extra-step-rank R]
-                                             [--fail-rank R] [--steps N] [--manual]
+                                             [--fail-rank R] [--steps N] [--manual] [--nan-rank R]
 
 --slow-rank: that rank sleeps 0.15 s in the loop each step (host work, an augmentation of its own).
 --slow-data-rank: that rank's Dataset sleeps 0.05 s per sample (4 per batch) in the main process.
 --extra-step-rank: that rank takes one step more, without DDP (uneven inputs; DDP itself would hang).
 --fail-rank: that rank raises after its steps.
+--nan-rank: that rank's batch at step 5 holds a NaN (DDP's all-reduce carries it to the others).
 --manual: no DDP; the script averages the gradients itself with dist.all_reduce before each step.
 Every rank sleeps 0.05 s in its loop each step, so a balanced job's step is that long on a busy machine too.
 """
@@ -25,6 +26,7 @@ parser.add_argument("--extra-step-rank", type=int, default=-1)
 parser.add_argument("--fail-rank", type=int, default=-1)
 parser.add_argument("--steps", type=int, default=12)
 parser.add_argument("--manual", action="store_true")
+parser.add_argument("--nan-rank", type=int, default=-1)
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -53,6 +55,8 @@ for step, (x, y) in enumerate(loader):
     if step == steps:
         break
     time.sleep(0.05)
+    if rank == args.nan_rank and step == 4:
+        x[0, 0] = float("nan")
     if rank == args.slow_rank:
         time.sleep(0.15)
     loss = torch.nn.functional.mse_loss(model(x), y)

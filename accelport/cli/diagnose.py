@@ -781,8 +781,10 @@ def render_job(target: str, job: JobResult, watcher: Watcher, written: Sequence[
     shown = redactor.text
     hosts = len({r.host for r in job.runs})
     steps = sorted({r.steps for r in job.runs})
-    each = f"{steps[0]} optimizer step(s) each" if len(steps) == 1 else \
-        f"{'-'.join(map(str, (steps[0], steps[-1])))} optimizer steps"
+    if len(steps) == 1:
+        each = f"{steps[0]} optimizer step(s) {'on each rank judged' if job.missing else 'each'}"
+    else:
+        each = f"{steps[0]}-{steps[-1]} optimizer steps"
     backends = sorted({r.backend for r in job.runs if r.backend})
     on = f" on {', '.join(backends)}" if backends else ""
     found = f": {len(job.findings)} finding(s)" if job.findings else ""

@@ -186,3 +186,13 @@ def test_a_nan_in_one_ranks_batch_names_that_rank_as_where_it_came_from(tmp_path
     (found,) = [f for f in result["findings"] if f["kind"] == "non-finite"]
     assert found["step"] == 5 and found["evidence"]["rank"] == 1 and found["evidence"]["ranks"] == [0, 1]
     assert "Rank 1 went non-finite first (step 5: its own input batch held it)" in found["message"]
+
+
+def test_a_rank_killed_mid_run_is_named_as_not_judged_and_the_summary_still_comes(tmp_path):
+    proc, result = _job(tmp_path, "--kill-rank", "1")
+    assert proc.returncode != 0
+    assert result["job"]["ranks_missing"] == [1] and [r["rank"] for r in result["ranks"]] == [0]
+    assert result["verdict"]["judged_every_step"] is False
+    said = " ".join(proc.stderr.split())
+    assert "not judged: rank(s) 1" in said and "[ok ]" not in said
+    assert len(_summaries(proc.stderr)) == 1

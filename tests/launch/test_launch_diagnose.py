@@ -50,3 +50,15 @@ def test_the_dry_run_shows_each_worker_under_diagnose(tmp_path: Path) -> None:
     at = command.index("accelport.launch.worker")
     assert command[at + 1:at + 6] == ["--diagnose", "--diagnose-arg", "--output", "--diagnose-arg", str(out)]
     assert command[at + 6:] == [JOB, "--slow-rank", "1"]
+
+
+def test_eight_ranks_on_two_cores_finish_with_one_summary_of_eight(tmp_path: Path) -> None:
+    """--oversubscribe: 8 workers share the cores; every one is judged, and rank 0 says the job once."""
+    out = tmp_path / "job.json"
+    done = launch("--nprocs", "8", "--oversubscribe", "--diagnose", "--output", str(out), JOB, "--steps", "4",
+                  timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["rank"] for r in result["ranks"]] == list(range(8)) and result["job"]["ranks_missing"] == []
+    assert all(r["steps"] == 4 for r in result["ranks"])
+    assert sum(line.startswith("accelport diagnose:") for line in done.stderr.splitlines()) == 1

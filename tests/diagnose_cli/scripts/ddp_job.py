@@ -2,17 +2,21 @@
 
     torchrun --nproc-per-node 2 ddp_job.py [--slow-rank R] [--slow-data-rank R] [--extra-step-rank R]
                                              [--fail-rank R] [--steps N] [--manual] [--nan-rank R]
+                                             [--kill-rank R]
 
 --slow-rank: that rank sleeps 0.15 s in the loop each step (host work, an augmentation of its own).
 --slow-data-rank: that rank's Dataset sleeps 0.05 s per sample (4 per batch) in the main process.
 --extra-step-rank: that rank takes one step more, without DDP (uneven inputs; DDP itself would hang).
 --fail-rank: that rank raises after its steps.
+--kill-rank: that rank kills itself with SIGKILL at step 5 (out of memory, as the kernel ends it).
 --nan-rank: that rank's batch at step 5 holds a NaN (DDP's all-reduce carries it to the others).
 --manual: no DDP; the script averages the gradients itself with dist.all_reduce before each step.
 Every rank sleeps 0.05 s in its loop each step, so a balanced job's step is that long on a busy machine too.
 """
 
 import argparse
+import os
+import signal
 import time
 
 import torch
@@ -27,6 +31,7 @@ parser.add_argument("--fail-rank", type=int, default=-1)
 parser.add_argument("--steps", type=int, default=12)
 parser.add_argument("--manual", action="store_true")
 parser.add_argument("--nan-rank", type=int, default=-1)
+parser.add_argument("--kill-rank", type=int, default=-1)
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -55,6 +60,8 @@ for step, (x, y) in enumerate(loader):
     if step == steps:
         break
     time.sleep(0.05)
+    if rank == args.kill_rank and step == 4:
+        os.kill(os.getpid(), signal.SIGKILL)
     if rank == args.nan_rank and step == 4:
         x[0, 0] = float("nan")
     if rank == args.slow_rank:

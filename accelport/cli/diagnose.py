@@ -29,7 +29,7 @@ import signal
 import sys
 import tempfile
 import textwrap
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +37,7 @@ from accelport.errors import AccelportError, UsageError
 from accelport.safe_io import output_target, replace_with, same_file, temp_beside, write_atomic
 
 if TYPE_CHECKING:
-    from accelport.diagnose.job import JobPlace, JobResult, RankRun
+    from accelport.diagnose.job import JobPlace, JobResult, ProgressReporter, RankRun
     from accelport.observe.profile import StepProfile
     from accelport.redact import Redactor
     from accelport.runtime.watch import Outcome, Watcher
@@ -650,7 +650,7 @@ def _conclude_rank(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str
     """A rank of a torchrun job: ranks other than 0 hand their run to rank 0 and say nothing; rank 0 gathers
     every rank's, judges the job and writes the outputs. None where the job view cannot be had (this rank
     then says its own run, labelled with its rank)."""
-    from accelport.diagnose.job import gather, publish, wait_seconds
+    from accelport.diagnose.job import gather, progress_of, publish, wait_seconds
     from accelport.runtime.workers import rank_run
 
     own = rank_run(watcher, outcome.exit_status, place.rank, verdict(watcher, outcome)[1])
@@ -666,15 +666,17 @@ def _conclude_rank(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str
     if problem is not None:
         watcher.notes.append(f"the other ranks' runs could not be read ({problem}): rank 0's is said alone")
         return None
-    return _say_job(plan, watcher, outcome, records, redactor, stderr, runs, place.world_size, missing)
+    return _say_job(plan, watcher, outcome, records, redactor, stderr, runs, place.world_size, missing,
+                    progress_of(place, missing))
 
 
 def _say_job(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | None, redactor: Redactor,
-             stderr: Any, runs: Sequence[RankRun], world_size: int, missing: Sequence[int]) -> bool:
+             stderr: Any, runs: Sequence[RankRun], world_size: int, missing: Sequence[int],
+             progress: Mapping[int, Mapping[str, Any]] | None = None) -> bool:
     """Judge a job from its ranks' runs, write the outputs and say it; whether writing one failed."""
     from accelport.diagnose.job import judge
 
-    job = judge(runs, world_size, missing)
+    job = judge(runs, world_size, missing, progress)
     written: list[str] = []
     problems: list[str] = []
     said = _job_result(job, runs)
@@ -866,10 +868,13 @@ def run(args: argparse.Namespace) -> int:
     ending = _Terminate(watcher, conclude)
     pid = os.getpid()
     problems = False
+    reporter = _progress_reporter(watcher)
     ending.install()
     try:
         outcome = run_watched(watcher, script=plan.script, module=plan.module, args=plan.args)
         ending.script_ended()
+        if reporter is not None:
+            reporter.stop()
         if not outcome.forked:  # (in a process the script forked, the script ended there: nothing to say)
             problems = conclude(outcome)
     finally:
@@ -886,6 +891,21 @@ def run(args: argparse.Namespace) -> int:
     if not outcome.forked and problems and outcome.exit_status == 0:
         return 1
     return outcome.exit_status
+
+
+def _progress_reporter(watcher: Watcher) -> ProgressReporter | None:
+    """A rank of a torchrun job says its progress while it runs (started here), so a rank that never ends is
+    placed; None elsewhere."""
+    from accelport.diagnose.job import JobPlace, ProgressReporter
+
+    place = JobPlace.from_environ(os.environ)
+    if place is None:
+        return None
+    clock = watcher.tracker.clock
+    reporter = ProgressReporter(place, lambda: {"steps": watcher.steps + watcher.manual_steps,
+                                                "in_backward": clock.in_backward})
+    reporter.start()
+    return reporter
 
 
 class _Terminate:

@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from accelport.diagnose.rule import Diagnosis, JobView, RankRun
 
-__all__ = ["JobPlace", "RankRun", "JobView", "JobResult", "judge", "publish", "gather", "rank_label", "ENV_WAIT"]
+__all__ = ["JobPlace", "RankRun", "JobView", "JobResult", "judge", "publish", "gather",
+           "ProgressReporter", "progress_of", "rank_label", "ENV_WAIT"]
 
 #: Seconds rank 0 waits, after its own script ended, for the other ranks' results.
 ENV_WAIT = "ACCELPORT_JOB_WAIT"
@@ -133,6 +135,59 @@ def gather(place: JobPlace, own: RankRun, wait: float) -> tuple[list[RankRun], l
     return [runs[r] for r in sorted(runs)], pending, None
 
 
+class ProgressReporter:
+    """A rank's progress (its steps, and whether it is inside a backward pass) put in the job's store every
+    :attr:`INTERVAL` seconds while it changes, from a thread: where a rank that never ends stands when rank 0
+    stops waiting for it (the uneven-inputs hang: one rank inside its extra step's all-reduce)."""
+
+    INTERVAL = 2.0
+
+    def __init__(self, place: JobPlace, read: Callable[[], Mapping[str, Any]]) -> None:
+        self._place = place
+        self._read = read
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="accelport-job-progress", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _run(self) -> None:
+        try:
+            store = _store(self._place, 10.0)
+        except Exception:  # no store: nothing is said of this rank's progress
+            return
+        last: Mapping[str, Any] | None = None
+        while not self._stopped.wait(self.INTERVAL):
+            try:
+                now = dict(self._read())
+                if now != last:
+                    store.set(f"progress/{self._place.rank}", json.dumps(now))
+                    last = now
+            except Exception:  # the store gone (the job ends): stop saying
+                return
+
+
+def progress_of(place: JobPlace, ranks: Sequence[int]) -> dict[int, dict[str, Any]]:
+    """The last progress ``ranks`` put in the store (those that said none are left out)."""
+    out: dict[int, dict[str, Any]] = {}
+    if not ranks:
+        return out
+    try:
+        store = _store(place, 5.0)
+        for r in ranks:
+            key = f"progress/{r}"
+            if store.check([key]):
+                value = json.loads(store.get(key))
+                if isinstance(value, dict):
+                    out[r] = value
+    except Exception:  # what could be read is said
+        pass
+    return out
+
+
 # -- judging the job ----------------------------------------------------------------------------
 
 
@@ -151,13 +206,14 @@ class JobResult:
     notes: list[str] = field(default_factory=list)
 
 
-def judge(runs: Sequence[RankRun], world_size: int, missing: Sequence[int] = ()) -> JobResult:
+def judge(runs: Sequence[RankRun], world_size: int, missing: Sequence[int] = (),
+          progress: Mapping[int, Mapping[str, Any]] | None = None) -> JobResult:
     """The job's findings over the ranks' summaries: the job rules first, then what the ranks found, each kind
     once, naming the ranks that found it."""
     from accelport.diagnose.rules.rank_divergence import RankDivergenceRule
     from accelport.diagnose.rules.straggler import StragglerRule
 
-    view = JobView(world_size=world_size, runs=tuple(runs), missing=tuple(missing))
+    view = JobView(world_size=world_size, runs=tuple(runs), missing=tuple(missing), progress=dict(progress or {}))
     findings: list[Diagnosis] = []
     straggler = None
     for rule in (StragglerRule(), RankDivergenceRule()):

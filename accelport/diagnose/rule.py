@@ -248,6 +248,9 @@ class JobView:
     world_size: int
     runs: Sequence[RankRun]
     missing: Sequence[int] = ()
+    #: What the ranks whose summaries never came last said of their progress (``steps``, ``in_backward``):
+    #: where a rank that hangs stands.
+    progress: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
 
     @property
     def meeting(self) -> str:

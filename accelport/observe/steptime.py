@@ -87,6 +87,11 @@ class StepClock:
         self._backward_from: float | None = None
 
     @property
+    def in_backward(self) -> bool:
+        """Whether the loop's thread is inside a backward pass now (where a data-parallel rank waits for the others)."""
+        return self._backward_from is not None
+
+    @property
     def started(self) -> bool:
         return self._mark is not None
 

@@ -119,3 +119,13 @@ def test_memory_held_on_one_rank_only_names_that_rank():
     close = [replace(_rank(r), peak_memory_bytes=peak) for r, peak in enumerate((2 * gib, int(2.2 * gib)))]
     small = [replace(_rank(r), peak_memory_bytes=peak) for r, peak in enumerate((100 * 2**20, 300 * 2**20))]
     assert judge(close, 2).findings == [] and judge(small, 2).findings == []
+
+
+def test_a_rank_that_never_ended_is_placed_from_its_last_progress():
+    ahead = judge([_rank(0, steps=6)], 2, missing=[1], progress={1: {"steps": 6, "in_backward": True}}).findings
+    assert [(f.kind, f.evidence["rank"], f.evidence["what"]) for f in ahead] == [("rank-divergence", 1, "steps")]
+    assert "inside the backward pass of its step 7" in ahead[0].message
+    behind = judge([_rank(0, steps=6)], 2, missing=[1], progress={1: {"steps": 2, "in_backward": False}}).findings
+    assert [(f.evidence["rank"], f.evidence["what"]) for f in behind] == [(1, "hang")]
+    # A rank that was simply done with its steps and not yet inside another says nothing new.
+    assert judge([_rank(0, steps=6)], 2, missing=[1], progress={1: {"steps": 6, "in_backward": False}}).findings == []

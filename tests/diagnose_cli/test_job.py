@@ -196,3 +196,18 @@ def test_a_rank_killed_mid_run_is_named_as_not_judged_and_the_summary_still_come
     said = " ".join(proc.stderr.split())
     assert "not judged: rank(s) 1" in said and "[ok ]" not in said
     assert len(_summaries(proc.stderr)) == 1
+
+
+def test_the_ddp_hang_of_uneven_inputs_ends_and_names_the_rank_inside_its_extra_step(tmp_path):
+    """Rank 1 has one batch more under DDP: it waits for ever in that step's all-reduce. Rank 0 stops waiting for
+    it after ACCELPORT_JOB_WAIT seconds and names it from the progress it last put in the store."""
+    out = tmp_path / "job.json"
+    proc = run("--output", str(out), *TORCHRUN, JOB, "--extra-step-rank", "1", "--ddp-uneven", cwd=tmp_path,
+               env={"ACCELPORT_JOB_WAIT": "20"})
+    assert out.is_file(), proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (found,) = [f for f in result["findings"] if f["kind"] == "rank-divergence"]
+    assert found["evidence"]["rank"] == 1 and found["evidence"]["hung"] is True
+    assert found["evidence"]["steps_by_rank"] == {"0": 12, "1": 13}
+    assert "inside the backward pass of its step 13" in found["message"] and "join()" in found["fix"]
+    assert result["job"]["ranks_missing"] == [1]

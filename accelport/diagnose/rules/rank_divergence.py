@@ -27,17 +27,57 @@ def _odd(values: dict[int, int]) -> int | None:
     return min((r for r, v in values.items() if v != common), key=lambda r: (-values[r], r))
 
 
+_UNEVEN_FIX = ("Give every rank the same number of batches: DistributedSampler(dataset, drop_last=True) (or "
+               "ap.loader(..., shard=True), which shards evenly), or wrap the loop in DDP's model.join() to let "
+               "ranks with fewer batches shadow the others' collectives.")
+
+
 class RankDivergenceRule(JobRule):
     kind = "rank-divergence"
     #: One rank's memory peak above the others' (their median) by this share and at least this many bytes.
     MEMORY_SHARE = 0.25
     MEMORY_BYTES = 256 * 2**20
 
+    def _hang(self, job: JobView, steps: dict[int, int]) -> Diagnosis | None:
+        """A rank that never ended while the others did: where it stood (from its last progress)."""
+        # Only where the others ended well: a rank that failed (or one killed, whose last progress is stale)
+        # takes the others down with it, and is said by its status, not placed.
+        if not job.progress or not steps or any(r.exit_status != 0 for r in job.runs):
+            return None
+        done = max(steps.values())
+        for rank in sorted(job.progress):
+            seen = job.progress[rank]
+            at = int(seen.get("steps") or 0)
+            inside = bool(seen.get("in_backward"))
+            if at >= done and (at > done or inside):
+                message = (f"rank {rank} never ended: it was inside the backward pass of its step {at + 1} when "
+                           f"last seen, after the other ranks took {done} step(s) and ended. Its gradient "
+                           "all-reduce waits for ranks that are gone: it had more batches than they did (uneven "
+                           "inputs), the DDP hang." if inside else
+                           f"rank {rank} never ended: it had taken {at} step(s) when last seen, more than the "
+                           f"{done} the other ranks took before they ended (uneven inputs).")
+                return Diagnosis(kind=self.kind, message=message, step=done + 1, severity="problem",
+                                 evidence={"rank": rank, "what": "steps",
+                                           "steps_by_rank": {**steps, rank: at + (1 if inside else 0)},
+                                           "hung": True}, fix=_UNEVEN_FIX)
+            if at < done:
+                message = (f"rank {rank} never ended: it had taken {at} step(s) when last seen"
+                           f"{', inside a backward pass' if inside else ''}, while the other ranks took {done} "
+                           "and ended. It stopped (a hang in its own code or data, or a collective the others "
+                           "never called), not the others.")
+                fix = ("Run it again with `accelport launch --timeout SECONDS --diagnose`: the launch names the line "
+                       "each rank is stuck at and the collective it waits in.")
+                return Diagnosis(kind=self.kind, message=message, step=at + 1, severity="problem",
+                                 evidence={"rank": rank, "what": "hang", "steps_by_rank": {**steps, rank: at},
+                                           "hung": True}, fix=fix)
+        return None
+
     def judge(self, job: JobView) -> Diagnosis | None:
         runs: list[RankRun] = list(job.runs)
-        if len(runs) < 2:
-            return None
         steps = {r.rank: r.steps for r in runs}
+        hung = self._hang(job, steps)
+        if hung is not None or len(runs) < 2:
+            return hung
         odd = _odd(steps)
         if odd is not None:
             others = sorted({v for r, v in steps.items() if r != odd})
@@ -48,9 +88,7 @@ class RankDivergenceRule(JobRule):
                        f"extra step's gradient all-reduce has no partner: the job hangs there (or, where the "
                        "collectives do not meet each step, rank "
                        f"{odd}'s extra updates are not matched on the others).")
-            fix = ("Give every rank the same number of batches: DistributedSampler(dataset, drop_last=True) (or "
-                   "ap.loader(..., shard=True), which shards evenly), or wrap the loop in DDP's "
-                   "model.join() to let ranks with fewer batches shadow the others' collectives.")
+            fix = _UNEVEN_FIX
             return Diagnosis(kind=self.kind, message=message, step=min(steps.values()) + 1, severity="problem",
                              evidence={"rank": odd, "what": "steps", "steps_by_rank": steps}, fix=fix)
         compiles = {r.rank: r.compilations for r in runs}

@@ -2,12 +2,13 @@
 
     torchrun --nproc-per-node 2 ddp_job.py [--slow-rank R] [--slow-data-rank R] [--extra-step-rank R]
                                              [--fail-rank R] [--steps N] [--manual] [--nan-rank R]
-                                             [--kill-rank R]
+                                             [--kill-rank R] [--ddp-uneven]
 
 --slow-rank: that rank sleeps 0.15 s in the loop each step (host work, an augmentation of its own).
 --slow-data-rank: that rank's Dataset sleeps 0.05 s per sample (4 per batch) in the main process.
 --extra-step-rank: that rank takes one step more, without DDP (uneven inputs; DDP itself would hang).
 --fail-rank: that rank raises after its steps.
+--ddp-uneven: with --extra-step-rank, keep DDP: that rank hangs in its extra step's all-reduce (the DDP hang).
 --kill-rank: that rank kills itself with SIGKILL at step 5 (out of memory, as the kernel ends it).
 --nan-rank: that rank's batch at step 5 holds a NaN (DDP's all-reduce carries it to the others).
 --manual: no DDP; the script averages the gradients itself with dist.all_reduce before each step.
@@ -32,13 +33,14 @@ parser.add_argument("--steps", type=int, default=12)
 parser.add_argument("--manual", action="store_true")
 parser.add_argument("--nan-rank", type=int, default=-1)
 parser.add_argument("--kill-rank", type=int, default=-1)
+parser.add_argument("--ddp-uneven", action="store_true")
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-uneven = args.extra_step_rank >= 0
+uneven = args.extra_step_rank >= 0 and not args.ddp_uneven
 model = net if uneven or args.manual else DDP(net)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 

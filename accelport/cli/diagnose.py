@@ -31,7 +31,7 @@ import tempfile
 import textwrap
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from accelport.errors import AccelportError, UsageError
 from accelport.safe_io import output_target, replace_with, same_file, temp_beside, write_atomic
@@ -184,11 +184,17 @@ def _torchrun_argv(plan: _Plan, args: argparse.Namespace) -> list[str] | None:
 
     parser = get_args_parser()
     parser.exit_on_error = False
+
+    def refuse(message: str) -> NoReturn:  # (instead of torchrun's usage text and an exit)
+        raise _TorchrunArgs(message)
+
+    parser.error = refuse  # type: ignore[method-assign]
     try:
         parsed = parser.parse_args(plan.args)
-    except (argparse.ArgumentError, SystemExit) as exc:
-        raise UsageError(f"diagnose: torchrun's arguments: {exc}; give them as torchrun takes them, then the "
-                         "training script and its arguments") from None
+    except (argparse.ArgumentError, _TorchrunArgs) as exc:
+        raise UsageError(f"diagnose: torchrun's arguments: {exc}; give torchrun's options as torchrun takes them "
+                         "(python -m torch.distributed.run --help), then the training script and its arguments") \
+            from None
     if parsed.no_python:
         raise UsageError("diagnose: torchrun --no-python runs a program that is not a Python script, which "
                          "diagnose cannot watch; drop --no-python and give the training script")
@@ -208,6 +214,10 @@ def _torchrun_argv(plan: _Plan, args: argparse.Namespace) -> list[str] | None:
     return ["-m", "torch.distributed.run", *options, "-m", "accelport", "diagnose", *ours, *script, *rest]
 
 
+class _TorchrunArgs(Exception):
+    """torchrun's parser refused its arguments (its message)."""
+
+
 def _script_index(parser: argparse.ArgumentParser, argv: Sequence[str], script: str) -> int:
     """Where the training script stands in torchrun's argv: the first place that parses as it (an option's
     value that happens to equal it does not)."""
@@ -217,7 +227,7 @@ def _script_index(parser: argparse.ArgumentParser, argv: Sequence[str], script: 
         try:
             if parser.parse_args([*argv[:i], "\0script"]).training_script == "\0script":
                 return i
-        except (argparse.ArgumentError, SystemExit):
+        except (argparse.ArgumentError, _TorchrunArgs):
             continue
     raise UsageError(f"diagnose: cannot tell where the training script {script} stands in torchrun's arguments; "
                      "give torchrun's options first, then the script")

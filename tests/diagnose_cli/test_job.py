@@ -146,6 +146,16 @@ def test_torchrun_no_python_is_refused_with_what_to_do(tmp_path):
     assert proc.returncode == 2 and "--no-python" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(("args", "said"), [
+    ((), "the following arguments are required: training_script"),
+    (("--bogus", JOB), "unrecognized arguments: --bogus"),
+])
+def test_torchrun_arguments_it_refuses_are_one_specific_error(tmp_path, args, said):
+    proc = run(*TORCHRUN, *args, cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "usage:" not in proc.stderr
+    assert proc.stderr.count("error:") == 1 and said in proc.stderr and "torch.distributed.run --help" in proc.stderr
+
+
 @pytest.mark.parametrize("start_method", ["spawn", "fork"])
 def test_workers_a_script_starts_itself_are_each_watched_and_judged_as_one_job(tmp_path, start_method):
     out = tmp_path / "job.json"

@@ -199,7 +199,7 @@ def _torchrun_argv(plan: _Plan, args: argparse.Namespace) -> list[str] | None:
         raise UsageError("diagnose: torchrun --no-python runs a program that is not a Python script, which "
                          "diagnose cannot watch; drop --no-python and give the training script")
     at = _script_index(parser, plan.args, parsed.training_script)
-    options = [a for a in plan.args[:at] if a not in ("-m", "--module", "--run-path", "--run_path")]
+    options = [a for a in plan.args[:at] if a not in ("-m", "--module", "--run-path", "--run_path", "--")]
     ours: list[str] = []
     for option, value in (("--output", plan.output), ("--report", plan.report),
                           ("--metrics-file", plan.metrics_file), ("--backend", plan.backend),
@@ -605,22 +605,28 @@ def _write_report(plan: _Plan, records: str, watcher: Watcher, redactor: Redacto
 
 
 def _conclude(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | None, redactor: Redactor,
-              stderr: Any) -> bool:
+              stderr: Any, stopped: Callable[[], bool] = lambda: False) -> bool:
     """Write the outputs and say what was found; whether writing one failed. A rank of a torchrun job hands
     its run to rank 0, which says the job's (:mod:`accelport.diagnose.job`)."""
     from accelport.diagnose.job import JobPlace, rank_label
 
     place = JobPlace.from_environ(os.environ)
     if place is not None and not outcome.forked:
-        done = _conclude_rank(plan, watcher, outcome, records, redactor, stderr, place)
+        done = _conclude_rank(plan, watcher, outcome, records, redactor, stderr, place, stopped)
         if done is not None:
             return done
     label = rank_label(os.environ)  # (a rank said alone: which one)
     target = f"{plan.target} ({label})" if label else plan.target
+    if label is not None and os.environ.get("RANK") != "0":
+        # The outputs are the job's, at the same paths on every rank: rank 0 writes them, the others say theirs.
+        if plan.output or plan.report or plan.metrics_file:
+            watcher.notes.append("the outputs (--output, --report, --metrics-file) are rank 0's to write: this "
+                                 "rank's run is said here only")
+        plan.output = plan.report = plan.metrics_file = None
     workers = _worker_runs(plan)
     if workers:  # the script trained in workers it started: each was watched, and is a rank of the job
         counts = [n for _, _, n in watcher.spawned if isinstance(n, int)]
-        world = max([len(workers), max((r.rank for r in workers), default=0) + 1, *counts[:1]])
+        world = max([len(workers), max((r.rank for r in workers), default=0) + 1, *counts[-1:]])
         missing = sorted(set(range(world)) - {r.rank for r in workers})
         return _say_job(plan, watcher, outcome, records, redactor, stderr, workers, world, missing)
     written: list[str] = []
@@ -656,7 +662,7 @@ def _conclude(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | No
 
 
 def _conclude_rank(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | None, redactor: Redactor,
-                   stderr: Any, place: JobPlace) -> bool | None:
+                   stderr: Any, place: JobPlace, stopped: Callable[[], bool]) -> bool | None:
     """A rank of a torchrun job: ranks other than 0 hand their run to rank 0 and say nothing; rank 0 gathers
     every rank's, judges the job and writes the outputs. None where the job view cannot be had (this rank
     then says its own run, labelled with its rank)."""
@@ -671,8 +677,8 @@ def _conclude_rank(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str
         watcher.notes.append(f"this rank's run could not be handed to rank 0 ({problem}): it is said here alone")
         return None
     # (rank 0's own script failed or was stopped: torchrun ends the others soon, so they are not waited for long)
-    stopped = outcome.ended_by is not None or outcome.exit_status != 0
-    runs, missing, problem = gather(place, own, wait_seconds(os.environ, stopped))
+    failed = outcome.ended_by is not None or outcome.exit_status != 0
+    runs, missing, problem = gather(place, own, wait_seconds(os.environ, failed), stopped)
     if problem is not None:
         watcher.notes.append(f"the other ranks' runs could not be read ({problem}): rank 0's is said alone")
         return None
@@ -843,11 +849,11 @@ def run(args: argparse.Namespace) -> int:
     redactor = Redactor(os.environ)
     try:
         plan = _plan(args)
-        records = _records_file(plan)
+        launcher = _torchrun_argv(plan, args)
+        records = _records_file(plan) if launcher is None else None
     except UsageError as exc:
         # Printed on the script's stderr, which no redacting stream guards: the one pass is here.
         raise UsageError(redactor.text(str(exc))) from None
-    launcher = _torchrun_argv(plan, args)
     if launcher is not None:
         # torchrun starts one `python -m accelport diagnose` per rank; rank 0 says the job's summary. This process
         # becomes torchrun, so its exit status and its handling of signals are torchrun's.
@@ -871,7 +877,7 @@ def run(args: argparse.Namespace) -> int:
     def conclude(outcome: Outcome) -> bool:
         try:
             with _own_builtins(saved_builtins):
-                return _conclude(plan, watcher, outcome, records, redactor, stderr)
+                return _conclude(plan, watcher, outcome, records, redactor, stderr, lambda: ending.pending)
         finally:
             _remove(records)  # (published already where it was the metrics file)
 

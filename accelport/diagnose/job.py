@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -110,9 +111,11 @@ def wait_seconds(environ: Mapping[str, str], stopped: bool) -> float:
     return min(wait, STOPPED_WAIT) if stopped else wait
 
 
-def gather(place: JobPlace, own: RankRun, wait: float) -> tuple[list[RankRun], list[int], str | None]:
-    """Rank 0: every rank's summary that arrives within ``wait`` seconds, in rank order; the ranks whose did
-    not; why none could be read (the store cannot be reached), or None."""
+def gather(place: JobPlace, own: RankRun, wait: float, stopped: Callable[[], bool] = lambda: False
+           ) -> tuple[list[RankRun], list[int], str | None]:
+    """Rank 0: every rank's summary that arrives within ``wait`` seconds (at most :data:`STOPPED_WAIT` more once
+    ``stopped()`` says a stop was asked: torchrun kills what does not end soon after its SIGTERM), in rank
+    order; the ranks whose did not; why none could be read (the store cannot be reached), or None."""
     runs = {own.rank: own}
     try:
         store = _store(place, wait + 5.0)
@@ -129,7 +132,10 @@ def gather(place: JobPlace, own: RankRun, wait: float) -> tuple[list[RankRun], l
                     pending.remove(r)
             except Exception:  # a value that is not one of ours: that rank is not judged
                 pending.remove(r)
-        if not pending or time.monotonic() >= deadline:
+        now = time.monotonic()
+        if stopped():
+            deadline = min(deadline, now + STOPPED_WAIT)
+        if not pending or now >= deadline:
             break
         time.sleep(0.2)
     return [runs[r] for r in sorted(runs)], pending, None
@@ -155,12 +161,18 @@ class ProgressReporter:
         self._stopped.set()
 
     def _run(self) -> None:
-        try:
-            store = _store(self._place, 10.0)
-        except Exception:  # no store: nothing is said of this rank's progress
-            return
+        store = None
         last: Mapping[str, Any] | None = None
         while not self._stopped.wait(self.INTERVAL):
+            if store is None:
+                # Not before the first step: then the script has imported torch whole. Imported from this thread
+                # earlier, it would race the script's own import (and the watcher's hooks on it).
+                if not self._read().get("steps") or "torch.distributed" not in sys.modules:
+                    continue
+                try:
+                    store = _store(self._place, 10.0)
+                except Exception:  # no store: nothing is said of this rank's progress
+                    return
             try:
                 now = dict(self._read())
                 if now != last:
@@ -255,7 +267,7 @@ def _ranks_findings(runs: Sequence[RankRun], world_size: int) -> list[Diagnosis]
         if kind == "non-finite":  # the rank that went non-finite first (the others got it from it)
             seen.sort(key=_origin)
         rank, first = seen[0]
-        ranks = [r for r, _ in seen]
+        ranks = sorted({r for r, _ in seen})
         where = (f"on all {world_size} ranks" if len(ranks) == world_size else
                  f"on rank {rank}" if len(ranks) == 1 else "on ranks " + ", ".join(map(str, sorted(ranks))))
         message = f"{where}: {first.get('message', '')}"

@@ -271,10 +271,13 @@ class JobView:
         def met(run: RankRun) -> float:
             return run.per_step.get("collective", 0.0) if where == "collective" else run.backward
 
-        if not self.runs:
-            return {}
-        least = min(met(run) for run in self.runs)
-        return {run.rank: max(met(run) - least, 0.0) for run in self.runs}
+        # Only ranks with timed steps: one that took none (failed at once) waited nowhere, and would make all
+        # of the others' backward look like waiting.
+        timed = [run for run in self.runs if run.steps > 1 and run.step_seconds > 0]
+        if len(timed) < 2:
+            return {run.rank: 0.0 for run in self.runs}
+        least = min(met(run) for run in timed)
+        return {run.rank: max(met(run) - least, 0.0) if run in timed else 0.0 for run in self.runs}
 
     def breakdown(self) -> dict[int, dict[str, float]]:
         """rank -> its seconds per step by category, with the time it waited for the others charged to

@@ -58,7 +58,7 @@ class StepClock:
     """Charges the loop thread's time to the phase it is in; :meth:`close` hands over a step's phases."""
 
     __slots__ = ("_stack", "_mark", "parts", "thread", "_stepping", "_idle", "_passed", "_closed", "_loose",
-                 "backward", "_backward_from", "__weakref__")
+                 "backward", "_backward_from", "_backward_depth", "__weakref__")
 
     def __init__(self) -> None:
         self._stack = ["pre"]
@@ -85,6 +85,7 @@ class StepClock:
         #: there: DDP's gradient all-reduce runs inside the backward), whatever phase they were charged to.
         self.backward = 0.0
         self._backward_from: float | None = None
+        self._backward_depth = 0  # backward passes nested in the loop's thread (reentrant checkpointing)
 
     @property
     def in_backward(self) -> bool:
@@ -367,7 +368,10 @@ def watch_backward(clock: StepClock) -> None:
             clock = ref()
             if clock is not None:
                 clock._base("body")
-                clock._backward_from = clock._mark
+                if clock.thread is None or _get_ident() == clock.thread:  # (the loop's backward, outermost)
+                    clock._backward_depth += 1
+                    if clock._backward_depth == 1:
+                        clock._backward_from = clock._mark if clock._mark is not None else _clock()
         try:
             return original(*args, **kwargs)
         finally:
@@ -375,9 +379,12 @@ def watch_backward(clock: StepClock) -> None:
                 clock = ref()
                 if clock is not None:
                     clock.tail()
-                    since, clock._backward_from = clock._backward_from, None
-                    if since is not None and (clock.thread is None or _get_ident() == clock.thread):
-                        clock.backward += _clock() - since
+                    if clock._backward_depth and (clock.thread is None or _get_ident() == clock.thread):
+                        clock._backward_depth -= 1
+                        if clock._backward_depth == 0:
+                            since, clock._backward_from = clock._backward_from, None
+                            if since is not None:
+                                clock.backward += _clock() - since
 
     backward.__wrapped__ = original  # type: ignore[attr-defined]
     backward.__doc__ = original.__doc__

@@ -129,3 +129,40 @@ def test_a_rank_that_never_ended_is_placed_from_its_last_progress():
     assert [(f.evidence["rank"], f.evidence["what"]) for f in behind] == [(1, "hang")]
     # A rank that was simply done with its steps and not yet inside another says nothing new.
     assert judge([_rank(0, steps=6)], 2, missing=[1], progress={1: {"steps": 6, "in_backward": False}}).findings == []
+
+
+def test_a_rank_without_timed_steps_is_no_baseline_for_waiting_and_a_failed_rank_is_not_uneven():
+    from dataclasses import replace
+
+    failed = replace(_rank(2, backward=0.0, steps=1), exit_status=1, per_step={})
+    runs = [_rank(0, backward=0.06), _rank(1, backward=0.06), failed]
+    view = JobView(3, runs)
+    assert view.waits() == {0: 0.0, 1: 0.0, 2: 0.0}
+    assert "collective" not in view.breakdown()[0]
+    assert [f.kind for f in judge(runs, 3).findings] == []  # rank 2's one step is its failure's, said by status
+
+
+def test_nested_backward_passes_count_once_on_the_loop_thread():
+    import torch
+
+    from accelport.observe.steptime import StepClock, watch_backward
+
+    clock = StepClock()
+    watch_backward(clock)
+    x = torch.ones(3, requires_grad=True)
+
+    class Inner(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            with torch.enable_grad():
+                y = torch.ones(2, requires_grad=True)
+                torch.autograd.backward((y * 3).sum())  # a backward inside a backward, as reentrant checkpointing runs
+            assert clock.in_backward
+            return g * 2
+
+    torch.autograd.backward(Inner.apply(x).sum())
+    assert not clock.in_backward and clock.backward > 0

@@ -185,10 +185,14 @@ def test_collectives_the_script_calls_itself_are_timed_as_collective(tmp_path):
 
 def test_a_rank_started_without_torchrun_says_its_own_run_labelled_with_its_rank(tmp_path):
     """srun-style ranks (RANK and WORLD_SIZE, no torchrun agent hosting a store): each says its own, labelled."""
-    proc = run(str(SCRIPTS / "cpu_healthy.py"), cwd=tmp_path, env={"RANK": "1", "WORLD_SIZE": "2"})
+    out = tmp_path / "job.json"
+    proc = run("--output", str(out), str(SCRIPTS / "cpu_healthy.py"), cwd=tmp_path,
+               env={"RANK": "1", "WORLD_SIZE": "2"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     (first,) = _summaries(proc.stderr)
     assert "cpu_healthy.py (rank 1 of 2) took" in first
+    # The job's outputs are rank 0's to write: rank 1 writes none (it would overwrite rank 0's).
+    assert not out.exists() and "are rank 0's to write" in " ".join(proc.stderr.split())
 
 
 def test_a_nan_in_one_ranks_batch_names_that_rank_as_where_it_came_from(tmp_path):
@@ -221,3 +225,12 @@ def test_the_ddp_hang_of_uneven_inputs_ends_and_names_the_rank_inside_its_extra_
     assert found["evidence"]["steps_by_rank"] == {"0": 12, "1": 13}
     assert "inside the backward pass of its step 13" in found["message"] and "join()" in found["fix"]
     assert result["job"]["ranks_missing"] == [1]
+
+
+def test_rank_0_stopped_while_it_waits_for_the_others_still_says_the_job(tmp_path):
+    """Rank 1 dies after rank 0 ended its script: torchrun stops rank 0 (SIGTERM) while it waits for rank 1's
+    summary. Rank 0 stops waiting and says what it has, before torchrun would kill it."""
+    proc, result = _job(tmp_path, "--die-after-rank", "1")
+    assert proc.returncode != 0
+    assert result["job"]["ranks_missing"] == [1] and [r["steps"] for r in result["ranks"]] == [12]
+    assert len(_summaries(proc.stderr)) == 1

@@ -76,8 +76,13 @@ class RankDivergenceRule(JobRule):
         runs: list[RankRun] = list(job.runs)
         steps = {r.rank: r.steps for r in runs}
         hung = self._hang(job, steps)
-        if hung is not None or len(runs) < 2:
+        if hung is not None:
             return hung
+        # A rank that failed or was stopped took fewer steps for that reason: said by its status, not as uneven.
+        runs = [r for r in runs if r.exit_status == 0]
+        if len(runs) < 2:
+            return None
+        steps = {r.rank: r.steps for r in runs}
         odd = _odd(steps)
         if odd is not None:
             others = sorted({v for r, v in steps.items() if r != odd})

@@ -3,12 +3,14 @@
     torchrun --nproc-per-node 2 ddp_job.py [--slow-rank R] [--slow-data-rank R] [--extra-step-rank R]
                                              [--fail-rank R] [--steps N] [--manual] [--nan-rank R]
                                              [--kill-rank R] [--ddp-uneven]
+                                             [--die-after-rank R]
 
 --slow-rank: that rank sleeps 0.15 s in the loop each step (host work, an augmentation of its own).
 --slow-data-rank: that rank's Dataset sleeps 0.05 s per sample (4 per batch) in the main process.
 --extra-step-rank: that rank takes one step more, without DDP (uneven inputs; DDP itself would hang).
 --fail-rank: that rank raises after its steps.
 --ddp-uneven: with --extra-step-rank, keep DDP: that rank hangs in its extra step's all-reduce (the DDP hang).
+--die-after-rank: that rank kills itself with SIGKILL 3 s after its steps (while rank 0 waits for its summary).
 --kill-rank: that rank kills itself with SIGKILL at step 5 (out of memory, as the kernel ends it).
 --nan-rank: that rank's batch at step 5 holds a NaN (DDP's all-reduce carries it to the others).
 --manual: no DDP; the script averages the gradients itself with dist.all_reduce before each step.
@@ -34,6 +36,7 @@ parser.add_argument("--manual", action="store_true")
 parser.add_argument("--nan-rank", type=int, default=-1)
 parser.add_argument("--kill-rank", type=int, default=-1)
 parser.add_argument("--ddp-uneven", action="store_true")
+parser.add_argument("--die-after-rank", type=int, default=-1)
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -80,6 +83,9 @@ if uneven:
     for p in net.parameters():  # the one collective: the ranks' weights averaged at the end
         dist.all_reduce(p.data)
 print(f"rank {rank} done")
+if rank == args.die_after_rank:
+    time.sleep(3)
+    os.kill(os.getpid(), signal.SIGKILL)
 if rank == args.fail_rank:
     raise RuntimeError(f"rank {rank} failed after its steps")
 dist.destroy_process_group()

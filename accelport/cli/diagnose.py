@@ -3,6 +3,7 @@
     accelport diagnose train.py --batch-size 64                    # the script and its own arguments
     accelport diagnose --report run.html --output findings.json -- train.py --epochs 1
     accelport diagnose -m mypkg.train --epochs 1                   # a module, as with python -m
+    accelport diagnose -m torch.distributed.run --nproc-per-node 8 train.py   # a whole job: one summary
 
 The script runs in this process as ``__main__`` (:func:`accelport.runtime.watch.run_watched`),
 watched by :class:`accelport.runtime.watch.Watcher`; its output, its exit status and its
@@ -60,7 +61,9 @@ def register(sub: Any) -> None:
         description="Run a PyTorch or torch_xla training script as `python SCRIPT ARGS` would (same process, "
                     "argv, working directory, streams and exit status), watch its optimizer steps, syncs and "
                     "data loading, and print the same diagnoses a ported script gets, with the fix and the "
-                    "line, on stderr at the end. Everything after SCRIPT (or -m MODULE) is the script's.",
+                    "line, on stderr at the end. Everything after SCRIPT (or -m MODULE) is the script's. "
+                    "A job: -m torch.distributed.run [torchrun's options] SCRIPT (or torchrun ... -m accelport "
+                    "diagnose SCRIPT) watches every rank and rank 0 says the job's findings once.",
     )
     p.add_argument("--output", metavar="FILE.json",
                    help="write the findings, metrics, steps, backend and exit status as JSON (also on failure "

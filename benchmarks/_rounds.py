@@ -7,7 +7,9 @@ ratio, so slow drifts of a shared machine cancel within a round.
 
 from __future__ import annotations
 
+import resource
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -92,3 +94,15 @@ def slowest_rank_times(batches: Iterable[tuple[Any, Any]], step: Callable[[Any, 
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
         out.append(float(t))
     return out
+
+
+def timed(command: list[str], env: dict[str, str]) -> dict[str, float]:
+    """Process wall and CPU seconds, and the loop's own wall and CPU seconds as the script printed them."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    loop = next(line.split()[1:] for line in out.stdout.splitlines() if line.startswith("loop_seconds"))
+    return {"wall": wall, "cpu": cpu, "loop wall": float(loop[0]), "loop cpu": float(loop[1])}

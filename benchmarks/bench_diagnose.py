@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
+
+from _rounds import timed
 
 CPU_SCRIPT = """
 import sys, time
@@ -70,18 +70,6 @@ for step, (x, y) in enumerate(pl.MpDeviceLoader(torch.utils.data.DataLoader(data
 torch_xla.sync()
 print("loop_seconds", time.perf_counter() - start, time.process_time() - cpu)
 """
-
-
-def timed(command: list[str], env: dict[str, str]) -> dict[str, float]:
-    """Process wall and CPU seconds, and the loop's own wall and CPU seconds as the script printed them."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    loop = next(line.split()[1:] for line in out.stdout.splitlines() if line.startswith("loop_seconds"))
-    return {"wall": wall, "cpu": cpu, "loop wall": float(loop[0]), "loop cpu": float(loop[1])}
 
 
 def compare(name: str, source: str, steps: int, rounds: int, env: dict[str, str]) -> None:

@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
+
+from _rounds import timed
 
 SCRIPT = """
 import os, sys, time
@@ -52,19 +52,6 @@ if job:
 """
 
 
-def _run(command: list[str]) -> tuple[float, float, float]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("RANK", None)
-    start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
-    wall = time.perf_counter() - start
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
-    line = next(x for x in done.stdout.splitlines() if x.startswith("loop_seconds"))
-    _, loop_wall, loop_cpu = line.split()
-    return wall, float(loop_wall), float(loop_cpu)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -82,22 +69,23 @@ def main() -> None:
             "one plain": [py, script, steps],
             "one diagnosed": [py, "-m", "accelport", "diagnose", script, steps],
         }
-        results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in commands}
+        env = {k: v for k, v in os.environ.items() if k != "RANK"} | {"OMP_NUM_THREADS": "1"}
+        results: dict[str, list[dict[str, float]]] = {k: [] for k in commands}
         order = list(commands)
         for r in range(args.rounds):
             for name in order[r % len(order):] + order[:r % len(order)]:
-                results[name].append(_run(commands[name]))
+                results[name].append(timed(commands[name], env))
 
-    def ratio(a: str, b: str, i: int) -> float:
-        return statistics.median(x[i] / y[i] for x, y in zip(results[a], results[b], strict=True))
+    def ratio(a: str, b: str, key: str) -> float:
+        return statistics.median(x[key] / y[key] for x, y in zip(results[a], results[b], strict=True))
 
     print(f"{args.rounds} rounds, {args.steps} steps, OMP_NUM_THREADS=1; median of per-round ratios, diagnosed / plain")
     print(f"{'':24}{'loop CPU':>10}{'loop wall':>11}{'command wall':>14}")
     for what in ("job", "one"):
-        figures = [ratio(f"{what} diagnosed", f"{what} plain", i) for i in (2, 1, 0)]
+        figures = [ratio(f"{what} diagnosed", f"{what} plain", key) for key in ("loop cpu", "loop wall", "wall")]
         label = "2 ranks (rank 0's loop)" if what == "job" else "one process"
         print(f"{label:24}" + "".join(f"{v:>{w}.3f}" for v, w in zip(figures, (10, 11, 14), strict=True)))
-    plain = statistics.median(x[2] for x in results["job plain"]) / args.steps * 1e6
+    plain = statistics.median(x["loop cpu"] for x in results["job plain"]) / args.steps * 1e6
     print(f"rank 0's loop CPU time per step, plain: {plain:.0f} us")
 
 

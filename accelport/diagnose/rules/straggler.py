@@ -31,37 +31,39 @@ CATEGORY_WORDS = {
 }
 
 
-def _fix(category: str, rank: int, style: str) -> str:
-    """What makes rank ``rank``'s extra time go away, by where it goes."""
-    if category == "data":
-        return (f"Rank {rank}'s input pipeline is slower than the others': give its DataLoader more workers "
-                "(num_workers), check that its shard of the data is not larger or slower to read (another disk, "
-                "larger files), and make each sample cheaper to load.")
-    if category == "transfer":
-        return (f"Rank {rank}'s copies to its device take longer than the others': pin its loader's memory "
-                "(pin_memory=True) and check that its device sits on the same kind of link as the others'.")
-    if category == "compile":
-        return (f"Rank {rank} compiles more than the others: give every rank batches of the same shapes (pad or "
-                "bucket them the same way on every rank), so each compiles the same programs once.")
-    if category == "device":
-        return (f"Rank {rank}'s device takes longer for the same work: check for another process on that chip, a "
-                "throttled or different chip on its host, or more work given to that rank (a larger shard).")
-    if category == "host_sync":
-        return (f"Rank {rank} reads device values on the host that the others do not (logging or metrics on one "
-                "rank): read them every N steps, or on every rank at the same step.")
-    if category == "between_steps":
-        return (f"Rank {rank} does work between steps that the others do not (evaluation, checkpoints, logging "
-                "on one rank): do it every N steps, on every rank, or in a background thread.")
-    if category == "forward":
-        return (f"Rank {rank} runs more code before its backward pass than the others: look for work done on that "
+#: What makes the straggler's extra time go away, by where it goes ({rank}: the straggler's rank).
+_FIXES = {
+    "data": ("Rank {rank}'s input pipeline is slower than the others': give its DataLoader more workers "
+             "(num_workers), check that its shard of the data is not larger or slower to read (another disk, larger "
+             "files), and make each sample cheaper to load."),
+    "transfer": ("Rank {rank}'s copies to its device take longer than the others': pin its loader's memory "
+                 "(pin_memory=True) and check that its device sits on the same kind of link as the others'."),
+    "compile": ("Rank {rank} compiles more than the others: give every rank batches of the same shapes (pad or "
+                "bucket them the same way on every rank), so each compiles the same programs once."),
+    "device": ("Rank {rank}'s device takes longer for the same work: check for another process on that chip, a "
+               "throttled or different chip on its host, or more work given to that rank (a larger shard)."),
+    "host_sync": ("Rank {rank} reads device values on the host that the others do not (logging or metrics on one "
+                  "rank): read them every N steps, or on every rank at the same step."),
+    "between_steps": ("Rank {rank} does work between steps that the others do not (evaluation, checkpoints, logging "
+                      "on one rank): do it every N steps, on every rank, or in a background thread."),
+    "forward": ("Rank {rank} runs more code before its backward pass than the others: look for work done on that "
                 "rank alone, or with more work there (augmentation, logging, metrics, evaluation), give every rank "
                 "the same work and move per-sample work into the DataLoader's workers; if the code is the same on "
-                f"every rank, rank {rank}'s device is slower for the same work (another process on that chip, a "
-                "throttled or different chip).")
+                "every rank, rank {rank}'s device is slower for the same work (another process on that chip, a "
+                "throttled or different chip)."),
+}
+#: Host code in the loop (``other``; ``{where}`` says where else it may be for a joined category).
+_HOST_FIX = ("Rank {rank} runs more host code {where} than the others (augmentation, logging, metrics or evaluation "
+             "done on that rank alone, or with more work there): give every rank the same work, move per-sample work "
+             "into the DataLoader's workers, and do rank-0-only work every N steps.")
+
+
+def _fix(category: str, rank: int) -> str:
+    """What makes rank ``rank``'s extra time go away, by where it goes."""
+    if category in _FIXES:
+        return _FIXES[category].format(rank=rank)
     where = "in the loop" if category == "other" else "in the loop and the forward pass"
-    return (f"Rank {rank} runs more host code {where} than the others (augmentation, logging, metrics or "
-            "evaluation done on that rank alone, or with more work there): give every rank the same work, move "
-            "per-sample work into the DataLoader's workers, and do rank-0-only work every N steps.")
+    return _HOST_FIX.format(rank=rank, where=where)
 
 
 class StragglerRule(JobRule):
@@ -109,4 +111,4 @@ class StragglerRule(JobRule):
                     "extra_seconds_per_step": round(extra, 6), "others_wait_share": round(share, 4),
                     "step_seconds": round(slow.step_seconds, 6)}
         return Diagnosis(kind=self.kind, message=message, step=2, evidence=evidence, severity="warning",
-                         fix=_fix(category, slow.rank, slow.style))
+                         fix=_fix(category, slow.rank))

@@ -611,16 +611,16 @@ def _conclude(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | No
               stderr: Any, stopped: Callable[[], bool] = lambda: False) -> bool:
     """Write the outputs and say what was found; whether writing one failed. A rank of a torchrun job hands
     its run to rank 0, which says the job's (:mod:`accelport.diagnose.job`)."""
-    from accelport.diagnose.job import JobPlace, rank_label
+    from accelport.diagnose.job import JobPlace, job_rank
 
     place = JobPlace.from_environ(os.environ)
     if place is not None and not outcome.forked:
         done = _conclude_rank(plan, watcher, outcome, records, redactor, stderr, place, stopped)
         if done is not None:
             return done
-    label = rank_label(os.environ)  # (a rank said alone: which one)
-    target = f"{plan.target} ({label})" if label else plan.target
-    if label is not None and os.environ.get("RANK") != "0":
+    ranked = job_rank(os.environ)  # (a rank said alone: which one)
+    target = f"{plan.target} (rank {ranked[0]} of {ranked[1]})" if ranked else plan.target
+    if ranked is not None and ranked[0] != 0:
         # The outputs are the job's, at the same paths on every rank: rank 0 writes them, the others say theirs.
         if plan.output or plan.report or plan.metrics_file:
             watcher.notes.append("the outputs (--output, --report, --metrics-file) are rank 0's to write: this "

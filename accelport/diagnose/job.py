@@ -21,7 +21,6 @@ rank spends beyond the rank that waits least in it is waiting, and is charged to
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import threading
 import time
@@ -32,7 +31,7 @@ from typing import Any
 from accelport.diagnose.rule import Diagnosis, JobView, RankRun
 
 __all__ = ["JobPlace", "RankRun", "JobView", "JobResult", "judge", "publish", "gather",
-           "ProgressReporter", "progress_of", "rank_label", "ENV_WAIT"]
+           "ProgressReporter", "progress_of", "job_rank", "ENV_WAIT"]
 
 #: Seconds rank 0 waits, after its own script ended, for the other ranks' results.
 ENV_WAIT = "ACCELPORT_JOB_WAIT"
@@ -56,30 +55,27 @@ class JobPlace:
     def from_environ(cls, environ: Mapping[str, str]) -> JobPlace | None:
         """The place of a rank of a torchrun job of more than one process; None for anything else (one
         process, or ranks started without torchrun's agent, which hosts no store once the script ends)."""
+        ranked = job_rank(environ)
         try:
-            rank, world = int(environ["RANK"]), int(environ["WORLD_SIZE"])
             host, port = environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
         except (KeyError, ValueError):
             return None
-        if world < 2 or not 0 <= rank < world or environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        if ranked is None or environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             return None
+        rank, world = ranked
         run = environ.get("TORCHELASTIC_RUN_ID", "job")
         attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         return cls(rank, world, host, port, f"accelport/diagnose/{run}/{attempt}/")
 
-    @property
-    def host(self) -> str:
-        return socket.gethostname()
 
-
-def rank_label(environ: Mapping[str, str]) -> str | None:
-    """"rank 3 of 8" for a process of a job (RANK and WORLD_SIZE, as torchrun, srun wrappers and launchers
-    set them), None for one process: a rank that says its run alone says which it is."""
+def job_rank(environ: Mapping[str, str]) -> tuple[int, int] | None:
+    """(rank, world size) of a process of a job of several (RANK and WORLD_SIZE, as torchrun, srun wrappers and
+    launchers set them); None for one process, or values that are no rank of a job."""
     try:
         rank, world = int(environ["RANK"]), int(environ["WORLD_SIZE"])
     except (KeyError, ValueError):
         return None
-    return f"rank {rank} of {world}" if world > 1 and 0 <= rank < world else None
+    return (rank, world) if world > 1 and 0 <= rank < world else None
 
 
 def _store(place: JobPlace, timeout: float) -> Any:

@@ -73,7 +73,7 @@ class WatchedWorker:
             try:
                 watcher.finish()
                 watcher.uninstall()
-                _write(self.directory, rank_run(watcher, status, _rank(index)))
+                _write(self.directory, rank_run(watcher, status, index))
             except Exception:  # noqa: BLE001 - never in the way of the worker's own end
                 pass
 
@@ -83,11 +83,6 @@ def watch_workers(directory: str, backend: str | None) -> Callable[[Callable[...
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         return WatchedWorker(fn, directory, backend)
     return wrap
-
-
-def _rank(index: int) -> int:
-    """The worker's rank: its launcher's index, or RANK where the script set it before starting the workers."""
-    return index if isinstance(index, int) else int(os.environ.get("RANK", "0"))
 
 
 def _write(directory: str, run: RankRun) -> None:

@@ -589,22 +589,47 @@ def _json(obj: Any, redactor: Redactor) -> bytes:
     return (json.dumps(redactor.tree(plain), indent=2, allow_nan=False) + "\n").encode("utf-8")
 
 
-def _write_report(plan: _Plan, records: str, watcher: Watcher, redactor: Redactor) -> str | None:
-    """Write the report page (the one ``accelport report`` draws, with the live findings); why not, or None."""
-    from accelport.diagnose.report import ReportError, load_records, render_html
+def _write_outputs(plan: _Plan, result: Callable[[], Mapping[str, Any]], records: str | None, findings: Sequence[Any],
+                   title: str, redactor: Redactor, *, ranks: Sequence[Mapping[str, Any]] = (), whose: str = ""
+                   ) -> tuple[list[str], list[str], str | None]:
+    """Write the outputs the plan asks for: --output (``result()``), --report (the page ``accelport report`` draws of
+    the steps in ``records``, with ``findings`` and a job's ``ranks``) and --metrics-file (those steps, in one
+    rename: never appended to an earlier run's, never half there). ``whose``: whose steps they are, said where
+    it matters (a job's). Returns (what was written, what failed, why there is no page or None)."""
+    written: list[str] = []
+    problems: list[str] = []
+    no_page = None
+    if plan.output is not None:
+        try:
+            write_atomic(plan.output, _json(result(), redactor), what="--output")
+            written.append(plan.output)
+        except AccelportError as exc:
+            problems.append(str(exc))
+    if plan.report is not None:
+        if records is None or not os.path.isfile(records) or os.path.getsize(records) == 0:
+            no_page = f"no report page: no step was recorded{' in this process' if whose else ''}, and the page " \
+                      "draws the steps"
+        else:
+            # (imported in run() already, before the script's directory went on sys.path)
+            from accelport.diagnose.report import ReportError, load_records, render_html
 
-    assert plan.report is not None
-    try:
-        # The page's own pass redacts every text on it (the title's path too), then escapes it.
-        page = render_html(load_records(records), watcher.findings, title=f"accelport diagnose: {plan.target}",
-                           redactor=redactor)
-    except ReportError as exc:
-        return f"no report page: {exc}"
-    try:
-        write_atomic(plan.report, page.encode("utf-8"), what="--report")
-    except AccelportError as exc:
-        return str(exc)
-    return None
+            try:
+                # The page's own pass redacts every text on it (the title's path too), then escapes it.
+                page = render_html(load_records(records), findings, title=title, redactor=redactor, ranks=ranks)
+                write_atomic(plan.report, page.encode("utf-8"), what="--report")
+                written.append(plan.report)
+            except ReportError as exc:
+                problems.append(f"no report page: {exc}")
+            except AccelportError as exc:
+                problems.append(str(exc))
+    if plan.metrics_file is not None and records is not None:
+        try:
+            replace_with(records, output_target(plan.metrics_file, what="--metrics-file"))
+            written.append(f"{plan.metrics_file}{f' ({whose} steps)' if whose else ''}")
+        except (OSError, AccelportError) as exc:
+            problems.append(f"cannot write --metrics-file {plan.metrics_file}: "
+                            f"{getattr(exc, 'strerror', None) or exc}")
+    return written, problems, no_page
 
 
 def _conclude(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | None, redactor: Redactor,
@@ -632,31 +657,10 @@ def _conclude(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | No
         world = max([len(workers), max((r.rank for r in workers), default=0) + 1, *counts[-1:]])
         missing = sorted(set(range(world)) - {r.rank for r in workers})
         return _say_job(plan, watcher, outcome, records, redactor, stderr, workers, world, missing)
-    written: list[str] = []
-    problems: list[str] = []
-    if plan.output is not None:
-        try:
-            write_atomic(plan.output, _json(_result(watcher, outcome, plan), redactor), what="--output")
-            written.append(plan.output)
-        except AccelportError as exc:
-            problems.append(str(exc))
-    has_steps = records is not None and os.path.isfile(records) and os.path.getsize(records) > 0
-    if plan.report is not None:
-        if not has_steps or records is None:
-            watcher.notes.append("no report page: no step was recorded, and the page draws the steps")
-        else:
-            problem = _write_report(plan, records, watcher, redactor)
-            if problem:
-                problems.append(problem)
-            else:
-                written.append(plan.report)
-    if plan.metrics_file is not None and records is not None:
-        try:  # this run's steps, in one rename: never appended to an earlier run's, never half there
-            replace_with(records, output_target(plan.metrics_file, what="--metrics-file"))
-            written.append(plan.metrics_file)
-        except (OSError, AccelportError) as exc:
-            problems.append(f"cannot write --metrics-file {plan.metrics_file}: "
-                            f"{getattr(exc, 'strerror', None) or exc}")
+    written, problems, no_page = _write_outputs(plan, lambda: _result(watcher, outcome, plan), records,
+                                                watcher.findings, f"accelport diagnose: {plan.target}", redactor)
+    if no_page:
+        watcher.notes.append(no_page)
     _flush(sys.stdout)  # the script's output first, then what was found
     _say(stderr, render_summary(target, watcher, outcome, written, redactor))
     for problem in problems:
@@ -696,38 +700,13 @@ def _say_job(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | Non
     from accelport.diagnose.job import judge
 
     job = judge(runs, world_size, missing, progress)
-    written: list[str] = []
-    problems: list[str] = []
     said = _job_result(job, runs)
-    if plan.output is not None:
-        try:
-            result = _result(watcher, outcome, plan)
-            result.update(said)
-            write_atomic(plan.output, _json(result, redactor), what="--output")
-            written.append(plan.output)
-        except AccelportError as exc:
-            problems.append(str(exc))
-    if plan.report is not None:
-        if records is None or not os.path.isfile(records) or os.path.getsize(records) == 0:
-            job.notes.append("no report page: no step was recorded in this process, and the page draws the steps")
-        else:
-            from accelport.diagnose.report import ReportError, load_records, render_html
-
-            try:
-                page = render_html(load_records(records), job.findings,
-                                   title=f"accelport diagnose: {plan.target} (rank 0's steps; the job's findings)",
-                                   redactor=redactor, ranks=said["ranks"])
-                write_atomic(plan.report, page.encode("utf-8"), what="--report")
-                written.append(plan.report)
-            except (ReportError, AccelportError) as exc:
-                problems.append(str(exc))
-    if plan.metrics_file is not None and records is not None:
-        try:
-            replace_with(records, output_target(plan.metrics_file, what="--metrics-file"))
-            written.append(f"{plan.metrics_file} (this process's steps)")
-        except (OSError, AccelportError) as exc:
-            problems.append(f"cannot write --metrics-file {plan.metrics_file}: "
-                            f"{getattr(exc, 'strerror', None) or exc}")
+    written, problems, no_page = _write_outputs(
+        plan, lambda: {**_result(watcher, outcome, plan), **said}, records, job.findings,
+        f"accelport diagnose: {plan.target} (rank 0's steps; the job's findings)", redactor, ranks=said["ranks"],
+        whose="this process's")
+    if no_page:
+        job.notes.append(no_page)
     _flush(sys.stdout)
     _say(stderr, render_job(plan.target, job, watcher, written, redactor))
     for problem in problems:

@@ -47,6 +47,26 @@ def plugin_timeout(environ: Mapping[str, str]) -> float:
     return value if 0 < value < 86400 else DEFAULT_PLUGIN_TIMEOUT
 
 
+#: Seconds rank 0 of a job under ``accelport diagnose`` waits for the other ranks' summaries after its script ended.
+DEFAULT_JOB_WAIT = 120.0
+
+
+def job_wait(environ: Mapping[str, str]) -> tuple[float, str | None]:
+    """``ACCELPORT_JOB_WAIT`` in seconds (0 or more), else :data:`DEFAULT_JOB_WAIT`; with why a value that was
+    given is not taken (None when it is, or none was given)."""
+    given = environ.get("ACCELPORT_JOB_WAIT")
+    if given is None or not given.strip():
+        return DEFAULT_JOB_WAIT, None
+    try:
+        value = float(given)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        return DEFAULT_JOB_WAIT, (f"ACCELPORT_JOB_WAIT={given} is not a number of seconds (0 or more): rank 0 waited "
+                                  f"the default {DEFAULT_JOB_WAIT:.0f} s for the other ranks")
+    return value, None
+
+
 def explicit_pjrt_device(environ: Mapping[str, str]) -> str | None:
     """The device type ``PJRT_DEVICE`` names (``CPU``, ``TPU``, ``NEURON``, ``CUDA``), or None when unset.
 

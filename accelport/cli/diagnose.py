@@ -685,7 +685,10 @@ def _conclude_rank(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str
         return None
     # (rank 0's own script failed or was stopped: torchrun ends the others soon, so they are not waited for long)
     failed = outcome.ended_by is not None or outcome.exit_status != 0
-    runs, missing, problem = gather(place, own, wait_seconds(os.environ, failed), stopped)
+    wait, unusable = wait_seconds(os.environ, failed)
+    if unusable:
+        watcher.notes.append(unusable)
+    runs, missing, problem = gather(place, own, wait, stopped)
     if problem is not None:
         watcher.notes.append(f"the other ranks' runs could not be read ({problem}): rank 0's is said alone")
         return None

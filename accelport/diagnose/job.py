@@ -29,13 +29,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from accelport.diagnose.rule import Diagnosis, JobView, RankRun
+from accelport.settings import job_wait
 
 __all__ = ["JobPlace", "RankRun", "JobView", "JobResult", "judge", "publish", "gather",
-           "ProgressReporter", "progress_of", "job_rank", "ENV_WAIT"]
+           "ProgressReporter", "progress_of", "job_rank"]
 
-#: Seconds rank 0 waits, after its own script ended, for the other ranks' results.
-ENV_WAIT = "ACCELPORT_JOB_WAIT"
-DEFAULT_WAIT = 120.0
 #: After a SIGTERM (the scheduler's or torchrun's stop), the others are given this long at most.
 STOPPED_WAIT = 5.0
 
@@ -97,14 +95,11 @@ def publish(place: JobPlace, run: RankRun, timeout: float = 30.0) -> str | None:
     return None
 
 
-def wait_seconds(environ: Mapping[str, str], stopped: bool) -> float:
-    """How long rank 0 waits for the others: ACCELPORT_JOB_WAIT, or less after a stop request."""
-    try:
-        wait = float(environ.get(ENV_WAIT, DEFAULT_WAIT))
-    except ValueError:
-        wait = DEFAULT_WAIT
-    wait = max(wait, 0.0)
-    return min(wait, STOPPED_WAIT) if stopped else wait
+def wait_seconds(environ: Mapping[str, str], stopped: bool) -> tuple[float, str | None]:
+    """How long rank 0 waits for the others: ACCELPORT_JOB_WAIT (:func:`accelport.settings.job_wait`), at most
+    :data:`STOPPED_WAIT` after a stop request; and why a value given was not taken, or None."""
+    wait, problem = job_wait(environ)
+    return (min(wait, STOPPED_WAIT) if stopped else wait), problem
 
 
 def gather(place: JobPlace, own: RankRun, wait: float, stopped: Callable[[], bool] = lambda: False

@@ -166,3 +166,16 @@ def test_nested_backward_passes_count_once_on_the_loop_thread():
 
     torch.autograd.backward(Inner.apply(x).sum())
     assert not clock.in_backward and clock.backward > 0
+
+
+@pytest.mark.parametrize(("given", "seconds", "refused"), [
+    (None, 120.0, False), ("", 120.0, False), ("20", 20.0, False), ("0", 0.0, False),
+    ("soon", 120.0, True), ("-5", 120.0, True), ("nan", 120.0, True), ("inf", 120.0, True),
+])
+def test_the_job_wait_is_a_number_of_seconds_and_a_bad_one_is_said(given, seconds, refused):
+    from accelport.settings import job_wait
+
+    wait, problem = job_wait({} if given is None else {"ACCELPORT_JOB_WAIT": given})
+    assert wait == seconds and (problem is not None) == refused
+    if refused:
+        assert f"ACCELPORT_JOB_WAIT={given} is not a number of seconds" in problem and "default 120 s" in problem

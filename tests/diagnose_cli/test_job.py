@@ -75,8 +75,12 @@ def test_a_rank_with_a_slow_dataset_is_named_with_its_input_pipeline(tmp_path):
 
 
 def test_a_balanced_job_has_no_straggler_and_one_verdict(tmp_path):
-    proc, result = _job(tmp_path)
+    out = tmp_path / "job.json"
+    proc = run("--output", str(out), *TORCHRUN, JOB, cwd=tmp_path, env={"ACCELPORT_JOB_WAIT": "soon"})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    # A wait that is no number is said (and the default taken), not silently replaced.
+    assert "ACCELPORT_JOB_WAIT=soon is not a number of seconds" in " ".join(proc.stderr.split())
     assert [f["kind"] for f in result["findings"]] == []
     assert result["job"]["straggler"] is None and result["job"]["ranks_missing"] == []
     assert [r["steps"] for r in result["ranks"]] == [12, 12]

@@ -703,7 +703,7 @@ def _say_job(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | Non
     from accelport.diagnose.job import judge
 
     job = judge(runs, world_size, missing, progress)
-    said = _job_result(job, runs)
+    said = _job_result(job)
     written, problems, no_page = _write_outputs(
         plan, lambda: {**_result(watcher, outcome, plan), **said}, records, job.findings,
         f"accelport diagnose: {plan.target} (rank 0's steps; the job's findings)", redactor, ranks=said["ranks"],
@@ -729,20 +729,18 @@ def _worker_runs(plan: _Plan) -> list[RankRun]:
     return runs
 
 
-def _job_result(job: JobResult, runs: Sequence[RankRun]) -> dict[str, Any]:
+def _job_result(job: JobResult) -> dict[str, Any]:
     """The job's part of --output: its findings (with evidence.rank), one entry per rank, what was judged."""
-    from accelport.diagnose.timing import verdict as time_verdict
-
+    runs = job.runs
     severity, text = job_verdict(job)
     ranks = [{"rank": r.rank, "host": r.host, "pid": r.pid, "steps": r.steps, "exit_status": r.exit_status,
               "time_breakdown": {k: round(v, 6) for k, v in job.by_rank.get(r.rank, {}).items()},
               "findings": list(r.findings), "straggler": r.rank == job.straggler} for r in runs]
-    kind, share, _ = time_verdict(job.breakdown)
     return {"findings": [f.to_dict() for f in job.findings], "ranks": ranks,
             "job": {"world_size": job.world_size, "ranks_judged": [r.rank for r in runs],
                     "ranks_missing": list(job.missing), "straggler": job.straggler,
                     "time_breakdown_per_step": {k: round(v, 6) for k, v in job.breakdown.items()},
-                    "time_verdict": _job_time_verdict(job) or kind},
+                    "time_verdict": _job_time_verdict(job)},
             "verdict": {"judged_every_step": severity == "ok", "steps_judged": sum(r.steps for r in runs),
                         "text": text, "not_judged": {}, "ranks_missing": list(job.missing)}}
 

@@ -289,6 +289,12 @@ CATEGORY_COLORS = {"data": "#d4a72c", "transfer": "#e16f24", "compile": "#cf222e
                    "host_sync": "#8250df", "collective": "#1a7f37", "other": "#8c959f", "between_steps": "#57606a"}
 
 
+def _color(category: str) -> str:
+    """A time category's colour; a joined one (``device+other``) its first part's, translucent."""
+    return CATEGORY_COLORS.get(category) or CATEGORY_COLORS.get(category.split("+")[0], "#8c959f") + (
+        "" if "+" not in category else "99")
+
+
 def _categories(records: Sequence[dict[str, Any]]) -> tuple[dict[str, float], dict[str, str], dict[str, str]]:
     """The time categories the records hold, in order: zero totals, their labels and colours."""
     from accelport.observe.steptime import ordered
@@ -299,9 +305,7 @@ def _categories(records: Sequence[dict[str, Any]]) -> tuple[dict[str, float], di
             seen[key] = 0.0
     totals = dict(ordered(seen))
     labels = {k: k.replace("+", " + ") for k in totals}
-    colors = {k: CATEGORY_COLORS.get(k) or CATEGORY_COLORS.get(k.split("+")[0], "#8c959f") + ("" if "+" not in k
-                                                                                               else "99")
-              for k in totals}
+    colors = {k: _color(k) for k in totals}
     colors.setdefault("compile", CATEGORY_COLORS["compile"])  # (the compile marks)
     return totals, labels, colors
 
@@ -579,8 +583,7 @@ def _ranks_html(ranks: Sequence[Mapping[str, Any]], safe: Callable[[object], str
         total = sum(v for _, v in parts)
         bar = "".join(
             f"<span title='{safe(k)} {v * 1e3:.1f} ms' style='display:inline-block;height:12px;"
-            f"width:{max(v / longest * 400, 0.5):.1f}px;background:"
-            f"{CATEGORY_COLORS.get(k) or CATEGORY_COLORS.get(k.split('+')[0], '#8c959f')}'></span>"
+            f"width:{max(v / longest * 400, 0.5):.1f}px;background:{_color(k)}'></span>"
             for k, v in parts)
         said = ", ".join(f"{safe(k)} {v * 1e3:.1f}" for k, v in parts)
         mark = " <span class=badge>straggler</span>" if r.get("straggler") else ""

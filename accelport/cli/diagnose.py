@@ -676,7 +676,7 @@ def _conclude_rank(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str
     from accelport.diagnose.job import gather, progress_of, publish, wait_seconds
     from accelport.runtime.workers import rank_run
 
-    own = rank_run(watcher, outcome.exit_status, place.rank, verdict(watcher, outcome)[1])
+    own = rank_run(watcher, outcome.exit_status, place.rank)
     if place.rank != 0:
         problem = publish(place, own)
         if problem is None:
@@ -742,7 +742,7 @@ def _job_result(job: JobResult) -> dict[str, Any]:
                     "time_breakdown_per_step": {k: round(v, 6) for k, v in job.breakdown.items()},
                     "time_verdict": _job_time_verdict(job)},
             "verdict": {"judged_every_step": severity == "ok", "steps_judged": sum(r.steps for r in runs),
-                        "text": text, "not_judged": {}, "ranks_missing": list(job.missing)}}
+                        "text": text, "not_judged": _not_judged(job), "ranks_missing": list(job.missing)}}
 
 
 def _job_time_verdict(job: JobResult) -> str:
@@ -769,9 +769,22 @@ def job_verdict(job: JobResult) -> tuple[str, str]:
                                                                    for r in failed))
     if not any(r.steps for r in job.runs):
         return "note", "no rank took an optimizer step, so nothing was diagnosed"
+    unjudged = _not_judged(job)
+    pending = "; not judged: " + ", ".join(f"{kind} ({why})" for kind, why in unjudged.items()) if unjudged else ""
     if job.findings:
-        return "ok", ""
-    return "ok", f"no finding on any of the {job.world_size} ranks"
+        return ("note", f"the findings above cover every rank{pending}") if unjudged else ("ok", "")
+    if unjudged:
+        return "note", f"no finding on any of the {job.world_size} ranks{pending}"
+    return "ok", f"no finding on any of the {job.world_size} ranks with every check running"
+
+
+def _not_judged(job: JobResult) -> dict[str, str]:
+    """The kinds some rank could not judge, and why (as the first such rank said it)."""
+    out: dict[str, str] = {}
+    for run in job.runs:
+        for kind, why in run.not_judged.items():
+            out.setdefault(kind, why)
+    return out
 
 
 def render_job(target: str, job: JobResult, watcher: Watcher, written: Sequence[str], redactor: Redactor) -> str:

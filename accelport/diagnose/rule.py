@@ -216,8 +216,8 @@ class RankRun:
     backend: str | None = None
     #: How the script trains (``RunView.style``): the job's fixes are said in its terms.
     style: str = "torch"
-    #: The verdict of its own run ("no finding after 12 step(s) ..."), for its row of the job.
-    verdict: str = ""
+    #: The kinds its rules could not judge, and why ("needs 30 steps"): a job is "ok" only where none is left.
+    not_judged: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def step_seconds(self) -> float:
@@ -236,7 +236,7 @@ class RankRun:
                        peak_memory_bytes=(int(data["peak_memory_bytes"]) if data.get("peak_memory_bytes") is not None
                                           else None),
                        backend=data.get("backend"), style=str(data.get("style") or "torch"),
-                       verdict=str(data.get("verdict") or ""))
+                       not_judged={str(k): str(v) for k, v in dict(data.get("not_judged") or {}).items()})
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a rank's summary: {exc}") from None
 

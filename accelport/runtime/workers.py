@@ -26,7 +26,7 @@ __all__ = ["WatchedWorker", "rank_run", "read_runs", "watch_workers"]
 _PREFIX = "rank-"
 
 
-def rank_run(watcher: Watcher, exit_status: int, rank: int, verdict: str = "") -> RankRun:
+def rank_run(watcher: Watcher, exit_status: int, rank: int) -> RankRun:
     """``watcher``'s run as one rank's summary: seconds per step by category after the first step (which holds
     the start-up and the first compilations), and the seconds inside backward passes per step."""
     tracker = watcher.tracker
@@ -45,7 +45,7 @@ def rank_run(watcher: Watcher, exit_status: int, rank: int, verdict: str = "") -
                    backward=max(backward, 0.0), findings=[watcher.finding_dict(f) for f in watcher.findings],
                    compilations=int(metrics.get("compilations") or 0),
                    peak_memory_bytes=metrics.get("peak_memory_bytes"), backend=watcher.backend_name,
-                   style=watcher.style, verdict=verdict)
+                   style=watcher.style, not_judged=dict(watcher.unjudged))
 
 
 class WatchedWorker:

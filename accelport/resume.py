@@ -1133,6 +1133,13 @@ class Checkpointer:
         self._saved_step: int | None = None
         self._pending: tuple[Any, str, int] | None = None  # a background save: its handle, directory, step
         self._stop = _StopSignals(signals, deadline) if signals else None
+        # The goodput account (accelport.goodput): seconds of training steps (busy) and of the loop waiting for
+        # saves (blocked), split at a mark that each blocking section moves past itself; rank 0's journal.
+        self._busy = 0.0
+        self._blocked = 0.0
+        self._clock = time.monotonic()
+        self._blocking_now = False
+        self._journal: Any = None
 
     # -- public ----------------------------------------------------------------------------------------
     @property
@@ -1178,6 +1185,7 @@ class Checkpointer:
                                           and callable(getattr(scheduler, "load_state_dict", None))):
             raise TypeError(f"Checkpointer.restore(scheduler=...) takes a learning-rate scheduler (with state_dict() "
                             f"and load_state_dict()), not {type(scheduler).__name__}")
+        began = time.time()
         api = _api()
         backend = api.backend()
         self._objects = {k: v for k, v in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler))
@@ -1225,6 +1233,7 @@ class Checkpointer:
             if chosen is None:
                 self.steps = 0
                 self._last_save_time = time.monotonic()
+                self._open_account(backend, began)
                 return 0
             try:
                 self._load(api, backend, chosen)
@@ -1232,6 +1241,7 @@ class Checkpointer:
                 skipped.append((chosen, f"it is damaged: {exc}"))
                 continue
             self._last_save_time = time.monotonic()
+            self._open_account(backend, began)
             return self.steps
 
     def step(self) -> None:
@@ -1261,7 +1271,10 @@ class Checkpointer:
                 self.save()
             if stop:
                 self._finish_background()
+                self._tick()
+                self._account_ends("stopped")
                 self._exit()
+        self._tick()
 
     def save(self) -> str:
         """Write a checkpoint of the step reached now, on every rank together; returns its directory."""
@@ -1272,11 +1285,15 @@ class Checkpointer:
         backend = api.backend()
         if self._stop is not None:
             self._stop.saving = (self.steps, _step_dir(self.directory, self.steps))
+        outer = self._block_begins()
         try:
             path = self._write(api, backend, self.steps)
         finally:
             if self._stop is not None:
                 self._stop.saving = None
+            waited = self._block_ends(outer)
+        if self._journal is not None:
+            self._journal.saved(self.steps, waited, self._busy, background=self.background)
         self._saved_step = self.steps
         self._last_save_time = time.monotonic()
         self.last_saved = path
@@ -1288,11 +1305,25 @@ class Checkpointer:
 
     def close(self) -> None:
         """Complete a background save (on every rank together), and give the stop signals back."""
+        self._close("finished")
+
+    def goodput(self) -> dict[str, Any] | None:
+        """The job's goodput account so far, from this directory's journal (:mod:`accelport.goodput`): every run
+        since the job began, restarts included; None before :meth:`restore` on rank 0 or where none is kept."""
+        from accelport.goodput import account_of_directory
+
+        return account_of_directory(self.directory)
+
+    def _close(self, how: str) -> None:
         try:
             self._finish_background()
         finally:
-            if self._stop is not None:
-                self._stop.close()
+            try:
+                self._tick()
+                self._account_ends(how)
+            finally:
+                if self._stop is not None:
+                    self._stop.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -1300,7 +1331,8 @@ class Checkpointer:
     def __exit__(self, kind: object, *exc: object) -> None:
         if kind is not None:
             self._pending = None  # this rank fails: no waiting for the others, the save stays incomplete
-        self.close()
+        failed = isinstance(kind, type) and not issubclass(kind, SystemExit)
+        self._close("failed" if failed else "finished")
 
     def __repr__(self) -> str:
         return f"<Checkpointer {self.directory!r} step {self.steps}>"
@@ -1325,6 +1357,61 @@ class Checkpointer:
     def _world_one(self) -> bool:
         return _api().world_size() == 1
 
+    # -- the goodput account ------------------------------------------------------------------------
+    def _open_account(self, backend: Any, began: float) -> None:
+        """Start the clock of the steps, and (rank 0) this run's lines in the directory's journal."""
+        self._busy = self._blocked = 0.0
+        self._clock = time.monotonic()
+        restored = time.time()  # the same moment: the steps' seconds begin where the start-up's end
+        if backend.rank() != 0:
+            return
+        from accelport.goodput import POINTER, Journal
+
+        if self._journal is not None and self._journal.last is not None:
+            self._journal.end("finished", *self._journal.last)  # restored again: the run so far is one run
+        settings = {"every_steps": self.every_steps, "every_seconds": self.every_seconds, "background": self.background,
+                    "world_size": backend.world_size(), "host": self._run["host"]}
+        self._journal = Journal(self.directory, os.urandom(6).hex(), resumed_from=self.steps, restore_began=began,
+                                restored=restored, environ=os.environ, settings=settings)
+        launch_dir = os.environ.get("ACCELPORT_LAUNCH_DIR")
+        if launch_dir:  # accelport launch says the job's goodput at its end
+            from accelport.launch.heartbeat import write_json
+
+            write_json(os.path.join(launch_dir, POINTER), {"directory": self.directory})
+
+    def _tick(self) -> None:
+        """The end of a step: the seconds since the mark were the loop's own; rank 0 says the step reached."""
+        now = time.monotonic()
+        self._busy += now - self._clock
+        self._clock = now
+        if self._journal is not None:
+            self._journal.step(self.steps, self._busy, self._blocked)
+
+    def _block_begins(self) -> bool:
+        """The loop waits for a checkpoint from now: the steps' clock stops. False inside another such wait."""
+        if self._blocking_now:
+            return False
+        now = time.monotonic()
+        self._busy += now - self._clock
+        self._clock = now
+        self._blocking_now = True
+        return True
+
+    def _block_ends(self, outer: bool) -> float:
+        """The seconds waited since :meth:`_block_begins` (0 for an inner one); the steps' clock goes on."""
+        if not outer:
+            return 0.0
+        now = time.monotonic()
+        waited = now - self._clock
+        self._blocked += waited
+        self._clock = now
+        self._blocking_now = False
+        return waited
+
+    def _account_ends(self, how: str) -> None:
+        if self._journal is not None:
+            self._journal.end(how, self.steps, self._busy, self._blocked)
+
     def _finish_background(self) -> None:
         """Wait for the background save on every rank, then complete its checkpoint (rank 0)."""
         if self._pending is None:
@@ -1334,13 +1421,19 @@ class Checkpointer:
         pending, target, step = self._pending
         self._pending = None
         backend = _api().backend()
+        outer = self._block_begins()
         try:
-            pending.wait()  # every rank, at the same step boundary; a failure is raised on all of them
-        except CheckpointError:
-            if backend.rank() == 0:
-                shutil.rmtree(target, ignore_errors=True)
-            raise
-        self._complete(checkpoint, backend, target, step)
+            try:
+                pending.wait()  # every rank, at the same step boundary; a failure is raised on all of them
+            except CheckpointError:
+                if backend.rank() == 0:
+                    shutil.rmtree(target, ignore_errors=True)
+                raise
+            self._complete(checkpoint, backend, target, step)
+        finally:
+            waited = self._block_ends(outer)
+        if outer and self._journal is not None:
+            self._journal.waited(waited)
 
     def _complete(self, checkpoint: Any, backend: Any, target: str, step: int) -> None:
         failure = None

@@ -55,6 +55,7 @@ def test_directories_it_did_not_write_are_ignored_once_and_never_pruned(tmp_path
     assert all(path.read_bytes() == data for path, data in files.items())
     assert [f.step for f in find_checkpoints(tmp_path) if f.complete] == [6]
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.iterdir()) == [
+        "goodput-progress.bin", "goodput.jsonl",  # rank 0's goodput account, beside the checkpoints
         "step-00000002", "step-00000006", "step-00000007", "step-1"]
 
 

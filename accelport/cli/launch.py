@@ -64,7 +64,8 @@ def register(sub: Any) -> None:
                        help="how long a host waits for the others before the launch fails (default 600)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the command and environment that would run, and start nothing")
-    p.add_argument("--json", action="store_true", help="machine-readable output (dry run and errors)")
+    p.add_argument("--json", action="store_true",
+                   help="machine-readable output: the dry run, an error, or the job's end (exit status, goodput)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=run)
@@ -139,16 +140,19 @@ def run(args: argparse.Namespace) -> int:
                 print(f"# {note}")
         return 0
     try:
-        run_plan(plan)
+        goodput = run_plan(plan)
     except LaunchStopped as exc:
+        goodput = getattr(exc, "goodput", None)
         if args.json:
-            emit_json({"stopped": str(exc), "kind": "LaunchStopped", **exc.to_dict()})
+            emit_json({"stopped": str(exc), "kind": "LaunchStopped", **exc.to_dict(), "goodput": goodput})
         else:
             print(f"accelport: {exc}", file=sys.stderr)
+            _say_goodput(goodput)
         return exc.exit_status
     except WorkerFailedError as exc:
+        goodput = getattr(exc, "goodput", None)
         if args.json:
-            emit_json({"error": str(exc), "kind": "WorkerFailedError", **exc.to_dict()})
+            emit_json({"error": str(exc), "kind": "WorkerFailedError", **exc.to_dict(), "goodput": goodput})
         else:
             first = exc.first
             where = f" on {first.host}" if first.host else ""
@@ -156,5 +160,20 @@ def run(args: argparse.Namespace) -> int:
             for other in exc.failures:
                 if other is not first:
                     print(f"accelport:   then rank {other.rank}: {other.error}", file=sys.stderr)
+            _say_goodput(goodput)
         return exc.exit_status
+    if args.json:
+        emit_json({"exit_status": 0, "goodput": goodput})
+    else:
+        _say_goodput(goodput)
     return 0
+
+
+def _say_goodput(goodput: dict[str, Any] | None) -> None:
+    """The job's closing lines about its wall time, where rank 0 kept an account (ap.Checkpointer)."""
+    if goodput is None:
+        return
+    from accelport.goodput import render
+
+    for line in render(goodput):
+        print(f"accelport: {line}", file=sys.stderr)

@@ -173,7 +173,8 @@ def _checkpoints(environ: Mapping[str, str], now: float | None = None) -> dict[s
     now = time.time() if now is None else now
     path = os.path.abspath(directory)
     row: dict[str, Any] = {"directory": path, "exists": os.path.isdir(path), "is_file": os.path.lexists(path)
-                           and not os.path.isdir(path), "writable": None, "complete": [], "torn": [], "newest": None}
+                           and not os.path.isdir(path), "writable": None, "complete": [], "torn": [], "newest": None,
+                           "goodput": None}
     if row["exists"]:
         row["writable"] = os.access(path, os.W_OK)
         found = find_checkpoints(path)
@@ -182,6 +183,9 @@ def _checkpoints(environ: Mapping[str, str], now: float | None = None) -> dict[s
         row["torn"] = [{"step": f.step, "path": f.path, "problem": f.problem} for f in found if not f.complete]
         newest = newest_complete(found)
         row["newest"] = next((c for c in row["complete"] if newest is not None and c["step"] == newest.step), None)
+        from accelport.goodput import account_of_directory
+
+        row["goodput"] = account_of_directory(path)  # the last job's account, kept by ap.Checkpointer's rank 0
     return row
 
 
@@ -238,6 +242,11 @@ def _checkpoint_findings(row: Mapping[str, Any] | None) -> list[Finding]:
         found.append(Finding("note", f"checkpoints in {row['directory']}: {len(row['complete'])} complete, the newest "
                              f"at step {newest['step']} ({newest['path']}{world}) written {written}; "
                              "a run with ap.Checkpointer() resumes from it", "", "core"))
+    if row.get("goodput") is not None:
+        from accelport.goodput import render
+
+        lines = render(row["goodput"])
+        found.append(Finding("note", f"the last job in {row['directory']}: " + "; ".join(lines), "", "core"))
     later = [t for t in row["torn"] if newest is None or t["step"] > newest["step"]]
     for torn in later:
         found.append(Finding("warning", f"checkpoint {torn['path']} is incomplete: {torn['problem']}",

@@ -29,11 +29,12 @@ from accelport.launch.heartbeat import (
     PROBE_FILE,
     WHERE_PREFIX,
     attempt_of,
+    read,
     read_ranked,
     write_json,
 )
 from accelport.launch.plan import LaunchError, LaunchPlan, check_resolves
-from accelport.launch.stop import EXIT_PREEMPTED, LAUNCHER_MARGIN_S, deadline_s, stopped_launch
+from accelport.launch.stop import EXIT_PREEMPTED, LAUNCHER_MARGIN_S, LaunchStopped, deadline_s, stopped_launch
 
 __all__ = ["WorkerFailure", "WorkerFailedError", "parent_launch_env", "run_plan"]
 
@@ -62,6 +63,9 @@ class WorkerFailure:
 
 class WorkerFailedError(AccelportError):
     """A worker failed; the others were stopped. ``first`` is the one that failed first."""
+
+    #: The job's goodput account up to the failure (:func:`run_plan`), where one was kept.
+    goodput: dict[str, Any] | None = None
 
     def __init__(self, first: WorkerFailure, failures: list[WorkerFailure]) -> None:
         self.first = first
@@ -129,8 +133,13 @@ def parent_launch_env(spec: str, kwargs: Mapping[str, int], environ: Mapping[str
     raise LaunchError(f"{call} failed on this host before any worker started: {last}")
 
 
-def run_plan(plan: LaunchPlan, environ: Mapping[str, str] | None = None) -> None:
-    """Run ``plan`` to the end. Raises :class:`WorkerFailedError` naming the first failed rank."""
+def run_plan(plan: LaunchPlan, environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """Run ``plan`` to the end. Raises :class:`WorkerFailedError` naming the first failed rank.
+
+    Returns the job's goodput account (:mod:`accelport.goodput`) where a worker kept one with
+    ``ap.Checkpointer`` (rank 0, on this host), else None; a raised failure or stop carries it as
+    ``exc.goodput``."""
+    started = time.time()
     base = dict(os.environ if environ is None else environ)
     if not plan.available:
         from accelport.errors import BackendUnavailableError
@@ -152,20 +161,40 @@ def run_plan(plan: LaunchPlan, environ: Mapping[str, str] | None = None) -> None
     env["ACCELPORT_LAUNCH_DIR"] = launch_dir
     env["ACCELPORT_LAUNCHER_PID"] = str(os.getpid())  # each worker dies with this process (worker.py)
     try:
-        if plan.engine == "torchrun":
-            _run_torchrun(plan, env, launch_dir)
-        else:
-            for attempt in range(plan.max_restarts + 1):  # torch_xla's launcher has no restarts: start it again
-                env[ATTEMPT_ENV] = str(attempt)
-                _forget(launch_dir)  # what the failed attempt's workers said is not about the next one
-                try:
-                    _run_subprocess(plan, env, launch_dir, stop_wait, attempt)
-                    break
-                except WorkerFailedError:
-                    if attempt == plan.max_restarts:
-                        raise
+        try:
+            _run_engine(plan, env, launch_dir, stop_wait)
+        except (WorkerFailedError, LaunchStopped) as exc:
+            exc.goodput = _goodput(launch_dir, started)
+            raise
+        return _goodput(launch_dir, started)
     finally:
         shutil.rmtree(launch_dir, ignore_errors=True)
+
+
+def _goodput(launch_dir: str, started: float) -> dict[str, Any] | None:
+    """The account of this launch's runs, from the journal rank 0's checkpointer named in ``launch_dir``."""
+    from accelport.goodput import POINTER, account_of_directory
+
+    pointer = read(os.path.join(launch_dir, POINTER))
+    directory = pointer.get("directory") if isinstance(pointer, Mapping) else None
+    if not isinstance(directory, str):
+        return None
+    return account_of_directory(directory, launch=launch_dir, started=started, ended=time.time())
+
+
+def _run_engine(plan: LaunchPlan, env: dict[str, str], launch_dir: str, stop_wait: float) -> None:
+    if plan.engine == "torchrun":
+        _run_torchrun(plan, env, launch_dir)
+        return
+    for attempt in range(plan.max_restarts + 1):  # torch_xla's launcher has no restarts: start it again
+        env[ATTEMPT_ENV] = str(attempt)
+        _forget(launch_dir)  # what the failed attempt's workers said is not about the next one
+        try:
+            _run_subprocess(plan, env, launch_dir, stop_wait, attempt)
+            break
+        except WorkerFailedError:
+            if attempt == plan.max_restarts:
+                raise
 
 
 # -- the monitor: a rank that stops making progress, a rank that ends early --------------------
@@ -180,7 +209,11 @@ def _forget(launch_dir: str) -> None:
         names = os.listdir(launch_dir)
     except OSError:
         return
+    from accelport.goodput import POINTER
+
     for name in names:
+        if name == POINTER:  # where the job's goodput account is: every attempt adds to it
+            continue
         try:
             os.unlink(os.path.join(launch_dir, name))
         except OSError:

@@ -90,6 +90,9 @@ def read_stops(directory: str) -> dict[int, dict[str, Any]]:
 class LaunchStopped(AccelportError):
     """The launch was stopped on request (a signal); ``exit_status`` says whether every worker saved."""
 
+    #: The job's goodput account up to the stop (set by the launcher), where one was kept.
+    goodput: dict[str, Any] | None = None
+
     def __init__(self, signum: int, saved: Mapping[int, Mapping[str, Any]], expected: int | None,
                  finished: Mapping[int, Mapping[str, Any]] | None = None) -> None:
         self.signum = signum

@@ -75,6 +75,34 @@ def test_a_rank_killed_at_step_23_is_restarted_and_the_job_ends_bit_identical(un
     assert sorted(starts) == [0, 0, 20, 20]
 
 
+def test_a_job_killed_twice_under_max_restarts_gives_its_goodput_and_the_lost_steps_exactly(
+        uninterrupted: Path, tmp_path: Path) -> None:
+    before = time.time()
+    done = launch("--json", "--nprocs", "2", "--max-restarts", "2", JOB, str(tmp_path), str(tmp_path / "ckpt"),
+                  "--kill-at", "23,47", "--kill-rank", "0")
+    measured = time.time() - before
+    assert done.returncode == 0, done.stderr
+    assert_identical(finals(uninterrupted), finals(tmp_path))
+    goodput = json.loads(done.stdout)["goodput"]  # the only thing on stdout: the workers' output goes to stderr
+    # Rank 0 (whose steps the account counts) died after the updates of steps 23 and 47, before ending them:
+    # it had ended 22 and 46, past the checkpoints of 20 and 40 its next attempt resumed from.
+    assert [(r["attempt"], r["resumed_from"], r["reached"], r["ended"]) for r in goodput["per_run"]] == [
+        (0, 0, 22, "killed"), (1, 20, 46, "killed"), (2, 40, 60, "finished")]
+    assert (goodput["productive_steps"], goodput["recomputed_steps"], goodput["restarts"], goodput["failures"]) == (
+        60, 8, 2, 2)
+    # Within the launch's own wall time, which the test's holds; the parts add up to it (what is left is "other").
+    assert 0 < goodput["wall_s"] <= measured and 0 < goodput["goodput"] < 1
+    parts = ("productive_s", "recomputed_s", "start_up_s", "restart_s", "save_blocked_s", "other_s")
+    assert sum(goodput[p] for p in parts) >= goodput["wall_s"] - 1e-6
+    assert sum(goodput[p] for p in parts if p != "other_s") <= goodput["wall_s"] + 3 * 0.02  # clock ticks
+    assert goodput["restart_s"] > 0 and goodput["start_up_s"] > 0 and goodput["save_cost_s"] > 0
+    assert goodput["best_interval_s"] is not None and goodput["best_every_steps"] >= 1
+    # And said in words, without --json.
+    text = launch("--nprocs", "1", JOB, str(tmp_path / "again"), str(tmp_path / "again" / "ckpt"), "--steps", "10")
+    assert text.returncode == 0, text.stderr
+    assert "accelport: goodput " in text.stderr and "productive " in text.stderr and "(10 steps)" in text.stderr
+
+
 def test_sigterm_to_the_launch_saves_on_every_rank_and_a_second_launch_resumes_bit_identical(
         uninterrupted: Path, tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"

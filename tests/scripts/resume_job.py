@@ -11,7 +11,8 @@ writes OUT/seen-rank<r>-<pid>.json (the sample indices of each step it took) and
 end, OUT/final-rank<r>.pt (its parameters, gathered whole when sharded).
 
 ``--kill-at STEP --kill-rank R``: rank R SIGKILLs itself after that step's update, in the
-first attempt only (TORCHELASTIC_RESTART_COUNT unset or 0); ``--hang-at STEP``: rank R hangs
+first attempt only (TORCHELASTIC_RESTART_COUNT unset or 0); ``--kill-at 23,47``: at step 23 in the first
+attempt, at 47 in the second; ``--hang-at STEP``: rank R hangs
 there instead (asleep, outside any collective; first attempt only) until ``accelport launch
 --timeout`` stops it; ``--kill-in-save STEP``: each rank
 SIGKILLs itself in that step's save, once its own part is written (first attempt only). ``--pause-at STEP``: every
@@ -57,7 +58,7 @@ def main() -> None:
     parser.add_argument("ckpt")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--every", type=int, default=10)
-    parser.add_argument("--kill-at", type=int, default=None)
+    parser.add_argument("--kill-at", default=None, help="STEP, or STEP,STEP,...: one per attempt")
     parser.add_argument("--kill-rank", type=int, default=0)
     parser.add_argument("--hang-at", type=int, default=None)
     parser.add_argument("--pause-at", type=int, default=None)
@@ -106,7 +107,10 @@ def main() -> None:
 
     ckpt = ap.Checkpointer(args.ckpt, every_steps=args.every, background=args.background)
     step = ckpt.restore(model=model, optimizer=opt, scheduler=sched, loader=loader)
-    first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    first_attempt = attempt == 0
+    kills = [int(v) for v in args.kill_at.split(",")] if args.kill_at else []
+    kill_at = kills[attempt] if attempt < len(kills) else None
     if args.kill_in_save is not None and first_attempt:
         import accelport.checkpoint
 
@@ -137,7 +141,7 @@ def main() -> None:
             seen.append([step, *idx.tolist()])
             with open(record, "w") as f:
                 json.dump({"start": step - len(seen), "seen": seen}, f)
-            if step == args.kill_at and rank == args.kill_rank and first_attempt:
+            if step == kill_at and rank == args.kill_rank:
                 os.kill(os.getpid(), signal.SIGKILL)
             if step == args.hang_at and rank == args.kill_rank and first_attempt:
                 while True:

@@ -1269,6 +1269,8 @@ class Checkpointer:
         if due or stop:
             if self._saved_step != steps:
                 self.save()
+            if not stop and self._agreement is None and self._stop is not None and self._stop.requested:
+                stop = True  # asked during this save (one process): it is the checkpoint to stop on, not the next
             if stop:
                 self._finish_background()
                 self._tick()
@@ -1277,10 +1279,16 @@ class Checkpointer:
         self._tick()
 
     def save(self) -> str:
-        """Write a checkpoint of the step reached now, on every rank together; returns its directory."""
+        """Write a checkpoint of the step reached now, on every rank together; returns its directory.
+
+        A step already saved (by this run, or the checkpoint it resumed from) is not written again: its
+        checkpoint holds this step's state, and writing it anew would first remove a complete checkpoint."""
         if self._objects is None:
             raise CheckpointError("ap.Checkpointer.save() before restore(): call ckpt.restore(model=model, "
                                   "optimizer=opt, ...) first; it names what the checkpoint holds")
+        if self._saved_step == self.steps and self.last_saved == _step_dir(self.directory, self.steps) \
+                and os.path.isdir(self.last_saved):
+            return self.last_saved
         api = _api()
         backend = api.backend()
         if self._stop is not None:

@@ -208,6 +208,26 @@ def torch_neuronx_kind(installed: str | None = None) -> str | None:
     return "private-beta"
 
 
+def torchrun_takes_shutdown_timeout(torch_dir: str | None = None) -> bool | None:
+    """Whether the installed torch's torchrun reads ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` (its grace period for the
+    workers after a stop signal; a fixed 30 s before it), from its source on disk; None where torch is not found.
+    ``torch_dir``: torch's package directory (default: the one this Python finds)."""
+    if torch_dir is None:
+        try:
+            spec = importlib.util.find_spec("torch")
+        except (ImportError, ValueError):
+            return None
+        locations = list(spec.submodule_search_locations or []) if spec is not None else []
+        if not locations:
+            return None
+        torch_dir = locations[0]
+    try:
+        with open(os.path.join(torch_dir, "distributed", "launcher", "api.py"), encoding="utf-8") as f:
+            return "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in f.read()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
 def cache_clear() -> None:
     """Forget cached answers (tests install and remove fake distributions)."""
     version.cache_clear()

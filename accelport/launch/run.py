@@ -34,7 +34,14 @@ from accelport.launch.heartbeat import (
     write_json,
 )
 from accelport.launch.plan import LaunchError, LaunchPlan, check_resolves
-from accelport.launch.stop import EXIT_PREEMPTED, LAUNCHER_MARGIN_S, LaunchStopped, deadline_s, stopped_launch
+from accelport.launch.stop import (
+    EXIT_PREEMPTED,
+    LAUNCHER_MARGIN_S,
+    LaunchStopped,
+    deadline_s,
+    stopped_launch,
+    torchrun_grace_note,
+)
 
 __all__ = ["WorkerFailure", "WorkerFailedError", "parent_launch_env", "run_plan"]
 
@@ -153,6 +160,13 @@ def run_plan(plan: LaunchPlan, environ: Mapping[str, str] | None = None) -> dict
     # A stop request (SIGTERM) reaches every worker; they get the deadline to save before torchrun kills them.
     stop_wait = deadline_s(env) + LAUNCHER_MARGIN_S
     env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(stop_wait + 0.999)))
+    if plan.engine == "torchrun" and plan.command[:1] == [sys.executable]:  # the torch found here is torchrun's
+        from accelport._packages import torchrun_takes_shutdown_timeout
+        from accelport.errors import CompatibilityWarning, warn_user
+
+        note = torchrun_grace_note(deadline_s(env), torchrun_takes_shutdown_timeout())
+        if note:
+            warn_user(note, CompatibilityWarning)
     if plan.max_restarts and plan.engine == "torchrun":
         # torchrun's agent shares its rendezvous store with the workers, with no prefix per attempt: restarted
         # workers read the dead ones' addresses and fail to connect (pytorch/pytorch#135712, #167288).

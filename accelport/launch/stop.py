@@ -58,6 +58,22 @@ def deadline_s(environ: Mapping[str, str]) -> float:
     return value
 
 
+#: torchrun's grace period for its workers after a stop signal where TORCH_ELASTIC_SHUTDOWN_TIMEOUT is not read.
+TORCHRUN_FIXED_GRACE_S = 30.0
+
+
+def torchrun_grace_note(deadline: float, takes_setting: bool | None) -> str | None:
+    """What to say where torchrun would kill the workers before the stop deadline: a torch whose torchrun has
+    its grace period fixed at 30 s (``takes_setting`` False), with a deadline above it; else None."""
+    if takes_setting is not False or deadline <= TORCHRUN_FIXED_GRACE_S:
+        return None
+    return (f"this torch's torchrun kills the workers {TORCHRUN_FIXED_GRACE_S:.0f} s after a stop signal (it does not "
+            f"read TORCH_ELASTIC_SHUTDOWN_TIMEOUT), before the {deadline:g} s of {DEADLINE_ENV}: a save still "
+            f"running then is cut short and the run resumes from the checkpoint before it. Install a torch whose "
+            f"torchrun takes --shutdown-timeout, or set {DEADLINE_ENV} to at most "
+            f"{TORCHRUN_FIXED_GRACE_S:.0f}")
+
+
 def unsaved_status(signum: int) -> int:
     """The exit status of a process the signal ended before it saved: what the signal's default would give."""
     return 128 + int(signum)

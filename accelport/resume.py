@@ -1559,14 +1559,18 @@ class Checkpointer:
         fsync_dir(target)
 
     def _mark(self, target: str, step: int, world: int) -> None:
-        files: dict[str, int] = {}
-        for root, _dirs, names in os.walk(target):
-            for name in names:
-                full = os.path.join(root, name)
-                if root == target and name in (MARKER, f".{MARKER}.tmp"):
-                    continue
-                files[os.path.relpath(full, target)] = os.path.getsize(full)
+        files = _sizes(target)
         missing = [f"rank-{r}.pt" for r in range(world) if f"rank-{r}.pt" not in files]
+        # On NFS another host's file can be missing from this host's cached listing for a few seconds after it
+        # was written (close-to-open consistency holds for a file opened by name, not for a directory listing).
+        deadline = time.monotonic() + MARK_WAIT_S
+        while missing and time.monotonic() < deadline:
+            time.sleep(0.2)
+            for name in list(missing):
+                size = _size_by_name(os.path.join(target, name))
+                if size is not None:
+                    files[name] = size
+                    missing.remove(name)
         if missing:
             raise CheckpointError(f"ap.Checkpointer: {target!r} lacks {', '.join(missing)} after every rank wrote its "
                                   "part: the directory must be on storage every host shares")
@@ -1689,6 +1693,37 @@ class Checkpointer:
             print(f"accelport: {signal_name(signum)}: saved the checkpoint of step {self.steps} in {self.last_saved} "
                   f"and stopped; run again to resume (exit status {EXIT_PREEMPTED})", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_PREEMPTED)
+
+
+#: How long rank 0 looks again for another rank's part that its listing of a checkpoint lacks (shared storage).
+MARK_WAIT_S = 10.0
+
+
+def _size_by_name(path: str) -> int | None:
+    """The size of ``path`` as its storage says on opening it by name (NFS revalidates a file's attributes on
+    open, not on a listing's stat); None if it is not there."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def _sizes(target: str) -> dict[str, int]:
+    """Every file of a checkpoint directory (but its marker) with its size, each file opened by name."""
+    files: dict[str, int] = {}
+    for root, _dirs, names in os.walk(target):
+        for name in names:
+            if root == target and name in (MARKER, f".{MARKER}.tmp"):
+                continue
+            full = os.path.join(root, name)
+            size = _size_by_name(full)
+            if size is not None:
+                files[os.path.relpath(full, target)] = size
+    return files
 
 
 def _sharded(model: Any) -> bool:

@@ -251,7 +251,8 @@ def _checkpoint_findings(row: Mapping[str, Any] | None) -> list[Finding]:
     for torn in later:
         found.append(Finding("warning", f"checkpoint {torn['path']} is incomplete: {torn['problem']}",
                              "nothing to do: a resumed run skips it (with a warning) and the next save of that step "
-                             "replaces it; delete it to free its space", "core"))
+                             "replaces it; to free its space, delete it once no run of this job is running (a "
+                             "background save is completed at a later step, and looks incomplete until then)", "core"))
     return found
 
 

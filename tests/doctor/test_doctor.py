@@ -251,6 +251,9 @@ def test_doctor_says_where_the_checkpoints_are_and_how_old_the_newest_is(tmp_pat
     assert any(t.startswith(f"checkpoints in {tmp_path}: 2 complete, the newest at step 2 (") and "written" in t
                and "a run with ap.Checkpointer() resumes from it" in t for t in titles), titles
     assert any("step-00000003 is incomplete: it has no checkpoint.json" in t for t in titles), titles
+    (torn,) = [f for f in report["findings"] if "step-00000003 is incomplete" in f["title"]]
+    assert "delete it once no run of this job is running (a background save is completed at a later step" \
+        in torn["fix"]  # never advice to delete what a save may still be writing
     # The last job's goodput account, kept beside the checkpoints: one run, two steps, two saves.
     assert (row["goodput"]["runs"], row["goodput"]["productive_steps"], row["goodput"]["saves"]) == (1, 2, 2)
     assert any(t.startswith(f"the last job in {tmp_path}: goodput ") and "productive " in t and "(2 steps)" in t

@@ -37,8 +37,8 @@ def register(sub: Any) -> None:
         "verify-resume",
         help="kill a training script at a step, start it again, and say whether it resumed exactly "
              "(and what it forgot to restore)",
-        usage="accelport verify-resume [--kill-at STEP] [--signal KILL|TERM] [--restarts N] [--output FILE.json] "
-              "[--json] [--] SCRIPT [ARGS ...] | -m MODULE [ARGS ...]",
+        usage="accelport verify-resume [--kill-at STEP] [--signal KILL|TERM] [--restarts N] [--nprocs N "
+              "[--kill-rank R]] [--output FILE.json] [--json] [--] SCRIPT [ARGS ...] | -m MODULE [ARGS ...]",
         description="Run the command uninterrupted (twice: a script that differs from itself is said to be "
                     "nondeterministic, never blamed on its resume), then again killed at the end of optimizer "
                     "step STEP and started again with the same command in the same directory. Each run has an "
@@ -57,6 +57,11 @@ def register(sub: Any) -> None:
     p.add_argument("--restarts", metavar="N", default="1",
                    help="how many times it is started again (default 1); each restart but the last is killed again "
                         "after STEP steps of its own")
+    p.add_argument("--nprocs", metavar="N", default="1",
+                   help="run the script on N ranks under `accelport launch` (torchrun), each rank compared with its "
+                        "own uninterrupted run (default 1: one process)")
+    p.add_argument("--kill-rank", metavar="R", default=None,
+                   help="with --nprocs: the rank killed at --kill-at (default 0); torchrun then stops the others")
     p.add_argument("--output", metavar="FILE.json", help="write the verdict and the first difference as JSON there")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE",
@@ -157,8 +162,9 @@ def _wrapped(text: str, first: str) -> list[str]:
 def render(shown: str, result: Any) -> list[str]:
     """The result in plain lines."""
     lines = [f"accelport verify-resume: {shown}: {result.verdict}"]
-    how = (f"the uninterrupted run took {result.steps} step(s); killed with SIG{result.signal} at the end of step "
-           f"{result.kill_at}")
+    who = f"{result.ranks} ranks; rank {result.kill_rank} " if result.ranks > 1 else ""
+    how = (f"the uninterrupted run took {result.steps} step(s); {who}killed with SIG{result.signal} at the end of "
+           f"step {result.kill_at}")
     if result.resumed_at is not None and result.verdict != "nondeterministic":
         how += f"; resumed at step {result.resumed_at}"
     if result.restarts > 1:
@@ -166,7 +172,8 @@ def render(shown: str, result: Any) -> list[str]:
     lines += _wrapped(how, "  ")
     diff = result.first_difference
     if diff is not None:
-        lines += _wrapped(f"first difference at step {diff.step}: {diff.what}: {diff.detail}", "  ")
+        where = f" on rank {diff.rank}" if diff.rank is not None else ""
+        lines += _wrapped(f"first difference at step {diff.step}{where}: {diff.what}: {diff.detail}", "  ")
         if diff.also:
             lines += _wrapped(f"also differs at that step: {', '.join(diff.also)}", _INDENT)
     elif result.verdict == "identical":
@@ -187,6 +194,16 @@ def run(args: argparse.Namespace) -> int:
     kill_at = _whole("--kill-at", args.kill_at, 1, "steps count from 1 (the first optimizer step is step 1); give "
                      "the step after which to kill the run") if args.kill_at is not None else None
     restarts = _whole("--restarts", args.restarts, 1, "give 1 or more restarts")
+    nprocs = _whole("--nprocs", args.nprocs, 1, "give the number of ranks, 1 or more")
+    kill_rank = 0
+    if args.kill_rank is not None:
+        if nprocs == 1:
+            raise UsageError(f"verify-resume: --kill-rank {args.kill_rank} needs --nprocs 2 or more (the ranks of the "
+                             "job); one process is always the one killed")
+        kill_rank = _whole("--kill-rank", args.kill_rank, 0, "ranks count from 0")
+        if kill_rank >= nprocs:
+            raise UsageError(f"verify-resume: --kill-rank {kill_rank}: the job has ranks 0 to {nprocs - 1} "
+                             f"(--nprocs {nprocs})")
     signame = str(args.signal).strip().upper().removeprefix("SIG")
     if signame not in SIGNALS:
         raise UsageError(f"verify-resume: --signal {args.signal}: give KILL or TERM")
@@ -194,9 +211,18 @@ def run(args: argparse.Namespace) -> int:
     def say(line: str) -> None:
         print(f"accelport verify-resume: {line}", file=sys.stderr, flush=True)
 
+    import tempfile
+
     try:
-        result = verify(command, (sys.executable, *LAUNCHER), kill_at=kill_at, signame=signame, restarts=restarts,
-                        say=say)
+        with tempfile.TemporaryDirectory(prefix="accelport-verify-resume-child-") as child_dir:
+            launcher: tuple[str, ...] = (sys.executable, *LAUNCHER)
+            if nprocs > 1:  # each rank runs the watched child under the launch, as a script of its own
+                child = os.path.join(child_dir, "verify_resume_child.py")
+                with open(child, "w") as f:
+                    f.write(LAUNCHER[1] + "\n")
+                launcher = (sys.executable, "-m", "accelport", "launch", "--nprocs", str(nprocs), child)
+            result = verify(command, launcher, kill_at=kill_at, signame=signame, restarts=restarts, say=say,
+                            nprocs=nprocs, kill_rank=kill_rank)
     except AccelportError as exc:
         if output is not None:
             kind = "usage" if isinstance(exc, UsageError) else type(exc).__name__
@@ -221,10 +247,13 @@ def run(args: argparse.Namespace) -> int:
 def child_main(argv: Sequence[str]) -> int:
     """The watched process: ``RECORD KILL_AT SIGNAL (SCRIPT | -m MODULE) ARGS...`` (KILL_AT 0: no kill). Runs the
     script watched, as ``python`` would, and ends as it ended."""
-    from accelport.diagnose.resume_check import SIGNALS, StepRecorder
+    from accelport.diagnose.resume_check import KILL_RANK_ENV, SIGNALS, StepRecorder, record_path
     from accelport.runtime.watch import Watcher, run_watched
 
     record, kill_at, name, *command = argv
+    record = record_path(record, os.environ)
+    if record != argv[0] and os.environ.get("RANK", "0") != os.environ.get(KILL_RANK_ENV, "0"):
+        kill_at = "0"  # a job of several ranks: only the rank named is killed (torchrun then stops the others)
     # The kill is one with the default action unless the script installs a handler: not one this process
     # inherited from whatever started it.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -412,17 +412,39 @@ def _tail(path: str) -> str:
     return "\n".join(lines[-_TAIL_LINES:])
 
 
+#: Which rank kills itself at the kill step, for a run of several ranks (the child reads it; default 0).
+KILL_RANK_ENV = "ACCELPORT_VERIFY_KILL_RANK"
+
+
+def record_path(record: str, environ: Mapping[str, str]) -> str:
+    """Where a watched process writes its records: ``record``, or ``record.rank<R>`` in a job of several ranks."""
+    try:
+        world = int(environ.get("WORLD_SIZE") or 1)
+    except ValueError:
+        world = 1
+    return f"{record}.rank{environ.get('RANK', '0')}" if world > 1 else record
+
+
 def _run(command: Command, label: str, workdir: str, logs: str, *, kill_at: int | None, signame: str,
-         launcher: Sequence[str]) -> Run:
+         launcher: Sequence[str], nprocs: int = 1, kill_rank: int = 0) -> list[Run]:
+    """One run of ``command`` (``nprocs`` ranks under the launcher), one :class:`Run` per rank."""
     record = os.path.join(logs, f"{label}.jsonl")
     err = os.path.join(logs, f"{label}.stderr")
     env = dict(os.environ)
     if command.module is not None:  # python -m imports from the directory it starts in: the caller's
         env["PYTHONPATH"] = os.pathsep.join(p for p in (command.origin, env.get("PYTHONPATH", "")) if p)
+    env[KILL_RANK_ENV] = str(kill_rank)
     argv = [*launcher, record, str(kill_at or 0), signame, *command.argv()]
     with open(os.path.join(logs, f"{label}.stdout"), "wb") as out, open(err, "wb") as errors:
         done = subprocess.run(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=errors,
                               check=False)
+    status = done.returncode if done.returncode >= 0 else 128 - done.returncode
+    if nprocs == 1:
+        return [_read_run(record, label, status, _tail(err))]
+    return [_read_run(f"{record}.rank{r}", f"{label} rank {r}", status, _tail(err)) for r in range(nprocs)]
+
+
+def _read_run(record: str, label: str, status: int, stderr_tail: str) -> Run:
     records: list[dict[str, Any]] = []
     try:
         with open(record, encoding="utf-8") as f:
@@ -435,13 +457,12 @@ def _run(command: Command, label: str, workdir: str, logs: str, *, kill_at: int 
         pass
     killed = next((int(r["step"]) for r in records if r.get("kind") == "killed"), None)
     error = next((str(r["error"]) for r in records if r.get("kind") == "error"), None)
-    status = done.returncode if done.returncode >= 0 else 128 - done.returncode
     meta: dict[str, Any] = {}
     for r in records:
         for key in ("optimizer_class", "schedulers", "loader"):
             if key in r and r[key] is not None:
                 meta[key] = r[key]
-    return Run(label, records, status, killed, any(r.get("kind") == "end" for r in records), error, _tail(err),
+    return Run(label, records, status, killed, any(r.get("kind") == "end" for r in records), error, stderr_tail,
                meta)
 
 
@@ -457,6 +478,8 @@ class Difference:
     detail: str
     #: The other states that differ at that step too (their names).
     also: list[str] = field(default_factory=list)
+    #: The rank it was found on, in a job of several ranks (None: one process).
+    rank: int | None = None
 
 
 @dataclass
@@ -471,6 +494,10 @@ class Result:
     resumed_at: int | None = None
     resumes: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: Ranks of the job (1: one process), the rank killed, and each rank's own verdict.
+    ranks: int = 1
+    kill_rank: int = 0
+    per_rank: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -777,12 +804,16 @@ def compare(reference: Run, again: Run, chain: Sequence[Run], *, kill_at: int, s
 
 
 def verify(command: Command, launcher: Sequence[str], *, kill_at: int | None, signame: str, restarts: int,
-           say: Callable[[str], None] = lambda line: None) -> Result:
+           say: Callable[[str], None] = lambda line: None, nprocs: int = 1, kill_rank: int = 0) -> Result:
     """Run ``command`` with ``launcher`` (the argv that starts a watched process, given ``RECORD KILL_AT SIGNAL``
     and the command; KILL_AT 0: no kill) uninterrupted twice, then killed with ``signame`` after step ``kill_at``
     (default: half the uninterrupted run's steps) and restarted ``restarts`` times, each restart but the last
     killed again after as many steps; compare (see :func:`compare`). ``say`` hears what is being run. RunFailed
-    where a run failed by itself; UsageError where ``kill_at`` is past the run's end."""
+    where a run failed by itself; UsageError where ``kill_at`` is past the run's end.
+
+    ``nprocs`` above 1: the launcher starts that many ranks (each writes its own records, :func:`record_path`),
+    rank ``kill_rank`` is the one killed, each rank is compared with its own uninterrupted run, and the job's
+    verdict is its rank's whose resume went wrong first (:func:`job_result`)."""
     if signame not in SIGNALS:
         raise UsageError(f"--signal {signame}: give one of {', '.join(SIGNALS)}")
     root = tempfile.mkdtemp(prefix="accelport-verify-resume-")
@@ -793,11 +824,17 @@ def verify(command: Command, launcher: Sequence[str], *, kill_at: int | None, si
             return path
 
         logs = fresh("logs")
-        say(f"running {command.shown} uninterrupted")
-        reference = _run(command, "uninterrupted", fresh("uninterrupted"), logs, kill_at=None, signame=signame,
-                         launcher=launcher)
-        _check_whole(reference, "the uninterrupted run")
-        total = len(reference.steps)
+
+        def run(label: str, workdir: str, kill: int | None) -> list[Run]:
+            return _run(command, label, workdir, logs, kill_at=kill, signame=signame, launcher=launcher,
+                        nprocs=nprocs, kill_rank=kill_rank)
+
+        ranks = f" on {nprocs} ranks" if nprocs > 1 else ""
+        say(f"running {command.shown} uninterrupted{ranks}")
+        reference = run("uninterrupted", fresh("uninterrupted"), None)
+        for each in reference:
+            _check_whole(each, _label("the uninterrupted run", each, nprocs))
+        total = len(reference[kill_rank].steps)
         if kill_at is None:
             kill_at = max(1, total // 2)
         if kill_at >= total:
@@ -807,37 +844,97 @@ def verify(command: Command, launcher: Sequence[str], *, kill_at: int | None, si
                              f"--kill-at {kill_at}: the uninterrupted run took {total} optimizer step; a resume "
                              "needs a run of 2 steps or more (give the script more steps)")
         say(f"running {command.shown} uninterrupted again (a run that differs from itself cannot be judged)")
-        again = _run(command, "again", fresh("again"), logs, kill_at=None, signame=signame, launcher=launcher)
-        _check_whole(again, "the second uninterrupted run")
+        again = run("again", fresh("again"), None)
+        for each in again:
+            _check_whole(each, _label("the second uninterrupted run", each, nprocs))
         chain_dir = fresh("resumed")
-        chain: list[Run] = []
+        chain: list[list[Run]] = []
+        who = f"rank {kill_rank} " if nprocs > 1 else ""
         for n in range(restarts + 1):
             kill = kill_at if n < restarts else None
             if n == 0:
-                say(f"running it killed with SIG{signame} at the end of step {kill_at}")
+                say(f"running it with {who}killed with SIG{signame} at the end of step {kill_at}" if who else
+                    f"running it killed with SIG{signame} at the end of step {kill_at}")
             else:
                 say(f"restart {n}: the same command, in the same directory")
-            run = _run(command, f"run-{n}", chain_dir, logs, kill_at=kill, signame=signame, launcher=launcher)
-            if run.error:
-                raise RunFailed(f"the recording of {command.shown} failed in restart {n}: {run.error}")
-            if kill is None and not (run.ended and run.exit_status == 0):
-                raise RunFailed(_failure(command, f"restart {n}" if n else "the run", run))
-            chain.append(run)
-            if kill is not None and run.killed_at is None:
+            runs = run(f"run-{n}", chain_dir, kill)
+            killer = runs[kill_rank]
+            for each in runs:
+                if each.error:
+                    raise RunFailed(f"the recording of {command.shown} failed in restart {n}"
+                                    f"{f' on rank {runs.index(each)}' if nprocs > 1 else ''}: {each.error}")
+            if kill is None and not (all(each.ended for each in runs) and killer.exit_status == 0):
+                failed = next((each for each in runs if not each.ended), killer)
+                raise RunFailed(_failure(command, _label(f"restart {n}" if n else "the run", failed, nprocs), failed))
+            chain.append(runs)
+            if kill is not None and killer.killed_at is None:
                 if n == 0:
-                    raise RunFailed(_failure(command, "the run to be killed", run)) if run.exit_status else RunFailed(
-                        f"{command.shown} ended before the end of step {kill_at} this time, so it was not killed: "
-                        "it differs from its uninterrupted run; make its steps deterministic")
+                    if killer.exit_status:
+                        raise RunFailed(_failure(command, "the run to be killed", killer))
+                    raise RunFailed(f"{command.shown} ended before the end of step {kill_at} this time, so it was not "
+                                    "killed: it differs from its uninterrupted run; make its steps deterministic")
                 say(f"restart {n} ran to its end before step {kill_at} ended: no further restart")
                 break
-        result = compare(reference, again, chain, kill_at=kill_at, signame=signame)
-        killed = chain[0]
+        results = [compare(reference[r], again[r], [runs[r] for runs in chain], kill_at=kill_at, signame=signame)
+                   for r in range(nprocs)]
+        result = job_result(results, kill_rank) if nprocs > 1 else results[0]
+        killed = chain[0][kill_rank]
         if signame == "TERM" and killed.killed_at is not None and killed.ended:
             result.notes.append(f"the script went on after SIGTERM and ended by itself (status {killed.exit_status}); "
                                 "its resume was checked from the checkpoint it left")
         return result
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _label(what: str, run: Run, nprocs: int) -> str:
+    """``what``, with the rank of ``run`` (labelled "... rank R") in a job of several ranks."""
+    return f"{what} ({' '.join(run.label.split()[-2:])})" if nprocs > 1 else what
+
+
+#: Which verdict is said first for a job: a rank that differs from itself, then one that never resumed, then one
+#: whose resume differs.
+_GRAVITY = {"nondeterministic": 0, "not resumed": 1, "differs": 2, "identical": 3}
+
+
+def job_result(results: Sequence[Result], kill_rank: int) -> Result:
+    """One verdict for a job from each rank's own: the rank whose resume went wrong first (the gravest verdict,
+    then the earliest step, then the lowest rank), named in its first difference; every rank's verdict listed."""
+    per_rank = [{"rank": r, "verdict": res.verdict,
+                 "first_difference_step": res.first_difference.step if res.first_difference else None,
+                 "what": res.first_difference.what if res.first_difference else None}
+                for r, res in enumerate(results)]
+
+    def key(r: int) -> tuple[int, int, int, int]:
+        res = results[r]
+        step = res.first_difference.step if res.first_difference is not None else 1 << 30
+        # At one step, weights that differ from the same inputs are an effect: the ranks average their gradients,
+        # so the rank whose own inputs (random state, batch, rate, optimizer state) differ is the cause.
+        effect = int(res.first_difference is not None and res.first_difference.what == "parameters")
+        return _GRAVITY.get(res.verdict, 2), step, effect, r
+
+    chosen = min(range(len(results)), key=key)
+    result = dataclasses.replace(results[chosen], notes=list(results[chosen].notes))
+    result.ranks, result.kill_rank, result.per_rank = len(results), kill_rank, per_rank
+    if result.first_difference is not None:
+        result.first_difference = dataclasses.replace(result.first_difference, rank=chosen)
+    if result.verdict == "identical":
+        result.resumed_at = results[kill_rank].resumed_at
+    others = [f"rank {p['rank']}: {p['verdict']}" + (f" (step {p['first_difference_step']}, {p['what']})"
+                                                    if p["what"] else "") for p in per_rank if p["rank"] != chosen]
+    if others and result.verdict != "identical":
+        result.notes.append("the other ranks: " + "; ".join(others))
+    step = result.first_difference.step if result.first_difference is not None else None
+    followers = [p["rank"] for p in per_rank if p["rank"] != chosen and p["what"] == "parameters"
+                 and p["first_difference_step"] == step]
+    if result.first_difference is not None and result.first_difference.what == "rng" and result.fix:
+        result.fix += (f"; with several ranks, each its own: rank {chosen} restored a random state that is not the one "
+                       "it saved (save torch.get_rng_state() per rank, as rng-rank<R>.pt, and load that rank's file)")
+    if followers and result.first_difference is not None and result.first_difference.what != "parameters":
+        result.notes.append(f"rank{'s' if len(followers) > 1 else ''} {', '.join(map(str, followers))} computed other "
+                            f"weights at step {step} from the same inputs: the ranks average their gradients, so "
+                            f"rank {chosen}'s difference reaches every rank's weights")
+    return result
 
 
 def _check_whole(run: Run, label: str) -> None:

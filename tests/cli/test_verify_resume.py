@@ -108,6 +108,33 @@ def test_a_restart_that_never_loads_its_checkpoint_is_said_to_have_not_resumed(t
     assert "never resumed" in result["notes"][-1]
 
 
+# -- several ranks: each compared with its own uninterrupted run, one verdict ----------------------------------
+
+DDP = str(SCRIPTS / "ddp_train.py")
+
+
+def test_a_correct_resume_of_two_ddp_ranks_is_identical_with_rank_1_killed(tmp_path: pathlib.Path) -> None:
+    done, result = verify_resume("--nprocs", "2", "--kill-rank", "1", "--kill-at", "5", "--", DDP, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert result["verdict"] == "identical" and result["resumed_at"] == 6
+    assert (result["ranks"], result["kill_rank"]) == (2, 1)
+    assert [(p["rank"], p["verdict"]) for p in result["per_rank"]] == [(0, "identical"), (1, "identical")]
+    assert "2 ranks; rank 1 killed with SIGKILL at the end of step 5" in done.stderr
+
+
+def test_the_rank_that_restored_another_ranks_random_state_is_named_not_the_one_it_misled(
+        tmp_path: pathlib.Path) -> None:
+    done, result = verify_resume("--nprocs", "2", "--kill-at", "5", "--", DDP, "--forget", "rank-rng", cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    first = result["first_difference"]
+    assert (result["verdict"], first["step"], first["what"], first["rank"]) == ("differs", 6, "rng", 1)
+    # Rank 0 restored its own state, and its weights differ only because the ranks average their gradients.
+    assert [(p["rank"], p["what"]) for p in result["per_rank"]] == [(0, "parameters"), (1, "rng")]
+    assert any("rank 0 computed other weights at step 6 from the same inputs" in n for n in result["notes"])
+    assert "each its own: rank 1 restored a random state that is not the one it saved" in result["fix"]
+    assert "first difference at step 6 on rank 1: rng" in done.stderr
+
+
 # -- bad input ---------------------------------------------------------------------------------------------
 
 
@@ -119,6 +146,9 @@ def test_a_restart_that_never_loads_its_checkpoint_is_said_to_have_not_resumed(t
     (("--signal", "HUP", "--", TRAIN), "give KILL or TERM"),
     (("--restarts", "0", "--", TRAIN), "1 or more restarts"),
     (("-m",), "-m needs a module name"),
+    (("--kill-rank", "1", "--", TRAIN), "--kill-rank 1 needs --nprocs 2 or more"),
+    (("--nprocs", "2", "--kill-rank", "2", "--", TRAIN), "the job has ranks 0 to 1 (--nprocs 2)"),
+    (("--nprocs", "0", "--", TRAIN), "give the number of ranks, 1 or more"),
 ])
 def test_bad_input_is_a_specific_error_before_anything_runs(tmp_path: pathlib.Path, args: tuple[str, ...],
                                                             said: str) -> None:

@@ -135,6 +135,33 @@ def test_the_rank_that_restored_another_ranks_random_state_is_named_not_the_one_
     assert "first difference at step 6 on rank 1: rng" in done.stderr
 
 
+# -- frameworks' own resumes ----------------------------------------------------------------------------------
+
+
+def test_the_hf_trainers_resume_is_identical_and_ignore_data_skip_is_named_as_the_data_order(
+        tmp_path: pathlib.Path) -> None:
+    pytest.importorskip("transformers", reason="transformers is in the test environment (noxfile.py); not here")
+    script = str(SCRIPTS / "hf_trainer.py")
+    done, result = verify_resume("--kill-at", "5", "--", script, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert result["verdict"] == "identical" and result["resumed_at"] == 6 and result["steps"] == 12
+    done, result = verify_resume("--kill-at", "5", "--", script, "--ignore-data-skip", cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    first = result["first_difference"]
+    assert (first["step"], first["what"]) == (6, "data order")
+    assert "got the batch the uninterrupted run had at step 1" in first["detail"]  # the epoch started over
+
+
+def test_lightnings_ckpt_path_resume_mid_epoch_starts_the_epochs_data_over(tmp_path: pathlib.Path) -> None:
+    pytest.importorskip("lightning", reason="lightning is in the test environment (noxfile.py); not here")
+    done, result = verify_resume("--kill-at", "3", "--", str(SCRIPTS / "lightning_ckpt.py"), cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert result["resumed_at"] == 4  # the weights, optimizer and step count came back from last.ckpt
+    first = result["first_difference"]
+    assert (first["step"], first["what"]) == (4, "data order")
+    assert "got the batch the uninterrupted run had at step 1" in first["detail"]
+
+
 # -- bad input ---------------------------------------------------------------------------------------------
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 import subprocess
 import time
@@ -197,3 +198,28 @@ def test_in_process_the_busy_and_blocked_seconds_add_up_and_saves_are_not_steps(
     assert run["end"] == "finished"
     assert run["blocked_s"] == pytest.approx(sum(s["blocked_s"] for s in run["saves"]), abs=1e-5)
     assert result["productive_steps"] == 5 and result["recomputed_steps"] == 0
+
+
+def test_the_report_page_shows_the_jobs_goodput_from_the_checkpoint_directory(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from accelport.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    _lines(ckpt, _start("a", 0.0, 0), _save("a", 10, 10.0, 1.0, 16.0), _progress("a", 27, 27.0, 1.0, 34.0),
+           _start("b", 40.0, 10), _save("b", 40, 30.0, 1.0, 77.0),
+           {"event": "end", "run": "b", "how": "finished", "step": 40, "busy_s": 30.0, "blocked_s": 1.0, "time": 77.0})
+    metrics = tmp_path / "run.jsonl"
+    metrics.write_text("".join(json.dumps({"step": n, "time": float(n), "backend": "cpu", "lazy": False,
+                                           "seconds": 0.01}) + "\n" for n in range(1, 6)))
+    assert main(["report", str(metrics), "--checkpoints", str(ckpt), "--json"]) == 0
+    said = json.loads(capsys.readouterr().out)
+    assert (said["goodput"]["recomputed_steps"], said["goodput"]["productive_steps"]) == (17, 40)
+    page = (tmp_path / "run.html").read_text()
+    section = page[page.index("<h2>Goodput</h2>"):page.index("<h2>Diagnoses</h2>")]
+    assert "over its 2 run(s)" in section and "recomputed 17 step(s) lost past the last checkpoint" in section
+    assert "<td>productive steps</td>" not in section  # (each row has its colour swatch first)
+    assert re.search(r"recomputed steps</td><td>17\.00 s</td><td>22%</td>", section), section
+    # A directory with no account is a specific error, not a page without the section.
+    assert main(["report", str(metrics), "--checkpoints", str(tmp_path), "--json"]) == 2
+    assert "no goodput account there (goodput.jsonl" in json.loads(capsys.readouterr().out)["error"]

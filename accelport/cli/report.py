@@ -15,7 +15,10 @@ def register(sub: Any) -> None:
     )
     p.add_argument("metrics_file", help="the JSON-lines file written by ACCELPORT_METRICS_FILE")
     p.add_argument("-o", "--output", help="where to write the page (default: next to the input, .html)")
-    p.add_argument("--json", action="store_true", help="print the result (path, diagnoses) as JSON")
+    p.add_argument("--checkpoints", metavar="DIR",
+                   help="add the job's goodput from ap.Checkpointer's account in DIR (its checkpoint directory; "
+                        "default: ACCELPORT_CHECKPOINT_DIR where it is set and holds one)")
+    p.add_argument("--json", action="store_true", help="print the result (path, diagnoses, goodput) as JSON")
     p.set_defaults(func=run)
 
 
@@ -26,12 +29,14 @@ def run(args: argparse.Namespace) -> int:
     from accelport.diagnose.report import skipped_note, write_report
     from accelport.redact import Redactor
 
+    goodput = _goodput(args.checkpoints)
     # The page is a file, not this command's output: it gets the same pass, knowing this environment's secrets.
-    written = write_report(args.metrics_file, args.output, redactor=Redactor(os.environ))
+    written = write_report(args.metrics_file, args.output, redactor=Redactor(os.environ), goodput=goodput)
     findings = written.findings
     if args.json:
         emit_json({"report": written.path, "diagnoses": [f.to_dict() for f in findings], "runs": written.runs,
-                   "lines": [written.first_line, written.last_line], "skipped_lines": written.skipped_lines})
+                   "lines": [written.first_line, written.last_line], "skipped_lines": written.skipped_lines,
+                   "goodput": goodput})
     else:
         print(f"wrote {written.path}: {len(findings)} diagnosis(es)")
         if written.runs > 1:
@@ -41,4 +46,27 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {skipped_note(args.metrics_file, written.skipped_lines)}")
         for f in findings:
             print(f"  [{f.kind}] {f.message}")
+        if goodput is not None:
+            from accelport.goodput import render
+
+            for line in render(goodput):
+                print(f"  [goodput] {line}")
     return 0
+
+
+def _goodput(directory: str | None) -> dict[str, Any] | None:
+    """The goodput account in ``directory`` (given: an error if it holds none), else in ACCELPORT_CHECKPOINT_DIR."""
+    import os
+
+    from accelport.errors import UsageError
+    from accelport.goodput import JOURNAL, account_of_directory
+
+    if directory is None:
+        directory = (os.environ.get("ACCELPORT_CHECKPOINT_DIR") or "").strip() or None
+        return account_of_directory(directory) if directory else None
+    found = account_of_directory(directory)
+    if found is None:
+        raise UsageError(f"report: --checkpoints {directory}: no goodput account there ({JOURNAL}, written by "
+                         "ap.Checkpointer's rank 0 beside its checkpoints); give the directory the job's "
+                         "ap.Checkpointer saved in")
+    return found

@@ -480,9 +480,10 @@ def _memory_section(records: Sequence[dict[str, Any]]) -> str:
 
 def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], title: str = "accelport run",
                 notes: Sequence[str] = (), redactor: Redactor | None = None,
-                ranks: Sequence[Mapping[str, Any]] = ()) -> str:
+                ranks: Sequence[Mapping[str, Any]] = (), goodput: Mapping[str, Any] | None = None) -> str:
     """The report page as a string (self-contained: inline CSS, data and script); ``notes`` go under the title;
-    ``ranks`` (a job's: ``--output``'s ``ranks`` entries) a row each, its time per step stacked by category.
+    ``ranks`` (a job's: ``--output``'s ``ranks`` entries) a row each, its time per step stacked by category;
+    ``goodput``: the job's account (:func:`accelport.goodput.account`), its parts and the checkpoint interval.
 
     Every text from the run (title, notes, diagnoses, shapes, backend) is redacted by ``redactor``
     (give one built from the run's environment, so its secrets are known; default: the
@@ -560,7 +561,7 @@ def render_html(records: Sequence[dict[str, Any]], diagnoses: Sequence[Any], tit
 <noscript>The chart needs JavaScript; the totals below do not.</noscript>
 {verdict_html}
 <h2>Totals</h2><table>{rows}</table>{profiles_html}
-{_memory_section(records)}{_ranks_html(ranks, safe)}<h2>Diagnoses</h2>{diag_html}
+{_memory_section(records)}{_ranks_html(ranks, safe)}{_goodput_html(goodput, safe)}<h2>Diagnoses</h2>{diag_html}
 <h2>Batch shapes</h2>
 <table id=shapes><tr><th>shape of each input</th><th>steps</th><th>compilations</th><th>compile time</th>
 <th>first step</th></tr>{shape_rows}</table>{more}
@@ -593,6 +594,32 @@ def _ranks_html(ranks: Sequence[Mapping[str, Any]], safe: Callable[[object], str
     return ("<h2>Ranks</h2><p class=sub>Time per step after the first, by category (ms); the time a rank waits for "
             "the others is collective.</p><table id=ranks><tr><th>rank</th><th>host</th><th>steps</th>"
             "<th>status</th><th>per step</th><th>where it goes</th></tr>" + "".join(rows) + "</table>")
+
+
+#: The goodput account's parts, in the order of a job's life, with their names on the page and their colours.
+_GOODPUT_PARTS = (("productive_s", "productive steps", "#1a7f37"), ("recomputed_s", "recomputed steps", "#cf222e"),
+                  ("start_up_s", "start-up and restore", "#8250df"), ("restart_s", "restarts", "#bc4c00"),
+                  ("save_blocked_s", "saves", "#d4a72c"), ("other_s", "other", "#8c959f"))
+
+
+def _goodput_html(goodput: Mapping[str, Any] | None, safe: Callable[[object], str]) -> str:
+    """The job's wall time by part (a stacked bar and a table) and the account's own lines, where one was kept."""
+    if not goodput or not goodput.get("wall_s"):
+        return ""
+    from accelport.goodput import render
+
+    wall = float(goodput["wall_s"])
+    seconds = {key: float(goodput.get(key) or 0) for key, _, _ in _GOODPUT_PARTS}
+    rows = "".join(f"<tr><td><span class=sw style='background:{color}'></span>{label}</td>"
+                   f"<td>{seconds[key]:.2f} s</td><td>{seconds[key] / wall:.0%}</td></tr>"
+                   for key, label, color in _GOODPUT_PARTS)
+    bar = "".join(f"<span title='{label} {seconds[key]:.2f} s' style='display:inline-block;height:14px;"
+                  f"width:{max(seconds[key] / wall * 600, 0.5):.1f}px;background:{color}'></span>"
+                  for key, label, color in _GOODPUT_PARTS if seconds[key] > 0)
+    lines = "".join(f"<p class=verdict>{safe(line)}</p>" for line in render(goodput))
+    return (f"<h2>Goodput</h2><p class=sub>The job's wall time over its {int(goodput.get('runs') or 0)} run(s), from "
+            f"the account ap.Checkpointer keeps ({safe(goodput.get('journal', ''))}).</p><div id=goodput>{bar}</div>"
+            f"{lines}<table>{rows}</table>")
 
 
 def escaper(redactor: Redactor | None = None) -> Callable[[object], str]:
@@ -631,8 +658,10 @@ class Written:
     skipped_lines: list[int] = field(default_factory=list)  # partial records of killed runs, read past
 
 
-def write_report(source: str, output: str | None = None, redactor: Redactor | None = None) -> Written:
+def write_report(source: str, output: str | None = None, redactor: Redactor | None = None,
+                 goodput: Mapping[str, Any] | None = None) -> Written:
     """Read ``source`` (JSON lines), write the page about its last run; return what was written.
+    ``goodput``: the job's goodput account, shown on the page where given.
 
     Refuses to write over ``source`` itself (``-o`` naming it, or an input ending in
     ``.html`` whose default output is the input): that would destroy the run's record.
@@ -652,7 +681,8 @@ def write_report(source: str, output: str | None = None, redactor: Redactor | No
         notes.append(f"{name} holds {len(runs)} runs, one after the other; this page is about "
                      f"the last one (lines {run.first_line} to {run.last_line}).")
     notes += filter(None, [skipped_note(name, skipped)])
-    page = render_html(run.records, findings, title=f"accelport run: {name}", notes=notes, redactor=redactor)
+    page = render_html(run.records, findings, title=f"accelport run: {name}", notes=notes, redactor=redactor,
+                       goodput=goodput)
     what = _not_a_file(target)
     if what is not None:
         raise ReportError(f"cannot write {target}: it is {what}; give -o the path of an HTML file to write")

@@ -77,6 +77,11 @@ def test_the_xla_launcher_restarts_a_failed_worker_and_forwards_sigterm(tmp_path
                            timeout=900, cwd=REPO)
     assert again.returncode == 0, again.stderr
     assert len(list(part.glob("seen-rank0-*.json"))) == 2
+    # The job's goodput, kept by the worker's checkpointer across the launcher's own restart: it had ended step 16
+    # when it died after the update of step 17, past the checkpoint of step 15 the next attempt resumed from.
+    assert "accelport: goodput " in again.stderr and "over 2 runs (1 restart(s))" in again.stderr, again.stderr
+    assert "productive " in again.stderr and "(30 steps)" in again.stderr
+    assert "recomputed 1 step(s) lost past the last checkpoint" in again.stderr
     a, b = torch.load(full / "final-rank0.pt"), torch.load(part / "final-rank0.pt")
     for key in a:
         assert torch.equal(a[key], b[key]), key

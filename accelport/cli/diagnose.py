@@ -57,7 +57,8 @@ def register(sub: Any) -> None:
         help="run an unmodified training script and say why it is slow (diagnose first, then port)",
         usage="accelport diagnose [--output FILE.json] [--report FILE.html] [--metrics-file FILE.jsonl] "
               "[--backend NAME] [--find-nan] [--find-nan-from STEP] [--find-nan-dir DIR] "
-              "[--profile FIRST:STOP [--profile-dir DIR]] [--] SCRIPT [ARGS ...] | -m MODULE [ARGS ...]",
+              "[--profile FIRST:STOP [--profile-dir DIR]] [--ranks R[,R...]] [--] SCRIPT [ARGS ...] | "
+              "-m MODULE [ARGS ...]",
         description="Run a PyTorch or torch_xla training script as `python SCRIPT ARGS` would (same process, "
                     "argv, working directory, streams and exit status), watch its optimizer steps, syncs and "
                     "data loading, and print the same diagnoses a ported script gets, with the fix and the "
@@ -90,6 +91,9 @@ def register(sub: Any) -> None:
                         "runs on unprofiled")
     p.add_argument("--profile-dir", metavar="DIR",
                    help="where --profile writes its traces (default: ./accelport-profile)")
+    p.add_argument("--ranks", metavar="R[,R...]",
+                   help="in a job of several ranks, the ranks --find-nan and --profile act on (default: every "
+                        "rank), e.g. --ranks 1 or --ranks 0,3; every rank is still watched")
     p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE",
                    help="run a module as `python -m MODULE ARGS` would")
@@ -169,7 +173,38 @@ def _plan(args: argparse.Namespace) -> _Plan:
     plan = _Plan(target, script, module, list(script_args), backend, paths.get("--output"), paths.get("--report"),
                  paths.get("--metrics-file"), find_nan, find_nan_dir)
     _plan_profile(plan, args.profile, args.profile_dir)
+    _plan_ranks(plan, args.ranks, os.environ)
     return plan
+
+
+def _plan_ranks(plan: _Plan, ranks: str | None, environ: Mapping[str, str]) -> None:
+    """--ranks: a rank of a job not named searches for no NaN and profiles nothing (the rest of its watch goes on).
+    One process (no job) is rank 0 of 1: named or not, it is the one asked about, and --ranks is refused only
+    where no rank it names could exist."""
+    from accelport.diagnose.job import job_rank
+
+    if ranks is None:
+        return
+    chosen = set()
+    for part in ranks.split(","):
+        text = part.strip()
+        if not text.isdigit():
+            raise UsageError(f"diagnose: --ranks {ranks}: give rank numbers from 0, separated by commas "
+                             "(e.g. --ranks 1 or --ranks 0,3)")
+        chosen.add(int(text))
+    if plan.find_nan is None and plan.profile is None:
+        plan.notes.append(f"--ranks {ranks} chooses the ranks --find-nan and --profile act on; neither was given")
+        return
+    place = job_rank(environ)
+    if place is None:
+        return  # one process, or the parent of a torchrun job (each rank reads --ranks itself)
+    rank, world = place
+    beyond = sorted(r for r in chosen if r >= world)
+    if beyond and rank == 0:
+        plan.notes.append(f"--ranks names rank(s) {', '.join(map(str, beyond))}, beyond this job's {world} ranks")
+    if rank not in chosen:
+        plan.find_nan = None
+        plan.profile = None
 
 
 #: The modules that are torchrun: diagnosing one of them diagnoses every rank it starts.
@@ -207,7 +242,7 @@ def _torchrun_argv(plan: _Plan, args: argparse.Namespace) -> list[str] | None:
     for option, value in (("--output", plan.output), ("--report", plan.report),
                           ("--metrics-file", plan.metrics_file), ("--backend", plan.backend),
                           ("--find-nan-dir", plan.find_nan_dir), ("--profile", args.profile),
-                          ("--profile-dir", args.profile_dir)):
+                          ("--profile-dir", args.profile_dir), ("--ranks", args.ranks)):
         if value is not None:
             ours += [option, str(value)]
     if plan.find_nan is not None:

@@ -242,8 +242,26 @@ _SOURCES = {"input": 0, "loss": 1}
 
 def _origin(pair: tuple[int, Mapping[str, Any]]) -> tuple[int, int, int]:
     rank, item = pair
-    source = (item.get("evidence") or {}).get("source")
-    return int(item.get("step") or 0), _SOURCES.get(str(source), 2), rank
+    evidence = item.get("evidence") or {}
+    searched = evidence.get("origin")
+    if isinstance(searched, Mapping):
+        # --find-nan found the op. At one step a forward pass's origin is upstream of a backward pass's (the
+        # ranks exchange gradients, not activations), and one read from a collective came from another rank.
+        if str(searched.get("op") or "").startswith("c10d."):
+            return int(item.get("step") or 0), 3, rank
+        return int(item.get("step") or 0), 1 if searched.get("direction") in ("backward", "optimizer") else 0, rank
+    return int(item.get("step") or 0), _SOURCES.get(str(evidence.get("source")), 2), rank
+
+
+def _first_because(item: Mapping[str, Any]) -> str:
+    """Why a rank's non-finite values are its own, in a few words."""
+    evidence = item.get("evidence") or {}
+    searched = evidence.get("origin")
+    if isinstance(searched, Mapping):
+        op = str(searched.get("op") or "an operation")
+        return (f"its own search found {op} first read it" if searched.get("kind") == "entered" else
+                f"its own search found {op} made it")
+    return {"input": "its own input batch held it", "loss": "its own loss was"}.get(str(evidence.get("source")), "")
 
 
 def _ranks_findings(runs: Sequence[RankRun], world_size: int) -> list[Diagnosis]:
@@ -263,8 +281,7 @@ def _ranks_findings(runs: Sequence[RankRun], world_size: int) -> list[Diagnosis]
                  f"on rank {rank}" if len(ranks) == 1 else "on ranks " + ", ".join(map(str, sorted(ranks))))
         message = f"{where}: {first.get('message', '')}"
         if kind == "non-finite" and len(ranks) > 1 and _origin(seen[0])[:2] < _origin(seen[1])[:2]:
-            source = (first.get("evidence") or {}).get("source")
-            its = {"input": "its own input batch held it", "loss": "its own loss was"}.get(str(source), "")
+            its = _first_because(first)
             message += (f" Rank {rank} went non-finite first (step {first.get('step')}{': ' + its if its else ''}); "
                         "the others got it through the gradient all-reduce: look at rank "
                         f"{rank}'s data and loss at that step.")

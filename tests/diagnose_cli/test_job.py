@@ -209,6 +209,23 @@ def test_a_nan_in_one_ranks_batch_names_that_rank_as_where_it_came_from(tmp_path
     assert "Rank 1 went non-finite first (step 5: its own input batch held it)" in found["message"]
 
 
+def test_find_nan_on_the_ranks_named_searches_there_alone_and_names_the_rank_it_came_from(tmp_path):
+    out = tmp_path / "job.json"
+    proc = run("--output", str(out), "--find-nan", "--ranks", "1", *TORCHRUN, JOB, "--nan-rank", "1", cwd=tmp_path)
+    result = json.loads(out.read_text())
+    searched = {r["rank"]: "origin" in r["findings"][0]["evidence"] for r in result["ranks"]}
+    assert searched == {0: False, 1: True}, proc.stderr[-3000:]  # rank 0 ran unchecked
+    (found,) = [f for f in result["findings"] if f["kind"] == "non-finite"]
+    assert found["evidence"]["rank"] == 1 and found["evidence"]["origin"]["where"].endswith("ddp_job.py:71")
+    assert "Rank 1 went non-finite first (step 5: its own search found" in found["message"]
+
+
+def test_ranks_is_checked_before_anything_runs(tmp_path):
+    proc = run("--find-nan", "--ranks", "one", *TORCHRUN, JOB, cwd=tmp_path)
+    assert proc.returncode == 2 and "--ranks one: give rank numbers from 0, separated by commas" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_a_rank_killed_mid_run_is_named_as_not_judged_and_the_summary_still_comes(tmp_path):
     proc, result = _job(tmp_path, "--kill-rank", "1")
     assert proc.returncode != 0

@@ -56,7 +56,7 @@ from accelport.errors import AccelportError, DiagnosticWarning
 from accelport.lazy import OWN_CLOSURE
 from accelport.observe import tracer
 from accelport.observe.dynamo import CompileEvents
-from accelport.observe.frames import library_file, user_site
+from accelport.observe.frames import LIBRARIES, library_file, user_site
 from accelport.observe.steptime import watch_backward
 from accelport.runtime.state import Runtime
 from accelport.runtime.tracker import StepTracker
@@ -211,11 +211,13 @@ class Watcher:
                  metrics_file: str | None = None, redactor: Redactor | None = None, find_nan: int | None = None,
                  find_nan_dir: str | None = None, command: Sequence[str] | None = None,
                  profile: StepProfile | None = None, recorder: StepRecorder | None = None,
-                 workers: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None) -> None:
+                 workers: Callable[..., Callable[..., Any]] | None = None) -> None:
         self._recorder = recorder
         # Workers the script starts itself (mp.spawn, torch_xla.launch) run their function wrapped by this, which
         # watches it in the worker (accelport.runtime.workers); None: only this process is watched.
         self._wrap_worker = workers
+        #: multiprocessing.Process targets of the script's own wrapped so far (each gets its number).
+        self._processes = 0
         self._environ = os.environ if environ is None else environ
         self._find_nan = find_nan
         self._find_nan_dir = find_nan_dir
@@ -282,6 +284,7 @@ class Watcher:
             "torch.utils.data.dataloader": self._on_dataloader,
             "torch.autograd": self._on_autograd,
             "torch.multiprocessing": self._on_multiprocessing,
+            "multiprocessing.process": self._on_process,
             "torch.distributed": self._on_distributed,
             "torch_xla": self._on_torch_xla,
             "torch_xla.core.xla_model": self._on_xla_model,
@@ -626,8 +629,27 @@ class Watcher:
 
         return make
 
+    def _on_process(self, module: types.ModuleType) -> None:
+        """A ``multiprocessing.Process`` whose target is the script's own (not a DataLoader worker's, a library's
+        or the standard library's) runs it watched in the new process; a target that trains is a rank."""
+        watcher = self
+
+        def make(original: Any) -> Any:
+            def __init__(process: Any, *args: Any, **kwargs: Any) -> None:
+                original(process, *args, **kwargs)
+                target = getattr(process, "_target", None)
+                if (watcher._active and watcher._wrap_worker is not None and target is not None
+                        and threading.get_ident() == watcher._main and _scripts_own(target)):
+                    process._target = watcher._wrap_worker(target, process=watcher._processes)
+                    watcher._processes += 1
+            return __init__
+
+        base = getattr(module, "BaseProcess", None)
+        if base is not None:
+            self._patch(base, "__init__", make)
+
     @staticmethod
-    def _watched_fn(wrap: Callable[[Callable[..., Any]], Callable[..., Any]], args: tuple[Any, ...],
+    def _watched_fn(wrap: Callable[..., Callable[..., Any]], args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """A launcher's arguments with its function (first, or ``fn=``) wrapped by ``wrap``."""
         if args:
@@ -911,6 +933,14 @@ def _redacted(redactor: Redactor, message: Any, category: type[Warning], filenam
         except Exception:  # a category that takes other arguments: the text alone
             message = shown
     return message, redactor.text(filename), redactor.text(line.strip())
+
+
+def _scripts_own(target: Any) -> bool:
+    """Whether a Process target is the script's code: not torch's, a framework's or the standard library's."""
+    while isinstance(target, functools.partial):
+        target = target.func
+    top = str(getattr(target, "__module__", None) or "").partition(".")[0]
+    return bool(top) and top not in LIBRARIES and top not in sys.stdlib_module_names
 
 
 def _stop_in_child(ref: weakref.ReferenceType[Watcher]) -> None:

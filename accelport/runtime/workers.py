@@ -1,5 +1,6 @@
 """Workers a watched script starts itself (``torch.multiprocessing.spawn`` / ``start_processes``,
-``torch_xla.launch``, ``xmp.spawn``): each is watched in its own process, and its run comes back to the parent.
+``multiprocessing.Process`` targets of its own): each is watched in its own process, and its run comes back to the
+parent.
 
 The launcher's function is handed over wrapped (:class:`WatchedWorker`): it travels to the worker as
 the function itself would (pickled by reference under spawn and forkserver, inherited under fork), and
@@ -15,7 +16,7 @@ import json
 import os
 import socket
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from accelport.diagnose.rule import RankRun
@@ -24,6 +25,8 @@ from accelport.runtime.watch import Watcher
 __all__ = ["WatchedWorker", "rank_run", "read_runs", "watch_workers"]
 
 _PREFIX = "rank-"
+#: A ``multiprocessing.Process`` target's run: a rank of the job only if it trained (a helper process does not).
+_PROCESS_PREFIX = "process-"
 
 
 def rank_run(watcher: Watcher, exit_status: int, rank: int) -> RankRun:
@@ -49,19 +52,25 @@ def rank_run(watcher: Watcher, exit_status: int, rank: int) -> RankRun:
 
 
 class WatchedWorker:
-    """A launcher's function, watched in the worker that runs it; its run written to ``directory``."""
+    """A launcher's function, watched in the worker that runs it; its run written to ``directory``.
 
-    def __init__(self, fn: Callable[..., Any], directory: str, backend: str | None) -> None:
+    ``process``: the function is a ``multiprocessing.Process`` target, the ``process``-th the script made (its
+    arguments are its own); else a launcher's, called with the worker's index first (its rank)."""
+
+    def __init__(self, fn: Callable[..., Any], directory: str, backend: str | None,
+                 process: int | None = None) -> None:
         self.fn = fn
         self.directory = directory
         self.backend = backend
+        self.process = process
 
-    def __call__(self, index: int, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         watcher = Watcher(backend=self.backend)
         watcher.install()
         status = 0
+        index = self.process if self.process is not None else int(args[0])
         try:
-            return self.fn(index, *args, **kwargs)
+            return self.fn(*args, **kwargs)
         except SystemExit as exc:
             status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
             raise
@@ -73,20 +82,22 @@ class WatchedWorker:
             try:
                 watcher.finish()
                 watcher.uninstall()
-                _write(self.directory, rank_run(watcher, status, index))
+                _write(self.directory, rank_run(watcher, status, index),
+                       _PROCESS_PREFIX if self.process is not None else _PREFIX)
             except Exception:  # noqa: BLE001 - never in the way of the worker's own end
                 pass
 
 
-def watch_workers(directory: str, backend: str | None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """What a Watcher wraps a launcher's function with, so each worker's run is written to ``directory``."""
-    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        return WatchedWorker(fn, directory, backend)
+def watch_workers(directory: str, backend: str | None) -> Callable[..., Callable[..., Any]]:
+    """What a Watcher wraps a launcher's function (or, with ``process=N``, a Process target) with, so each
+    worker's run is written to ``directory``."""
+    def wrap(fn: Callable[..., Any], process: int | None = None) -> Callable[..., Any]:
+        return WatchedWorker(fn, directory, backend, process)
     return wrap
 
 
-def _write(directory: str, run: RankRun) -> None:
-    path = os.path.join(directory, f"{_PREFIX}{run.rank}.json")
+def _write(directory: str, run: RankRun, prefix: str = _PREFIX) -> None:
+    path = os.path.join(directory, f"{prefix}{run.rank}.json")
     temporary = f"{path}.{os.getpid()}.tmp"
     with open(temporary, "w", encoding="utf-8") as f:
         json.dump(asdict(run), f, default=str)
@@ -94,19 +105,27 @@ def _write(directory: str, run: RankRun) -> None:
 
 
 def read_runs(directory: str) -> list[RankRun]:
-    """The workers' runs written to ``directory``, by rank; a file that is not one is left out."""
+    """The workers' runs written to ``directory``, by rank; a file that is not one is left out.
+
+    Process targets that took no optimizer step were helpers, not ranks: left out. Those that trained are
+    ranks in the order the script made them, after the launchers' workers."""
     runs: dict[int, RankRun] = {}
+    processes: dict[int, RankRun] = {}
     try:
         names = os.listdir(directory)
     except OSError:
         return []
     for name in names:
-        if not (name.startswith(_PREFIX) and name.endswith(".json")):
+        into = runs if name.startswith(_PREFIX) else processes if name.startswith(_PROCESS_PREFIX) else None
+        if into is None or not name.endswith(".json"):
             continue
         try:
             with open(os.path.join(directory, name), encoding="utf-8") as f:
                 run = RankRun.from_dict(json.load(f))
         except (OSError, ValueError):
             continue
-        runs[run.rank] = run
-    return [runs[r] for r in sorted(runs)]
+        into[run.rank] = run
+    ordered = [runs[r] for r in sorted(runs)]
+    trained = [processes[n] for n in sorted(processes) if processes[n].steps]
+    first = max((r.rank for r in ordered), default=-1) + 1
+    return ordered + [replace(run, rank=first + i) for i, run in enumerate(trained)]

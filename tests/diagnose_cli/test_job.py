@@ -179,6 +179,20 @@ def test_workers_a_script_starts_itself_are_each_watched_and_judged_as_one_job(t
     assert [f["evidence"]["rank"] for f in result["findings"] if f["kind"] == "straggler"] == [1]
 
 
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+def test_process_targets_that_train_are_ranks_and_a_helper_process_is_not(tmp_path, start_method):
+    out = tmp_path / "job.json"
+    proc = run("--output", str(out), str(SCRIPTS / "spawn_job.py"), str(_free_port()), "--slow-rank", "1",
+               "--start-method", start_method, "--process", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "all workers done" in proc.stdout
+    summaries = _summaries(proc.stderr)
+    assert len(summaries) == 1 and "a job of 2 ranks" in summaries[0]
+    result = json.loads(out.read_text())
+    assert [(r["rank"], r["steps"]) for r in result["ranks"]] == [(0, 12), (1, 12)]  # the helper is no rank
+    assert [f["evidence"]["rank"] for f in result["findings"] if f["kind"] == "straggler"] == [1]
+
+
 def test_collectives_the_script_calls_itself_are_timed_as_collective(tmp_path):
     """No DDP: the script averages its gradients with dist.all_reduce; rank 0's slow Dataset makes rank 1 wait."""
     proc, result = _job(tmp_path, "--manual", "--slow-data-rank", "0")

@@ -1,8 +1,10 @@
 """An unported script that starts its own DDP workers with torch.multiprocessing.spawn (gloo, cpu).
 
-    python spawn_job.py PORT [--slow-rank R] [--start-method spawn|fork|forkserver]
+    python spawn_job.py PORT [--slow-rank R] [--start-method spawn|fork|forkserver] [--process]
 
---slow-rank: that worker sleeps 0.15 s in its loop each step; every worker sleeps 0.05 s.
+--slow-rank: that worker sleeps 0.15 s in its loop each step; every worker sleeps 0.05 s. --process: the workers
+are multiprocessing.Process objects of the script's own (with a helper process beside them that trains nothing)
+instead of torch.multiprocessing.start_processes.
 """
 
 import argparse
@@ -34,11 +36,28 @@ def train(rank: int, world: int, port: int, slow: int) -> None:
     dist.destroy_process_group()
 
 
+def helper(seconds: float) -> None:
+    time.sleep(seconds)  # (a logger, a watchdog: a process of the script's that is no rank)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("port", type=int)
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--start-method", default="spawn")
+    parser.add_argument("--process", action="store_true")
     args = parser.parse_args()
-    mp.start_processes(train, args=(2, args.port, args.slow_rank), nprocs=2, start_method=args.start_method)
+    if args.process:
+        import multiprocessing
+
+        context = multiprocessing.get_context(args.start_method)
+        workers = [context.Process(target=helper, args=(0.1,))]
+        workers += [context.Process(target=train, args=(rank, 2, args.port, args.slow_rank)) for rank in (0, 1)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        assert all(worker.exitcode == 0 for worker in workers), [worker.exitcode for worker in workers]
+    else:
+        mp.start_processes(train, args=(2, args.port, args.slow_rank), nprocs=2, start_method=args.start_method)
     print("all workers done")

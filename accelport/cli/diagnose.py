@@ -897,12 +897,16 @@ def run(args: argparse.Namespace) -> int:
     stderr = sys.stderr  # accelport's messages go where stderr was, whatever the script makes of sys.stderr
     saved_builtins = dict(vars(builtins))
     command = ("--", plan.script) if plan.script is not None else ("-m", str(plan.module))
+    from accelport.diagnose.job import RankStore
     from accelport.runtime.workers import watch_workers
 
     plan.workers_dir = tempfile.mkdtemp(prefix="accelport-workers-")
+    # Ranks a scheduler started without torchrun: rank 0 hosts the store their summaries travel through.
+    rank_store = RankStore.for_environ(os.environ)
     watcher = Watcher(backend=plan.backend, metrics_file=records, redactor=redactor, find_nan=plan.find_nan,
                       find_nan_dir=plan.find_nan_dir, command=(*command, *plan.args), profile=plan.profile,
-                      workers=watch_workers(plan.workers_dir, plan.backend))
+                      workers=watch_workers(plan.workers_dir, plan.backend),
+                      imports=rank_store.imports() if rank_store is not None else None)
     watcher.notes += plan.notes
 
     def conclude(outcome: Outcome) -> bool:

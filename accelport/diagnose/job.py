@@ -31,7 +31,7 @@ from typing import Any
 from accelport.diagnose.rule import Diagnosis, JobView, RankRun
 from accelport.settings import job_wait
 
-__all__ = ["JobPlace", "RankRun", "JobView", "JobResult", "judge", "publish", "gather",
+__all__ = ["JobPlace", "RankRun", "RankStore", "JobView", "JobResult", "judge", "publish", "gather",
            "ProgressReporter", "progress_of", "job_rank"]
 
 #: After a SIGTERM (the scheduler's or torchrun's stop), the others are given this long at most.
@@ -84,6 +84,55 @@ def _store(place: JobPlace, timeout: float) -> Any:
     client = dist.TCPStore(place.store_host, place.store_port, is_master=False,
                            timeout=timedelta(seconds=max(timeout, 1.0)))
     return dist.PrefixStore(place.key, client)
+
+
+class RankStore:
+    """Ranks a scheduler starts itself (``srun``, a Kubernetes job's pods), each under ``accelport diagnose``,
+    meeting at ``MASTER_ADDR:MASTER_PORT`` with no torchrun agent to host a store that outlives their scripts.
+
+    Each rank's diagnose then does what the agent does: it sets ``TORCHELASTIC_USE_AGENT_STORE=True`` for its
+    script, so the script's process group joins the store at that address as a client (torch's
+    ``_create_c10d_store``), and rank 0's diagnose hosts that store itself, started once the script imports
+    ``torch.distributed`` (never before the script's own imports). The store lives as long as rank 0's
+    diagnose, so the ranks' summaries travel through it after the scripts end, as under torchrun
+    (:class:`JobPlace`). Where rank 0 cannot host it (the port taken), its script hosts its own as it would
+    have, and each rank says its own run."""
+
+    def __init__(self, environ: Any, rank: int, world: int, host: str, port: int) -> None:
+        self._environ = environ
+        self.rank, self.world, self.host, self.port = rank, world, host, port
+        self.server: Any = None
+        self.problem: str | None = None
+        environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+        environ.setdefault("TORCHELASTIC_RESTART_COUNT", "0")  # (read by torch releases that prefix attempts)
+
+    @classmethod
+    def for_environ(cls, environ: Any) -> RankStore | None:
+        """The ranks' store for a rank of a job started without torchrun's agent; None for anything else."""
+        ranked = job_rank(environ)
+        if ranked is None or environ.get("TORCHELASTIC_USE_AGENT_STORE") is not None:
+            return None
+        try:
+            host, port = environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
+        except (KeyError, ValueError):
+            return None
+        return cls(environ, ranked[0], ranked[1], host, port)
+
+    def imports(self) -> dict[str, Callable[[Any], None]]:
+        """The watcher's callback: rank 0 hosts the store once the script has imported torch.distributed."""
+        return {"torch.distributed": self._host} if self.rank == 0 else {}
+
+    def _host(self, module: Any) -> None:
+        if self.server is not None:
+            return
+        from datetime import timedelta
+
+        try:
+            self.server = module.TCPStore(self.host, self.port, self.world, True, timedelta(seconds=300),
+                                          wait_for_workers=False)
+        except Exception as exc:  # the port taken: the script hosts its own store, as without diagnose
+            self.problem = f"{type(exc).__name__}: {exc}"
+            self._environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
 
 
 def publish(place: JobPlace, run: RankRun, timeout: float = 30.0) -> str | None:

@@ -202,7 +202,8 @@ class Watcher:
     search), its repro written in ``find_nan_dir``; ``command``: the arguments diagnose ran
     the script with, for the findings that say how to run it again; ``profile``, a window of
     steps to profile (``--profile``), whose messages become notes. ``recorder``: what records each step's
-    state for ``accelport verify-resume`` (none for diagnose: nothing of it runs then).
+    state for ``accelport verify-resume`` (none for diagnose: nothing of it runs then). ``imports``: the
+    caller's own callbacks, module name -> what to do once the script has imported it.
 
     A process the script forks is not watched: its copy of the watcher stops at the fork.
     """
@@ -211,8 +212,11 @@ class Watcher:
                  metrics_file: str | None = None, redactor: Redactor | None = None, find_nan: int | None = None,
                  find_nan_dir: str | None = None, command: Sequence[str] | None = None,
                  profile: StepProfile | None = None, recorder: StepRecorder | None = None,
-                 workers: Callable[..., Callable[..., Any]] | None = None) -> None:
+                 workers: Callable[..., Callable[..., Any]] | None = None,
+                 imports: Mapping[str, Callable[[types.ModuleType], None]] | None = None) -> None:
         self._recorder = recorder
+        #: The caller's own callbacks on the script's imports (module name -> what to do once it is imported).
+        self._imports = dict(imports or {})
         # Workers the script starts itself (mp.spawn, torch_xla.launch) run their function wrapped by this, which
         # watches it in the worker (accelport.runtime.workers); None: only this process is watched.
         self._wrap_worker = workers
@@ -295,6 +299,8 @@ class Watcher:
             self._start_search(callbacks)
         if self._recorder is not None:
             callbacks.update(self._recorder.imports())
+        for name, extra in self._imports.items():
+            callbacks[name] = _both(callbacks[name], extra) if name in callbacks else extra
         self._active = self._feeding = True
         if hasattr(os, "register_at_fork"):  # (weakly: the registration outlives the watcher)
             os.register_at_fork(after_in_child=functools.partial(_stop_in_child, weakref.ref(self)))
@@ -933,6 +939,14 @@ def _redacted(redactor: Redactor, message: Any, category: type[Warning], filenam
         except Exception:  # a category that takes other arguments: the text alone
             message = shown
     return message, redactor.text(filename), redactor.text(line.strip())
+
+
+def _both(first: Callable[[types.ModuleType], None], then: Callable[[types.ModuleType], None]
+          ) -> Callable[[types.ModuleType], None]:
+    def call(module: types.ModuleType) -> None:
+        first(module)
+        then(module)
+    return call
 
 
 def _scripts_own(target: Any) -> bool:

@@ -204,8 +204,30 @@ def test_collectives_the_script_calls_itself_are_timed_as_collective(tmp_path):
     assert ranks[1]["collective"] > 0.1 and ranks[1]["collective"] > 5 * ranks[0].get("collective", 0.0)
 
 
+def test_ranks_a_scheduler_starts_without_torchrun_gather_through_rank_0s_store(tmp_path):
+    """srun-style ranks: each its own `accelport diagnose`, meeting at MASTER_ADDR:MASTER_PORT (env://), with no
+    torchrun agent. Rank 0's diagnose hosts the store there, the scripts join it, and rank 0 says the job."""
+    port = _free_port()
+    procs = []
+    for rank in (1, 0):  # (rank 1 first: its script waits for the store rank 0 hosts)
+        env = child_env({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                         "MASTER_PORT": str(port)})
+        command = [sys.executable, "-m", "accelport", "diagnose", "--output", str(tmp_path / f"rank{rank}.json"), JOB,
+                   "--slow-rank", "1"]
+        procs.append(subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env=env, preexec_fn=default_signals))
+    outputs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outputs]
+    assert not (tmp_path / "rank1.json").exists() and not _summaries(outputs[0][1])  # rank 1 says nothing
+    (summary,) = _summaries(outputs[1][1])
+    assert "a job of 2 ranks" in summary
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert [r["rank"] for r in result["ranks"]] == [0, 1]
+    assert [f["evidence"]["rank"] for f in result["findings"] if f["kind"] == "straggler"] == [1]
+
+
 def test_a_rank_started_without_torchrun_says_its_own_run_labelled_with_its_rank(tmp_path):
-    """srun-style ranks (RANK and WORLD_SIZE, no torchrun agent hosting a store): each says its own, labelled."""
+    """srun-style ranks with no address to meet at (RANK and WORLD_SIZE alone): each says its own, labelled."""
     out = tmp_path / "job.json"
     proc = run("--output", str(out), str(SCRIPTS / "cpu_healthy.py"), cwd=tmp_path,
                env={"RANK": "1", "WORLD_SIZE": "2"})

@@ -673,6 +673,13 @@ def _conclude(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | No
     its run to rank 0, which says the job's (:mod:`accelport.diagnose.job`)."""
     from accelport.diagnose.job import JobPlace, job_rank
 
+    if watcher.error is not None and os.environ.get("ACCELPORT_LAUNCH_DIR") and not outcome.forked:
+        # A worker of `accelport launch --diagnose`: the launcher names this rank's failure by the script's own
+        # error, not by the exit status diagnose gives it.
+        from accelport.launch.worker import record_failure
+
+        ranked = job_rank(os.environ)
+        record_failure(ranked[0] if ranked else 0, watcher.error)
     place = JobPlace.from_environ(os.environ)
     if place is not None and not outcome.forked:
         done = _conclude_rank(plan, watcher, outcome, records, redactor, stderr, place, stopped)

@@ -54,7 +54,7 @@ from accelport.launch.heartbeat import (
 )
 from accelport.launch.stop import EXIT_PREEMPTED, STOPPED_PREFIX
 
-__all__ = ["main", "run_script", "die_with_parent", "locate", "api_functions", "FAILURE_PREFIX"]
+__all__ = ["main", "run_script", "die_with_parent", "locate", "api_functions", "record_failure", "FAILURE_PREFIX"]
 
 #: Failure records are ``$ACCELPORT_LAUNCH_DIR/<FAILURE_PREFIX><rank>.json``.
 FAILURE_PREFIX = "failure-rank"
@@ -70,7 +70,7 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _record_failure(rank: int, exc: BaseException) -> None:
+def record_failure(rank: int, exc: BaseException) -> None:
     """Record why this worker fails, and leave its process group alone at exit (the peers may never come)."""
     if "accelport.eager" in sys.modules:  # (otherwise no process group of accelport's to leave alone)
         from accelport.eager import skip_teardown_at_exit
@@ -275,12 +275,12 @@ def run_script(rank: int, script: str, args: list[str], diagnose: list[str] | No
     except SystemExit as exc:
         # A stop request that saved (ap.Checkpointer) ends every rank at the same step: they meet at exit.
         if exc.code not in (None, 0, EXIT_PREEMPTED):  # sys.exit("message") or a non-zero status: this rank fails
-            _record_failure(rank, exc)
+            record_failure(rank, exc)
             raise
         _finished(rank, directory)
         raise
     except BaseException as exc:
-        _record_failure(rank, exc)
+        record_failure(rank, exc)
         raise
     _finished(rank, directory)
 

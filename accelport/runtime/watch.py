@@ -217,6 +217,8 @@ class Watcher:
         self._recorder = recorder
         #: The caller's own callbacks on the script's imports (module name -> what to do once it is imported).
         self._imports = dict(imports or {})
+        #: The exception the script ended with, if it raised one (run_watched says so through :meth:`failed`).
+        self.error: BaseException | None = None
         # Workers the script starts itself (mp.spawn, torch_xla.launch) run their function wrapped by this, which
         # watches it in the worker (accelport.runtime.workers); None: only this process is watched.
         self._wrap_worker = workers
@@ -843,6 +845,7 @@ class Watcher:
 
     def failed(self, exc: BaseException) -> None:
         """The script raised ``exc``: an out-of-memory error is a finding, made before its traceback is printed."""
+        self.error = exc
         if self._feeding:
             try:
                 self.tracker.failed(exc)

@@ -1503,7 +1503,7 @@ def test_a_failing_worker_leaves_its_process_group_alone_at_exit(monkeypatch: py
     unregistered: list[Any] = []
     monkeypatch.setattr(atexit, "unregister", unregistered.append)  # a spy on the one call that matters
     monkeypatch.delenv("ACCELPORT_LAUNCH_DIR", raising=False)
-    worker._record_failure(1, SystemExit("no data"))
+    worker.record_failure(1, SystemExit("no data"))
     assert unregistered == [eager._teardown_at_exit]
     assert worker._describe(SystemExit("no data")) == "SystemExit: no data (exit status 1)"
     assert worker._describe(SystemExit(3)) == "SystemExit: exit status 3"

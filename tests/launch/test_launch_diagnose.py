@@ -35,6 +35,15 @@ def test_a_ported_script_under_launch_diagnose_is_judged_as_one_job(tmp_path: Pa
     assert all(r["steps"] > 0 and r["exit_status"] == 0 for r in result["ranks"])
 
 
+def test_a_rank_that_raises_under_launch_diagnose_is_named_with_its_own_error(tmp_path: Path) -> None:
+    out = tmp_path / "job.json"
+    done = launch("--nprocs", "2", "--diagnose", "--output", str(out), JOB, "--fail-rank", "1", timeout=600)
+    assert done.returncode == 1, done.stderr[-3000:]
+    # The script's own error, not the exit status diagnose ended the worker with.
+    assert "accelport: error: rank 1" in done.stderr and "RuntimeError: rank 1 failed after its steps" in done.stderr
+    assert [r["exit_status"] for r in json.loads(out.read_text())["ranks"]] == [0, 1]
+
+
 def test_diagnose_outputs_need_diagnose_and_a_writable_place(tmp_path: Path) -> None:
     done = launch("--output", str(tmp_path / "x.json"), JOB)
     assert done.returncode == 2 and "add --diagnose" in done.stderr and "Traceback" not in done.stderr

@@ -120,9 +120,13 @@ class Journal:
                                 "time": restored, "resumed_from": resumed_from,
                                 "launch": environ.get("ACCELPORT_LAUNCH_DIR") or None,
                                 "attempt": _attempt(environ), **settings})
-            self._map = _mapped(self.progress_path, run)
         except OSError:
             self.broken = True
+            return
+        try:
+            self._map = _mapped(self.progress_path, run)
+        except (OSError, ValueError):  # a filesystem that cannot map files: the events are kept, the step is not
+            self._map = None
         # A process that ends without close() still says so (a kill says nothing: its progress stands).
         atexit.register(_end_at_exit, weakref.ref(self))
 

@@ -223,3 +223,24 @@ def test_the_report_page_shows_the_jobs_goodput_from_the_checkpoint_directory(
     # A directory with no account is a specific error, not a page without the section.
     assert main(["report", str(metrics), "--checkpoints", str(tmp_path), "--json"]) == 2
     assert "no goodput account there (goodput.jsonl" in json.loads(capsys.readouterr().out)["error"]
+
+
+def test_a_filesystem_that_cannot_map_the_progress_file_still_gets_the_events(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    import accelport.goodput
+
+    def refuse(path: str, run: str) -> None:
+        raise OSError(19, "No such device")  # (ENODEV: what mmap says on a filesystem without it)
+
+    monkeypatch.setattr(accelport.goodput, "_mapped", refuse)
+    ap.use("cpu")
+    model = torch.nn.Linear(2, 2)
+    with ap.Checkpointer(tmp_path, every_steps=2, stop_on=()) as ckpt:
+        ckpt.restore(model=model)
+        for _ in range(4):
+            ckpt.step()
+    (run,) = read_runs(str(tmp_path))
+    assert [s["step"] for s in run["saves"]] == [2, 4] and (run["end"], run["step"]) == ("finished", 4)
+    assert not (tmp_path / PROGRESS).exists() or (tmp_path / PROGRESS).stat().st_size == 0

@@ -56,9 +56,6 @@ POINTER = "goodput-journal.json"
 _HEAD = 16
 _SLOT_FORMAT = struct.Struct("<qdddq")
 _CHECK = 0x5A5A_A5A5_5A5A_A5A5
-#: How a run ended: "finished" (close()), "stopped" (saved on a stop request and exited), "failed" (an exception
-#: left the checkpointer's ``with`` block), "exited" (the process ended without close()). A run killed has none.
-ENDINGS = ("finished", "stopped", "failed", "exited")
 
 
 def process_start_time(pid: int | None = None) -> float | None:
@@ -152,6 +149,9 @@ class Journal:
         self._event({"event": "wait", "blocked_s": round(blocked_s, 6)})
 
     def end(self, how: str, step: int, busy_s: float, blocked_s: float) -> None:
+        """How the run ended: "finished" (close()), "stopped" (saved on a stop request and exited), "failed" (an
+        exception left the checkpointer's ``with`` block), "exited" (the process ended without close()). A run
+        killed says nothing: its progress stands."""
         if self.ended:
             return
         self.ended = True

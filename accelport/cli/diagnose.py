@@ -693,12 +693,13 @@ def _conclude(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | No
             watcher.notes.append("the outputs (--output, --report, --metrics-file) are rank 0's to write: this "
                                  "rank's run is said here only")
         plan.output = plan.report = plan.metrics_file = None
-    workers = _worker_runs(plan)
+    workers, unwatched = _worker_runs(plan)
     if workers:  # the script trained in workers it started: each was watched, and is a rank of the job
         counts = [n for _, _, n in watcher.spawned if isinstance(n, int)]
-        world = max([len(workers), max((r.rank for r in workers), default=0) + 1, *counts[-1:]])
+        world = max([len(workers), max([r.rank for r in workers] + unwatched) + 1, *counts[-1:]])
         missing = sorted(set(range(world)) - {r.rank for r in workers})
-        return _say_job(plan, watcher, outcome, records, redactor, stderr, workers, world, missing)
+        return _say_job(plan, watcher, outcome, records, redactor, stderr, workers, world, missing,
+                        unwatched=unwatched)
     written, problems, no_page = _write_outputs(plan, lambda: _result(watcher, outcome, plan), records,
                                                 watcher.findings, f"accelport diagnose: {plan.target}", redactor)
     if no_page:
@@ -740,11 +741,13 @@ def _conclude_rank(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str
 
 def _say_job(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | None, redactor: Redactor,
              stderr: Any, runs: Sequence[RankRun], world_size: int, missing: Sequence[int],
-             progress: Mapping[int, Mapping[str, Any]] | None = None) -> bool:
-    """Judge a job from its ranks' runs, write the outputs and say it; whether writing one failed."""
+             progress: Mapping[int, Mapping[str, Any]] | None = None, unwatched: Sequence[int] = ()) -> bool:
+    """Judge a job from its ranks' runs, write the outputs and say it; whether writing one failed.
+    ``unwatched``: missing ranks that ran as further device threads of a watched process."""
     from accelport.diagnose.job import judge
 
     job = judge(runs, world_size, missing, progress)
+    job.unwatched = [r for r in unwatched if r in job.missing]
     said = _job_result(job)
     written, problems, no_page = _write_outputs(
         plan, lambda: {**_result(watcher, outcome, plan), **said}, records, job.findings,
@@ -759,16 +762,17 @@ def _say_job(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | Non
     return bool(problems)
 
 
-def _worker_runs(plan: _Plan) -> list[RankRun]:
-    """The runs of the workers the script started, each watched in its own process; their directory removed."""
+def _worker_runs(plan: _Plan) -> tuple[list[RankRun], list[int]]:
+    """The runs of the workers the script started, each watched in its own process, and the ranks that ran
+    unwatched beside a watched one (torch_xla's further device threads); their directory removed."""
     if plan.workers_dir is None:
-        return []
-    from accelport.runtime.workers import read_runs
+        return [], []
+    from accelport.runtime.workers import read_runs, unwatched_ranks
 
-    runs = read_runs(plan.workers_dir)
+    runs, unwatched = read_runs(plan.workers_dir), unwatched_ranks(plan.workers_dir)
     shutil.rmtree(plan.workers_dir, ignore_errors=True)
     plan.workers_dir = None
-    return runs
+    return runs, unwatched
 
 
 def _job_result(job: JobResult) -> dict[str, Any]:
@@ -780,7 +784,8 @@ def _job_result(job: JobResult) -> dict[str, Any]:
               "findings": list(r.findings), "straggler": r.rank == job.straggler} for r in runs]
     return {"findings": [f.to_dict() for f in job.findings], "ranks": ranks,
             "job": {"world_size": job.world_size, "ranks_judged": [r.rank for r in runs],
-                    "ranks_missing": list(job.missing), "straggler": job.straggler,
+                    "ranks_missing": list(job.missing), "ranks_unwatched": list(job.unwatched),
+                    "straggler": job.straggler,
                     "time_breakdown_per_step": {k: round(v, 6) for k, v in job.breakdown.items()},
                     "time_verdict": _job_time_verdict(job)},
             "verdict": {"judged_every_step": severity == "ok", "steps_judged": sum(r.steps for r in runs),
@@ -802,10 +807,17 @@ def job_verdict(job: JobResult) -> tuple[str, str]:
     nothing was found."""
     judged = ", ".join(str(r.rank) for r in job.runs)
     failed = [r for r in job.runs if r.exit_status != 0]
+    lost = [r for r in job.missing if r not in job.unwatched]
     if job.missing:
-        gone = ", ".join(map(str, job.missing))
-        return "note", (f"judged ranks {judged} of {job.world_size}; not judged: rank(s) {gone} (no result reached "
-                        "rank 0: crashed, killed or still running when rank 0 stopped waiting, ACCELPORT_JOB_WAIT)")
+        said = []
+        if job.unwatched:
+            said.append(f"rank(s) {', '.join(map(str, job.unwatched))} (each a further device thread of a process "
+                        "whose first device thread was watched: torch_xla runs a thread per device of a process, and "
+                        "one thread per process is watched; run one device per process to have each rank watched)")
+        if lost:
+            said.append(f"rank(s) {', '.join(map(str, lost))} (no result reached rank 0: crashed, killed or still "
+                        "running when rank 0 stopped waiting, ACCELPORT_JOB_WAIT)")
+        return "note", f"judged ranks {judged} of {job.world_size}; not judged: " + "; ".join(said)
     if failed:
         return "note", ("the job did not end well: " + ", ".join(f"rank {r.rank} exited with status {r.exit_status}"
                                                                    for r in failed))
@@ -816,8 +828,12 @@ def job_verdict(job: JobResult) -> tuple[str, str]:
     if job.findings:
         return ("note", f"the findings above cover every rank{pending}") if unjudged else ("ok", "")
     if unjudged:
-        return "note", f"no finding on any of the {job.world_size} ranks{pending}"
-    return "ok", f"no finding on any of the {job.world_size} ranks with every check running"
+        return "note", f"no finding on {_every_rank(job)}{pending}"
+    return "ok", f"no finding on {_every_rank(job)} with every check running"
+
+
+def _every_rank(job: JobResult) -> str:
+    return "the one rank" if job.world_size == 1 else f"any of the {job.world_size} ranks"
 
 
 def _not_judged(job: JobResult) -> dict[str, str]:
@@ -844,7 +860,8 @@ def render_job(target: str, job: JobResult, watcher: Watcher, written: Sequence[
     backends = sorted({r.backend for r in job.runs if r.backend})
     on = f" on {', '.join(backends)}" if backends else ""
     found = f": {len(job.findings)} finding(s)" if job.findings else ""
-    lines = [shown(f"accelport diagnose: {target}, a job of {job.world_size} ranks on {hosts} host(s), took {each}"
+    ranks = "rank" if job.world_size == 1 else "ranks"
+    lines = [shown(f"accelport diagnose: {target}, a job of {job.world_size} {ranks} on {hosts} host(s), took {each}"
                    f"{on}{found}")]
     for f in job.findings:
         lines += _wrapped(shown(f"{f.kind}: {f.message}"), f"  [{_ICON[f.severity]}] ")

@@ -256,6 +256,8 @@ class JobResult:
     by_rank: dict[int, dict[str, float]]
     straggler: int | None = None
     notes: list[str] = field(default_factory=list)
+    #: Of the missing ranks, those that ran unwatched: a further device thread of a watched process.
+    unwatched: list[int] = field(default_factory=list)
 
 
 def judge(runs: Sequence[RankRun], world_size: int, missing: Sequence[int] = (),

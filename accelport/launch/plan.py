@@ -212,9 +212,9 @@ def build_plan(
     env = {"ACCELPORT_BACKEND": backend.name}
     notes: list[str] = []
     if diagnose is not None and engine == "xla":
-        raise _usage(f"--diagnose runs under torchrun; {backend.name}'s workers start with torch_xla.launch, which "
-                     "runs a thread per device in each process: run `accelport diagnose SCRIPT` on one process "
-                     "(torch_xla.launch(fn, debug_single_process=True)) instead")
+        raise _usage(f"--diagnose runs under torchrun, and {backend.name}'s workers start with torch_xla.launch: run "
+                     "`accelport diagnose SCRIPT` instead (one process; a script that calls torch_xla.launch or "
+                     "xmp.spawn itself has each of its workers watched)")
     if engine == "xla":
         command, n = _xla_command(backend, script, script_args, nprocs, rdzv, environ, platform, python,
                                   env, notes)

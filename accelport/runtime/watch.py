@@ -224,6 +224,7 @@ class Watcher:
         self._wrap_worker = workers
         #: multiprocessing.Process targets of the script's own wrapped so far (each gets its number).
         self._processes = 0
+        self._launching = 0  # inside a launcher's call (another launcher it calls is part of it)
         self._environ = os.environ if environ is None else environ
         self._find_nan = find_nan
         self._find_nan_dir = find_nan_dir
@@ -264,7 +265,8 @@ class Watcher:
         self._open: Any = None  # lazy: the optimizer of the last step, which waits for the script's next sync
         self._sync_depth = 0
         self._sync_seconds = 0.0
-        self._main = threading.main_thread().ident
+        # The thread that runs the script: the main thread, or in a torch_xla worker the device's own thread.
+        self._main = threading.get_ident()
         self._interned: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         self._patches: list[tuple[Any, str, Any, Any]] = []
         self._finder: _PostImport | None = None
@@ -486,6 +488,8 @@ class Watcher:
             self.tracker.optimizer_started()
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if threading.get_ident() != self._main:
+            return  # another loop's (a further device thread of torch_xla's launcher): not the watched one
         self.steps += 1
         if self._recorder is not None and self._active:
             self._recorder.after_step(optimizer, self.steps)
@@ -620,19 +624,25 @@ class Watcher:
 
         def make(original: Any) -> Any:
             def launch(*args: Any, **kwargs: Any) -> Any:
-                if watcher._active:
+                # torch_xla.launch calls xmp.spawn: the outer launcher's call is the script's, said once.
+                if watcher._active and not watcher._launching:
                     given = args[position] if position is not None and len(args) > position else default
                     nprocs = kwargs.get("nprocs", given)
                     if single is not None and (kwargs.get(single) or (len(args) > 3 and args[3] is True)):
                         nprocs = 1
+                    if launcher == "torch_xla.launch" and watcher._environ.get("TORCHELASTIC_RUN_ID"):
+                        nprocs = 1  # under torchrun it calls the function here, in this process
                     if nprocs != 1:
                         site = user_site()
                         watcher.spawned.append((launcher, Site(*site) if site else None,
                                                 nprocs if isinstance(nprocs, int) else None))
-                        # torch_xla's launchers run a thread per device in a process: not one watcher each.
-                        if watcher._wrap_worker is not None and launcher.startswith("torch.multiprocessing"):
+                        if watcher._wrap_worker is not None:
                             args, kwargs = watcher._watched_fn(watcher._wrap_worker, args, kwargs)
-                return original(*args, **kwargs)
+                watcher._launching += 1
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    watcher._launching -= 1
             return launch
 
         return make

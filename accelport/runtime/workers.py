@@ -1,6 +1,11 @@
 """Workers a watched script starts itself (``torch.multiprocessing.spawn`` / ``start_processes``,
-``multiprocessing.Process`` targets of its own): each is watched in its own process, and its run comes back to the
-parent.
+``torch_xla.launch`` / ``xmp.spawn``, ``multiprocessing.Process`` targets of its own): each is watched in its own
+process, and its run comes back to the parent.
+
+torch_xla's launchers run the function in a thread per device of each process. One device per process (TPU v4
+and later, Trainium) is one watched rank per process; where a process has several devices (TPU v2/v3, XLA:CPU
+with ``CPU_NUM_DEVICES`` above 1) the first thread to start is watched and the others are said to be unwatched
+(a watcher follows one thread: the steps of two loops in one process cannot be told apart by its hooks).
 
 The launcher's function is handed over wrapped (:class:`WatchedWorker`): it travels to the worker as
 the function itself would (pickled by reference under spawn and forkserver, inherited under fork), and
@@ -15,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
@@ -22,11 +28,13 @@ from typing import Any
 from accelport.diagnose.rule import RankRun
 from accelport.runtime.watch import Watcher
 
-__all__ = ["WatchedWorker", "rank_run", "read_runs", "watch_workers"]
+__all__ = ["WatchedWorker", "rank_run", "read_runs", "unwatched_ranks", "watch_workers"]
 
 _PREFIX = "rank-"
 #: A ``multiprocessing.Process`` target's run: a rank of the job only if it trained (a helper process does not).
 _PROCESS_PREFIX = "process-"
+#: A device thread of a process whose first thread is watched: a rank, not watched.
+_UNWATCHED_PREFIX = "unwatched-"
 
 
 def rank_run(watcher: Watcher, exit_status: int, rank: int) -> RankRun:
@@ -63,12 +71,26 @@ class WatchedWorker:
         self.directory = directory
         self.backend = backend
         self.process = process
+        self._claim = threading.Lock()  # the first thread of this process to run the function is watched
+        self._claimed = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_claim", "_claimed")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._claim, self._claimed = threading.Lock(), False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        index = self.process if self.process is not None else int(args[0])
+        with self._claim:
+            first, self._claimed = not self._claimed, True
+        if not first:  # another device thread of this process is watched already
+            _mark_unwatched(self.directory, index)
+            return self.fn(*args, **kwargs)
         watcher = Watcher(backend=self.backend)
         watcher.install()
         status = 0
-        index = self.process if self.process is not None else int(args[0])
         try:
             return self.fn(*args, **kwargs)
         except SystemExit as exc:
@@ -102,6 +124,24 @@ def _write(directory: str, run: RankRun, prefix: str = _PREFIX) -> None:
     with open(temporary, "w", encoding="utf-8") as f:
         json.dump(asdict(run), f, default=str)
     os.replace(temporary, path)
+
+
+def _mark_unwatched(directory: str, rank: int) -> None:
+    try:
+        with open(os.path.join(directory, f"{_UNWATCHED_PREFIX}{rank}"), "w", encoding="utf-8"):
+            pass
+    except OSError:  # never in the way of the worker
+        pass
+
+
+def unwatched_ranks(directory: str) -> list[int]:
+    """The ranks that ran as a further device thread of a watched process (torch_xla's launchers), not watched."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(int(n[len(_UNWATCHED_PREFIX):]) for n in names
+                  if n.startswith(_UNWATCHED_PREFIX) and n[len(_UNWATCHED_PREFIX):].isdigit())
 
 
 def read_runs(directory: str) -> list[RankRun]:

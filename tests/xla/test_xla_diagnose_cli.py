@@ -167,18 +167,42 @@ def test_a_tensor_made_inside_the_step_that_changes_shape_is_named_with_its_line
     assert found["evidence"]["where"] == cut
 
 
-def test_training_in_processes_it_spawns_is_named_with_the_one_process_option(tmp_path: pathlib.Path) -> None:
+def _spawned(tmp_path: pathlib.Path, devices: int, *args: str) -> tuple[subprocess.CompletedProcess[str], Any]:
+    """`accelport diagnose --output F xla_spawn.py ARGS` in a process of its own, with ``devices`` XLA:CPU devices."""
     from tests.diagnose_cli.runs import child_env, default_signals
 
-    script = SCRIPTS / "xla_spawn.py"
     out = tmp_path / "f.json"
-    done = subprocess.run([sys.executable, "-m", "accelport", "diagnose", "--output", str(out), str(script)],
-                          capture_output=True, text=True, timeout=600, preexec_fn=default_signals,
-                          env=child_env({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"}))
+    done = subprocess.run([sys.executable, "-m", "accelport", "diagnose", "--output", str(out),
+                           str(SCRIPTS / "xla_spawn.py"), *args], capture_output=True, text=True, timeout=600,
+                          preexec_fn=default_signals,
+                          env=child_env({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)}))
     assert done.returncode == 0 and done.stdout.endswith("done\n"), done.stderr
-    result = json.loads(out.read_text())
-    spawn = f"{script}:{line_of(script, 'xmp.spawn(train')}"
+    return done, json.loads(out.read_text())
+
+
+def test_training_in_a_worker_torch_xla_launch_starts_is_watched_there_and_said_as_the_job(tmp_path):
+    """torch_xla.launch calls xmp.spawn, which runs the function in a worker process, in a thread per device:
+    the worker is watched in that thread, its steps counted once (the inner launcher is part of the outer)."""
+    done, result = _spawned(tmp_path, 1, "--launch", "--slow-device", "0")
     said = " ".join(done.stderr.split())
-    assert f"the script trains in a process per device it starts with xmp.spawn at {spawn}" in said, said
-    assert "xmp.spawn(fn, nprocs=1)" in said and "[ok ]" not in said
+    assert said.count("accelport diagnose:") == 1 and "a job of 1 rank on 1 host(s), took 12 optimizer step(s)" \
+        in said and "on xla" in said, said
+    assert "diagnose watches this process only" not in said
+    (rank,) = result["ranks"]
+    assert (rank["rank"], rank["steps"], rank["exit_status"]) == (0, 12, 0) and rank["pid"] != os.getpid()
+    # The device's 60 ms of host work a step is the worker's own: its loop's time, not the parent's.
+    assert rank["time_breakdown"]["other"] > 0.04, rank
+
+
+def test_a_further_device_thread_of_a_watched_worker_is_said_unwatched_not_lost(tmp_path):
+    """Two XLA:CPU devices: xmp.spawn's one worker runs two loops in two threads. One is watched, with its own
+    12 steps (not the other thread's too); the other is said unwatched, with why, not as a rank that crashed."""
+    done, result = _spawned(tmp_path, 2)
+    said = " ".join(done.stderr.split())
+    assert said.count("accelport diagnose:") == 1 and "a job of 2 ranks" in said, said
+    (rank,) = result["ranks"]
+    other = 1 - rank["rank"]
+    assert rank["steps"] == 12 and result["job"]["ranks_unwatched"] == [other] == result["job"]["ranks_missing"]
+    assert f"not judged: rank(s) {other} (each a further device thread of a process" in said
+    assert "crashed" not in said and "[ok ]" not in said
     assert result["verdict"]["judged_every_step"] is False

@@ -47,7 +47,7 @@ import time
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -203,7 +203,9 @@ class Watcher:
     the script with, for the findings that say how to run it again; ``profile``, a window of
     steps to profile (``--profile``), whose messages become notes. ``recorder``: what records each step's
     state for ``accelport verify-resume`` (none for diagnose: nothing of it runs then). ``imports``: the
-    caller's own callbacks, module name -> what to do once the script has imported it.
+    caller's own callbacks, module name -> what to do once the script has imported it. ``other_loops``: the
+    idents of threads whose optimizer steps belong to another loop (a worker's further device threads); it is
+    read as steps happen, so a thread may join it after the watcher is built.
 
     A process the script forks is not watched: its copy of the watcher stops at the fork.
     """
@@ -213,8 +215,12 @@ class Watcher:
                  find_nan_dir: str | None = None, command: Sequence[str] | None = None,
                  profile: StepProfile | None = None, recorder: StepRecorder | None = None,
                  workers: Callable[..., Callable[..., Any]] | None = None,
-                 imports: Mapping[str, Callable[[types.ModuleType], None]] | None = None) -> None:
+                 imports: Mapping[str, Callable[[types.ModuleType], None]] | None = None,
+                 other_loops: Collection[int] = ()) -> None:
         self._recorder = recorder
+        # Threads that run a loop of their own, not the watched one (a torch_xla worker's further device
+        # threads): their optimizer steps are not counted. Read live: a thread joins it as it starts.
+        self._other_loops = other_loops
         #: The caller's own callbacks on the script's imports (module name -> what to do once it is imported).
         self._imports = dict(imports or {})
         #: The exception the script ended with, if it raised one (run_watched says so through :meth:`failed`).
@@ -488,7 +494,7 @@ class Watcher:
             self.tracker.optimizer_started()
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if threading.get_ident() != self._main:
+        if self._other_loops and threading.get_ident() in self._other_loops:
             return  # another loop's (a further device thread of torch_xla's launcher): not the watched one
         self.steps += 1
         if self._recorder is not None and self._active:

@@ -73,22 +73,24 @@ class WatchedWorker:
         self.process = process
         self._claim = threading.Lock()  # the first thread of this process to run the function is watched
         self._claimed = False
+        self._others: set[int] = set()  # this process's further device threads: the watcher skips their steps
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_claim", "_claimed")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_claim", "_claimed", "_others")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._claim, self._claimed = threading.Lock(), False
+        self._claim, self._claimed, self._others = threading.Lock(), False, set()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         index = self.process if self.process is not None else int(args[0])
         with self._claim:
             first, self._claimed = not self._claimed, True
         if not first:  # another device thread of this process is watched already
+            self._others.add(threading.get_ident())
             _mark_unwatched(self.directory, index)
             return self.fn(*args, **kwargs)
-        watcher = Watcher(backend=self.backend)
+        watcher = Watcher(backend=self.backend, other_loops=self._others)
         watcher.install()
         status = 0
         try:

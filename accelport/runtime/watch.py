@@ -406,7 +406,9 @@ class Watcher:
     #: torch.distributed's collectives a script calls itself: the time in them is a wait for the other ranks.
     COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
                    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list",
-                   "reduce", "gather", "scatter", "barrier")
+                   "reduce", "gather", "scatter", "barrier",
+                   # FSDP2's all-gathers and reduce-scatters (torch 2.13 and later; earlier: the *_tensor ones)
+                   "all_gather_single", "reduce_scatter_single")
 
     def _on_distributed(self, module: types.ModuleType) -> None:
         watcher = self

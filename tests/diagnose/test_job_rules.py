@@ -48,6 +48,19 @@ def test_timed_collectives_are_where_the_ranks_meet_in_a_ported_loop():
     assert "in the collectives" in found.message
 
 
+
+def test_with_timed_collectives_extra_work_before_the_backward_is_the_forward_and_in_it_the_device():
+    # FSDP2 (its all-gathers and reduce-scatters timed): rank 1's extra 0.1 s is in the category holding the
+    # forward and backward passes on an eager backend. Its backward is no longer than the others': it is before it.
+    ahead = judge([_rank(0, collective=0.1), _rank(1, device=0.13, collective=0.002)], 2)
+    (found,) = [f for f in ahead.findings if f.kind == "straggler"]
+    assert found.evidence["rank"] == 1 and found.evidence["category"] == "forward"
+    # Its backward pass is the one that takes 0.1 s longer: its device is slower for the same work.
+    inside = judge([_rank(0, collective=0.1), _rank(1, backward=0.11, collective=0.002)], 2)
+    (found,) = [f for f in inside.findings if f.kind == "straggler"]
+    assert found.evidence["rank"] == 1 and found.evidence["category"] == "device"
+    assert "device takes longer for the same work" in found.fix
+
 def test_uneven_steps_name_the_rank_with_the_extra_step():
     job = judge([_rank(0, steps=12), _rank(1, steps=13), _rank(2, steps=12)], 3)
     (found,) = job.findings

@@ -55,6 +55,21 @@ def test_a_rank_with_extra_host_work_is_named_the_straggler_and_the_others_wait_
     assert not any("device-bound" in line for line in proc.stderr.splitlines() if "rank 0" in line)
 
 
+def test_an_fsdp2_straggler_is_named_and_the_others_wait_in_its_all_gathers(tmp_path):
+    # FSDP2 meets in all-gathers (forward and backward) and reduce-scatters, not in DDP's reducer: those are timed.
+    proc, result = _job(tmp_path, "--fsdp", "--slow-rank", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (straggler,) = [f for f in result["findings"] if f["kind"] == "straggler"]
+    evidence = straggler["evidence"]
+    assert evidence["rank"] == 1 and evidence["category"] == "forward", evidence
+    assert evidence["extra_seconds_per_step"] > 0.1 and evidence["others_wait_share"] > 0.4
+    ranks = {r["rank"]: r for r in result["ranks"]}
+    rank0 = ranks[0]["time_breakdown"]
+    assert rank0["collective"] > 0.1 and rank0["collective"] > rank0.get("device", 0.0)
+    assert result["job"]["time_verdict"].startswith("straggler-bound: rank 1")
+    assert not any("device-bound" in line for line in proc.stderr.splitlines() if "rank 0" in line)
+
+
 def test_a_rank_with_a_slow_dataset_is_named_with_its_input_pipeline(tmp_path):
     out, page = tmp_path / "job.json", tmp_path / "job.html"
     proc = run("--output", str(out), "--report", str(page), *TORCHRUN, JOB, "--slow-data-rank", "1", cwd=tmp_path)
@@ -252,7 +267,9 @@ def test_find_nan_on_the_ranks_named_searches_there_alone_and_names_the_rank_it_
     searched = {r["rank"]: "origin" in r["findings"][0]["evidence"] for r in result["ranks"]}
     assert searched == {0: False, 1: True}, proc.stderr[-3000:]  # rank 0 ran unchecked
     (found,) = [f for f in result["findings"] if f["kind"] == "non-finite"]
-    assert found["evidence"]["rank"] == 1 and found["evidence"]["origin"]["where"].endswith("ddp_job.py:71")
+    lines = pathlib.Path(JOB).read_text().splitlines()
+    made = 1 + next(i for i, line in enumerate(lines) if 'float("nan")' in line)  # the line that wrote it
+    assert found["evidence"]["rank"] == 1 and found["evidence"]["origin"]["where"].endswith(f"ddp_job.py:{made}")
     assert "Rank 1 went non-finite first (step 5: its own search found" in found["message"]
 
 

@@ -94,11 +94,13 @@ class StragglerRule(JobRule):
         if gaps.get(category, 0.0) <= 0:
             category = "other"
         sync = view.meeting
-        if sync == "backward" and "device" in category.split("+"):
+        if "device" in category.split("+") and (sync == "backward" or slow.backward > 0):
             # The category that holds the backward pass also holds the forward on an eager backend: where the
             # straggler's extra is not in its backward, it is before it (the forward and the loop's code there).
-            ahead = slow.backward - statistics.median(r.backward - waited[r.rank] for r in others)
-            if ahead < 0.5 * extra:
+            # The others' backward holds their wait where the ranks meet there (DDP's all-reduce); timed
+            # collectives (FSDP2's all-gathers and reduce-scatters) are already apart from it.
+            theirs = [r.backward - (waited[r.rank] if sync == "backward" else 0.0) for r in others]
+            if slow.backward - statistics.median(theirs) < 0.5 * extra:
                 category = "forward"
         faster = extra / slow.step_seconds if slow.step_seconds > 0 else 0.0
         waiting = "in the gradient all-reduce (inside backward)" if sync == "backward" else "in the collectives"

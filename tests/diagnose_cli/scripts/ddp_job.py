@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 ddp_job.py [--slow-rank R] [--slow-data-rank R] [--extra-step-rank R]
                                              [--fail-rank R] [--steps N] [--manual] [--nan-rank R]
                                              [--kill-rank R] [--ddp-uneven]
-                                             [--die-after-rank R]
+                                             [--die-after-rank R] [--fsdp]
 
 --slow-rank: that rank sleeps 0.15 s in the loop each step (host work, an augmentation of its own).
 --slow-data-rank: that rank's Dataset sleeps 0.05 s per sample (4 per batch) in the main process.
@@ -14,6 +14,8 @@
 --kill-rank: that rank kills itself with SIGKILL at step 5 (out of memory, as the kernel ends it).
 --nan-rank: that rank's batch at step 5 holds a NaN (DDP's all-reduce carries it to the others).
 --manual: no DDP; the script averages the gradients itself with dist.all_reduce before each step.
+--fsdp: FSDP2 (fully_shard on each layer and the model) instead of DDP: all-gathers in the forward and the
+backward, reduce-scatters in the backward.
 Every rank sleeps 0.05 s in its loop each step, so a balanced job's step is that long on a busy machine too.
 """
 
@@ -37,6 +39,7 @@ parser.add_argument("--nan-rank", type=int, default=-1)
 parser.add_argument("--kill-rank", type=int, default=-1)
 parser.add_argument("--ddp-uneven", action="store_true")
 parser.add_argument("--die-after-rank", type=int, default=-1)
+parser.add_argument("--fsdp", action="store_true")
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -44,7 +47,14 @@ rank = dist.get_rank()
 torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
 uneven = args.extra_step_rank >= 0 and not args.ddp_uneven
-model = net if uneven or args.manual else DDP(net)
+if args.fsdp:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in (net[0], net[2]):
+        fully_shard(layer)
+    model = fully_shard(net)
+else:
+    model = net if uneven or args.manual else DDP(net)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
 

@@ -978,7 +978,8 @@ def _progress_reporter(watcher: Watcher) -> ProgressReporter | None:
         return None
     clock = watcher.tracker.clock
     reporter = ProgressReporter(place, lambda: {"steps": watcher.steps + watcher.manual_steps,
-                                                "in_backward": clock.in_backward})
+                                                "in_backward": clock.in_backward,
+                                                "in_collective": watcher.waiting_in()})
     reporter.start()
     return reporter
 

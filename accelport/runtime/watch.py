@@ -271,6 +271,9 @@ class Watcher:
         self._open: Any = None  # lazy: the optimizer of the last step, which waits for the script's next sync
         self._sync_depth = 0
         self._sync_seconds = 0.0
+        # The torch.distributed collective the loop's thread is inside now, and the frame that called it: where
+        # a rank that never ends waits (read from the job's progress thread).
+        self._in_collective: tuple[str, types.FrameType] | None = None
         # The thread that runs the script: the main thread, or in a torch_xla worker the device's own thread.
         self._main = threading.get_ident()
         self._interned: dict[tuple[Any, ...], tuple[Any, ...]] = {}
@@ -415,14 +418,20 @@ class Watcher:
         clock = self.tracker.clock
 
         def make(original: Any) -> Any:
+            name = getattr(original, "__name__", "collective")
+
             def collective(*args: Any, **kwargs: Any) -> Any:
                 if not (watcher._feeding and threading.get_ident() == watcher._main):
                     return original(*args, **kwargs)
+                outer = watcher._in_collective
+                if outer is None:  # (one collective calling another is where the script called the first)
+                    watcher._in_collective = (name, sys._getframe(1))
                 clock.enter("collective")
                 try:
                     return original(*args, **kwargs)
                 finally:
                     clock.leave("collective")
+                    watcher._in_collective = outer
             return collective
 
         for name in self.COLLECTIVES:
@@ -727,6 +736,17 @@ class Watcher:
                 self.tracker.step_end(None)
         except Exception as exc:  # never into the script's backward()
             self._stop(exc)
+
+    def waiting_in(self) -> str | None:
+        """The torch.distributed collective the loop is inside now, and the script's line that called it
+        (``"dist.all_reduce (called from train.py:57)"``: a library's, as FSDP2's all-gathers, from the line
+        of the script that led to it); None outside one. Safe from another thread."""
+        inside = self._in_collective
+        if inside is None:
+            return None
+        name, frame = inside
+        site = user_site(frame)
+        return f"dist.{name}" + (f" (called from {os.path.basename(site[0])}:{site[1]})" if site else "")
 
     @property
     def manual_steps(self) -> int:

@@ -144,6 +144,21 @@ def test_a_rank_that_never_ended_is_placed_from_its_last_progress():
     assert judge([_rank(0, steps=6)], 2, missing=[1], progress={1: {"steps": 6, "in_backward": False}}).findings == []
 
 
+def test_a_rank_left_waiting_in_a_collective_the_others_never_called_is_named_with_it():
+    waiting = "dist.all_reduce (called from train.py:57)"
+    (lone,) = judge([_rank(0, steps=6)], 2, missing=[1],
+                    progress={1: {"steps": 6, "in_backward": False, "in_collective": waiting}}).findings
+    assert lone.kind == "rank-divergence" and lone.severity == "problem"
+    assert lone.evidence == {"rank": 1, "what": "collective", "collective": waiting, "steps_by_rank": {0: 6, 1: 6},
+                             "hung": True}
+    assert f"waiting in {waiting} after 6 step(s), a collective the other ranks never called" in lone.message
+    assert "if rank == 0:" in lone.fix and "drop_last=True" in lone.fix
+    # Stopped before the others' end: the collective it waits in is said with where it stopped.
+    (behind,) = judge([_rank(0, steps=6)], 2, missing=[1],
+                      progress={1: {"steps": 2, "in_backward": False, "in_collective": waiting}}).findings
+    assert behind.evidence["what"] == "hang" and f"when last seen, waiting in {waiting}," in behind.message
+
+
 def test_a_rank_without_timed_steps_is_no_baseline_for_waiting_and_a_failed_rank_is_not_uneven():
     from dataclasses import replace
 

@@ -27,6 +27,11 @@ def _summaries(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("accelport diagnose:")]
 
 
+def _line_of(text: str) -> int:
+    """The number of the job script's first line that holds ``text``."""
+    return 1 + next(i for i, line in enumerate(pathlib.Path(JOB).read_text().splitlines()) if text in line)
+
+
 def _job(tmp_path: pathlib.Path, *script_args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
     out = tmp_path / "job.json"
     proc = run("--output", str(out), *TORCHRUN, JOB, *script_args, cwd=tmp_path)
@@ -267,8 +272,7 @@ def test_find_nan_on_the_ranks_named_searches_there_alone_and_names_the_rank_it_
     searched = {r["rank"]: "origin" in r["findings"][0]["evidence"] for r in result["ranks"]}
     assert searched == {0: False, 1: True}, proc.stderr[-3000:]  # rank 0 ran unchecked
     (found,) = [f for f in result["findings"] if f["kind"] == "non-finite"]
-    lines = pathlib.Path(JOB).read_text().splitlines()
-    made = 1 + next(i for i, line in enumerate(lines) if 'float("nan")' in line)  # the line that wrote it
+    made = _line_of('float("nan")')  # the line that wrote it
     assert found["evidence"]["rank"] == 1 and found["evidence"]["origin"]["where"].endswith(f"ddp_job.py:{made}")
     assert "Rank 1 went non-finite first (step 5: its own search found" in found["message"]
 
@@ -302,6 +306,26 @@ def test_the_ddp_hang_of_uneven_inputs_ends_and_names_the_rank_inside_its_extra_
     assert found["evidence"]["steps_by_rank"] == {"0": 12, "1": 13}
     assert "inside the backward pass of its step 13" in found["message"] and "join()" in found["fix"]
     assert result["job"]["ranks_missing"] == [1]
+
+
+@pytest.mark.parametrize("fault, collective, line", [
+    (("--lone-collective-rank", "1"), "dist.all_reduce", "dist.all_reduce(torch.ones(1))"),
+    (("--fsdp", "--extra-step-rank", "1", "--ddp-uneven"), "dist.all_gather_single", "mse_loss(model(x), y)"),
+], ids=["a-collective-on-one-rank", "fsdp2-uneven-inputs"])
+def test_a_rank_left_waiting_in_a_collective_the_others_never_called_is_named_with_its_line(tmp_path, fault,
+                                                                                           collective, line):
+    """Rank 1 calls dist.all_reduce alone after its steps, or (FSDP2) starts a 13th step whose forward all-gathers
+    with no one: rank 0 ends, and names rank 1 with the collective and the script's line it waits at."""
+    out = tmp_path / "job.json"
+    proc = run("--output", str(out), *TORCHRUN, JOB, *fault, cwd=tmp_path, env={"ACCELPORT_JOB_WAIT": "20"})
+    assert out.is_file(), proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (found,) = [f for f in result["findings"] if f["kind"] == "rank-divergence"]
+    evidence = found["evidence"]
+    assert evidence["rank"] == 1 and evidence["what"] == "collective" and evidence["hung"] is True, found
+    assert evidence["collective"] == f"{collective} (called from ddp_job.py:{_line_of(line)})"
+    assert "a collective the other ranks never called" in found["message"]
+    assert result["job"]["ranks_missing"] == [1] and "[ok" not in proc.stderr
 
 
 def test_rank_0_stopped_while_it_waits_for_the_others_still_says_the_job(tmp_path):

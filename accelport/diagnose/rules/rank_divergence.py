@@ -31,6 +31,11 @@ _UNEVEN_FIX = ("Give every rank the same number of batches: DistributedSampler(d
                "ap.loader(..., shard=True), which shards evenly), or wrap the loop in DDP's model.join() to let "
                "ranks with fewer batches shadow the others' collectives.")
 
+#: A collective that some ranks call and others do not.
+_LONE_FIX = ("Call each collective on every rank, the same number of times: keep it out of `if rank == 0:` blocks "
+             "(compute on every rank and use the result on rank 0), and give every rank the same number of batches "
+             "(DistributedSampler(dataset, drop_last=True), or ap.loader(..., shard=True)).")
+
 
 class RankDivergenceRule(JobRule):
     kind = "rank-divergence"
@@ -49,6 +54,20 @@ class RankDivergenceRule(JobRule):
             seen = job.progress[rank]
             at = int(seen.get("steps") or 0)
             inside = bool(seen.get("in_backward"))
+            waiting = seen.get("in_collective")
+            if waiting and at >= done:
+                # A collective the others never called: its partners are gone. (Inside a backward pass, FSDP2's
+                # reduce-scatter of an extra step; elsewhere a collective called on some ranks only, or an extra
+                # step's forward all-gather: one process cannot tell those apart, so both are said.)
+                message = (f"rank {rank} never ended: it was waiting in {waiting}"
+                           f"{' inside the backward pass' if inside else ''} after {at} step(s), a collective the "
+                           f"other ranks never called: they took {done} step(s) and ended. Either it had more "
+                           "batches than they did (uneven inputs) or the script calls that collective on some "
+                           "ranks only (under an `if rank == ...`, or after a loop whose length differs by rank).")
+                return Diagnosis(kind=self.kind, message=message, step=at + 1, severity="problem",
+                                 evidence={"rank": rank, "what": "collective", "collective": str(waiting),
+                                           "steps_by_rank": {**steps, rank: at}, "hung": True},
+                                 fix=_LONE_FIX)
             if at >= done and (at > done or inside):
                 message = (f"rank {rank} never ended: it was inside the backward pass of its step {at + 1} when "
                            f"last seen, after the other ranks took {done} step(s) and ended. Its gradient "
@@ -61,10 +80,10 @@ class RankDivergenceRule(JobRule):
                                            "steps_by_rank": {**steps, rank: at + (1 if inside else 0)},
                                            "hung": True}, fix=_UNEVEN_FIX)
             if at < done:
-                message = (f"rank {rank} never ended: it had taken {at} step(s) when last seen"
-                           f"{', inside a backward pass' if inside else ''}, while the other ranks took {done} "
-                           "and ended. It stopped (a hang in its own code or data, or a collective the others "
-                           "never called), not the others.")
+                where = (f", waiting in {waiting}" if waiting else "") + (", inside a backward pass" if inside else "")
+                message = (f"rank {rank} never ended: it had taken {at} step(s) when last seen{where}, while the "
+                           f"other ranks took {done} and ended. It stopped (a hang in its own code or data, or a "
+                           "collective the others never called), not the others.")
                 fix = ("Run it again with `accelport launch --timeout SECONDS --diagnose`: the launch names the line "
                        "each rank is stuck at and the collective it waits in.")
                 return Diagnosis(kind=self.kind, message=message, step=at + 1, severity="problem",

@@ -3,13 +3,16 @@
     torchrun --nproc-per-node 2 ddp_job.py [--slow-rank R] [--slow-data-rank R] [--extra-step-rank R]
                                              [--fail-rank R] [--steps N] [--manual] [--nan-rank R]
                                              [--kill-rank R] [--ddp-uneven]
-                                             [--die-after-rank R] [--fsdp]
+                                             [--die-after-rank R] [--fsdp] [--lone-collective-rank R]
 
 --slow-rank: that rank sleeps 0.15 s in the loop each step (host work, an augmentation of its own).
 --slow-data-rank: that rank's Dataset sleeps 0.05 s per sample (4 per batch) in the main process.
 --extra-step-rank: that rank takes one step more, without DDP (uneven inputs; DDP itself would hang).
 --fail-rank: that rank raises after its steps.
---ddp-uneven: with --extra-step-rank, keep DDP: that rank hangs in its extra step's all-reduce (the DDP hang).
+--ddp-uneven: with --extra-step-rank, keep DDP (or FSDP2): that rank hangs in its extra step's collective (the
+DDP hang).
+--lone-collective-rank: that rank alone calls dist.all_reduce after its steps (rank-0-only work gone wrong): it
+waits for partners that never come.
 --die-after-rank: that rank kills itself with SIGKILL 3 s after its steps (while rank 0 waits for its summary).
 --kill-rank: that rank kills itself with SIGKILL at step 5 (out of memory, as the kernel ends it).
 --nan-rank: that rank's batch at step 5 holds a NaN (DDP's all-reduce carries it to the others).
@@ -40,6 +43,7 @@ parser.add_argument("--kill-rank", type=int, default=-1)
 parser.add_argument("--ddp-uneven", action="store_true")
 parser.add_argument("--die-after-rank", type=int, default=-1)
 parser.add_argument("--fsdp", action="store_true")
+parser.add_argument("--lone-collective-rank", type=int, default=-1)
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -92,6 +96,8 @@ for step, (x, y) in enumerate(loader):
 if uneven:
     for p in net.parameters():  # the one collective: the ranks' weights averaged at the end
         dist.all_reduce(p.data)
+if rank == args.lone_collective_rank:
+    dist.all_reduce(torch.ones(1))
 print(f"rank {rank} done")
 if rank == args.die_after_rank:
     time.sleep(3)

@@ -94,6 +94,21 @@ def test_a_rank_with_a_slow_dataset_is_named_with_its_input_pipeline(tmp_path):
     assert kinds["input-bound"]["message"].startswith("on rank 1:")
 
 
+def test_a_rank_that_recompiles_is_the_straggler_by_compiling_and_a_rank_divergence(tmp_path):
+    # Every rank compiles its model; rank 1's batch grows a row each step, so it compiles a program per step.
+    proc, result = _job(tmp_path, "--manual", "--recompile-rank", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kinds = {f["kind"]: f for f in result["findings"]}
+    assert kinds["straggler"]["evidence"]["rank"] == 1 and kinds["straggler"]["evidence"]["category"] == "compile"
+    assert "same shapes" in kinds["straggler"]["fix"]
+    divergence = kinds["rank-divergence"]["evidence"]
+    assert divergence["rank"] == 1 and divergence["what"] == "compilations"
+    compiled = divergence["compilations_by_rank"]
+    assert compiled["0"] == 1 and compiled["1"] >= 8, compiled  # (8: dynamo's recompile limit)
+    # The recompilation itself is rank 1's alone, and says so.
+    assert kinds["recompilation"]["evidence"]["ranks"] == [1]
+
+
 def test_a_balanced_job_has_no_straggler_and_one_verdict(tmp_path):
     out = tmp_path / "job.json"
     proc = run("--output", str(out), *TORCHRUN, JOB, cwd=tmp_path, env={"ACCELPORT_JOB_WAIT": "soon"})

@@ -4,6 +4,7 @@
                                              [--fail-rank R] [--steps N] [--manual] [--nan-rank R]
                                              [--kill-rank R] [--ddp-uneven]
                                              [--die-after-rank R] [--fsdp] [--lone-collective-rank R]
+                                             [--recompile-rank R]
 
 --slow-rank: that rank sleeps 0.15 s in the loop each step (host work, an augmentation of its own).
 --slow-data-rank: that rank's Dataset sleeps 0.05 s per sample (4 per batch) in the main process.
@@ -11,6 +12,8 @@
 --fail-rank: that rank raises after its steps.
 --ddp-uneven: with --extra-step-rank, keep DDP (or FSDP2): that rank hangs in its extra step's collective (the
 DDP hang).
+--recompile-rank: the model is compiled (torch.compile, shapes static) on every rank, and that rank's batch has
+one row more each step (its last sample repeated): it compiles a new program each step, the others once.
 --lone-collective-rank: that rank alone calls dist.all_reduce after its steps (rank-0-only work gone wrong): it
 waits for partners that never come.
 --die-after-rank: that rank kills itself with SIGKILL 3 s after its steps (while rank 0 waits for its summary).
@@ -44,6 +47,7 @@ parser.add_argument("--ddp-uneven", action="store_true")
 parser.add_argument("--die-after-rank", type=int, default=-1)
 parser.add_argument("--fsdp", action="store_true")
 parser.add_argument("--lone-collective-rank", type=int, default=-1)
+parser.add_argument("--recompile-rank", type=int, default=-1)
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -60,6 +64,8 @@ if args.fsdp:
 else:
     model = net if uneven or args.manual else DDP(net)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
+if args.recompile_rank >= 0:
+    model = torch.compile(model, backend="aot_eager", dynamic=False)
 
 
 class Samples(torch.utils.data.Dataset):
@@ -85,6 +91,8 @@ for step, (x, y) in enumerate(loader):
         x[0, 0] = float("nan")
     if rank == args.slow_rank:
         time.sleep(0.15)
+    if rank == args.recompile_rank:
+        x, y = torch.cat([x] + [x[-1:]] * (step + 1)), torch.cat([y] + [y[-1:]] * (step + 1))
     loss = torch.nn.functional.mse_loss(model(x), y)
     opt.zero_grad()
     loss.backward()

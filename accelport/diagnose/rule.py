@@ -218,6 +218,8 @@ class RankRun:
     style: str = "torch"
     #: The kinds its rules could not judge, and why ("needs 30 steps"): a job is "ok" only where none is left.
     not_judged: Mapping[str, str] = field(default_factory=dict)
+    #: Its backend runs each step as a compiled graph (torch_xla): the step's collectives run inside it.
+    lazy: bool = False
 
     @property
     def step_seconds(self) -> float:
@@ -236,7 +238,8 @@ class RankRun:
                        peak_memory_bytes=(int(data["peak_memory_bytes"]) if data.get("peak_memory_bytes") is not None
                                           else None),
                        backend=data.get("backend"), style=str(data.get("style") or "torch"),
-                       not_judged={str(k): str(v) for k, v in dict(data.get("not_judged") or {}).items()})
+                       not_judged={str(k): str(v) for k, v in dict(data.get("not_judged") or {}).items()},
+                       lazy=bool(data.get("lazy")))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a rank's summary: {exc}") from None
 
@@ -255,13 +258,15 @@ class JobView:
     @property
     def meeting(self) -> str:
         """Where the ranks meet each step: ``collective`` where the ranks' collectives were timed (a ported
-        loop, accelport's own), else ``backward`` (DDP's gradient all-reduce and FSDP's collectives run inside
+        loop, accelport's own, the script's torch.distributed calls), ``device`` on a lazy backend (the
+        collectives run inside the step's compiled graph: a rank waits for the others where its host waits
+        for its device, in the sync or a host read), else ``backward`` (DDP's gradient all-reduce runs inside
         the backward pass, which one process alone cannot tell from its own compute)."""
         for run in self.runs:
             total = run.step_seconds
             if total > 0 and run.per_step.get("collective", 0.0) > 0.05 * total:
                 return "collective"
-        return "backward"
+        return "device" if any(run.lazy for run in self.runs) else "backward"
 
     def waits(self) -> dict[int, float]:
         """rank -> seconds per step it waits for the others: its time where the ranks meet beyond that of the rank
@@ -269,6 +274,8 @@ class JobView:
         where = self.meeting
 
         def met(run: RankRun) -> float:
+            if where == "device":
+                return sum(v for c, v in run.per_step.items() if _WAITS_FOR_DEVICE & set(c.split("+")))
             return run.per_step.get("collective", 0.0) if where == "collective" else run.backward
 
         # Only ranks with timed steps: one that took none (failed at once) waited nowhere, and would make all
@@ -286,15 +293,28 @@ class JobView:
             return {run.rank: dict(run.per_step) for run in self.runs}
         waited = self.waits()
         out: dict[int, dict[str, float]] = {}
+        where = self.meeting
         for run in self.runs:
             parts = dict(run.per_step)
             wait = waited[run.rank]
-            holder = _holder(parts, wait) if self.meeting == "backward" and wait > 0 else None
+            holder = _holder(parts, wait) if where == "backward" and wait > 0 else None
             if holder is not None:
                 parts[holder] -= wait
                 parts["collective"] = parts.get("collective", 0.0) + wait
+            elif where == "device" and wait > 0:
+                # Out of the categories where the host waits for the device, the largest first.
+                left = wait
+                for c in sorted((c for c in parts if _WAITS_FOR_DEVICE & set(c.split("+"))), key=lambda c: -parts[c]):
+                    taken = min(parts[c], left)
+                    parts[c] -= taken
+                    left -= taken
+                parts["collective"] = parts.get("collective", 0.0) + wait - left
             out[run.rank] = {k: v for k, v in parts.items() if v > 0}
         return out
+
+
+#: Where a lazy backend's host waits for its device: the sync that runs the step's graph, and host reads.
+_WAITS_FOR_DEVICE = frozenset({"device", "host_sync"})
 
 
 def _holder(parts: Mapping[str, float], seconds: float) -> str | None:

@@ -413,19 +413,29 @@ class Watcher:
                    # FSDP2's all-gathers and reduce-scatters (torch 2.13 and later; earlier: the *_tensor ones)
                    "all_gather_single", "reduce_scatter_single")
 
+    #: torch_xla's collectives that block the host until every process arrives (its others, xm.all_reduce and
+    #: the like, only add to the step's graph: their waiting is in the sync, see JobView.meeting).
+    XLA_COLLECTIVES = ("mesh_reduce", "rendezvous")
+
     def _on_distributed(self, module: types.ModuleType) -> None:
+        for name in self.COLLECTIVES:
+            self._patch(module, name, self._collective_wrapper("dist"))
+
+    def _collective_wrapper(self, prefix: str) -> Callable[[Any], Any]:
+        """What wraps a collective that blocks the loop's thread: its time is ``collective``, and while the loop
+        is inside it, :meth:`waiting_in` says which (``prefix.name``) and where the script called it."""
         watcher = self
         clock = self.tracker.clock
 
         def make(original: Any) -> Any:
-            name = getattr(original, "__name__", "collective")
+            label = f"{prefix}.{getattr(original, '__name__', 'collective')}"
 
             def collective(*args: Any, **kwargs: Any) -> Any:
                 if not (watcher._feeding and threading.get_ident() == watcher._main):
                     return original(*args, **kwargs)
                 outer = watcher._in_collective
                 if outer is None:  # (one collective calling another is where the script called the first)
-                    watcher._in_collective = (name, sys._getframe(1))
+                    watcher._in_collective = (label, sys._getframe(1))
                 clock.enter("collective")
                 try:
                     return original(*args, **kwargs)
@@ -434,8 +444,7 @@ class Watcher:
                     watcher._in_collective = outer
             return collective
 
-        for name in self.COLLECTIVES:
-            self._patch(module, name, make)
+        return make
 
     def _on_dataloader(self, module: types.ModuleType) -> None:
         watcher = self
@@ -744,9 +753,9 @@ class Watcher:
         inside = self._in_collective
         if inside is None:
             return None
-        name, frame = inside
+        label, frame = inside
         site = user_site(frame)
-        return f"dist.{name}" + (f" (called from {os.path.basename(site[0])}:{site[1]})" if site else "")
+        return label + (f" (called from {os.path.basename(site[0])}:{site[1]})" if site else "")
 
     @property
     def manual_steps(self) -> int:
@@ -759,6 +768,8 @@ class Watcher:
         # would point its DeprecationWarning at the wrapper instead of at the script's line.
         if mark_step is not None and not getattr(mark_step, "__deprecated__", None):
             self._patch(module, "mark_step", self._sync_wrapper)
+        for name in self.XLA_COLLECTIVES:
+            self._patch(module, name, self._collective_wrapper("xm"))
         watcher = self
 
         def make(original: Any) -> Any:

@@ -56,7 +56,8 @@ def rank_run(watcher: Watcher, exit_status: int, rank: int) -> RankRun:
                    backward=max(backward, 0.0), findings=[watcher.finding_dict(f) for f in watcher.findings],
                    compilations=int(metrics.get("compilations") or 0),
                    peak_memory_bytes=metrics.get("peak_memory_bytes"), backend=watcher.backend_name,
-                   style=watcher.style, not_judged=dict(watcher.unjudged))
+                   style=watcher.style, not_judged=dict(watcher.unjudged),
+                   lazy=bool(getattr(watcher.backend, "lazy", False)))
 
 
 class WatchedWorker:

@@ -61,6 +61,28 @@ def test_with_timed_collectives_extra_work_before_the_backward_is_the_forward_an
     assert found.evidence["rank"] == 1 and found.evidence["category"] == "device"
     assert "device takes longer for the same work" in found.fix
 
+def test_on_a_lazy_backend_the_ranks_meet_where_their_hosts_wait_for_the_device():
+    # torch_xla: xm.optimizer_step's all-reduce runs inside the step's graph. Rank 1 traces 0.1 s longer on the
+    # host (other); rank 0 waits for it in its sync (device) and in a host read of the loss (host_sync).
+    from dataclasses import replace
+
+    def lazy(rank: int, **per_step: float) -> RankRun:
+        return replace(_rank(rank, backward=0.0), per_step={"other": 0.01, **per_step}, lazy=True)
+
+    runs = [lazy(0, device=0.09, host_sync=0.04), lazy(1, device=0.02, host_sync=0.01, other=0.11),
+            lazy(2, device=0.10, host_sync=0.03)]
+    view = JobView(3, runs)
+    assert view.meeting == "device"
+    assert view.waits() == pytest.approx({0: 0.10, 1: 0.0, 2: 0.10})
+    parts = view.breakdown()
+    assert parts[0] == pytest.approx({"other": 0.01, "host_sync": 0.03, "collective": 0.10})  # (largest first)
+    (found,) = [f for f in judge(runs, 3).findings if f.kind == "straggler"]
+    assert found.evidence["rank"] == 1 and found.evidence["category"] == "other"
+    assert "inside its compiled graph" in found.message
+    # The flag travels with the rank's summary.
+    assert RankRun.from_dict({**runs[0].__dict__}).lazy is True
+
+
 def test_uneven_steps_name_the_rank_with_the_extra_step():
     job = judge([_rank(0, steps=12), _rank(1, steps=13), _rank(2, steps=12)], 3)
     (found,) = job.findings

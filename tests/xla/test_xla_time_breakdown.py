@@ -158,3 +158,15 @@ def test_a_profiler_that_cannot_start_leaves_the_run_going(tmp_path) -> None:  #
     finally:
         xp.stop_trace()
     assert profile.state == "off" and ap.metrics().steps == 4
+
+
+def test_diagnose_times_torch_xlas_host_collectives_as_collective(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """xm.mesh_reduce blocks the host until every process arrives: its 30 ms a step (a slow reduce function
+    standing for a slower peer) is the collective's, not the host's own work."""
+    done = run("--output", "out.json", str(SCRIPTS / "xla_mesh_reduce.py"), cwd=tmp_path, env={"PJRT_DEVICE": "CPU"})
+    assert done.returncode == 0, done.stderr
+    assert "steps seen 9" in done.stdout
+    metrics = json.loads((tmp_path / "out.json").read_text())["metrics"]
+    per_step = {c: s / (metrics["steps"] or 1) for c, s in metrics["time_breakdown"].items()}
+    assert per_step.get("collective", 0.0) >= 0.025, metrics["time_breakdown"]
+    assert per_step.get("other", 0.0) < per_step["collective"], metrics["time_breakdown"]

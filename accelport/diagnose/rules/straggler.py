@@ -103,7 +103,9 @@ class StragglerRule(JobRule):
             if slow.backward - statistics.median(theirs) < 0.5 * extra:
                 category = "forward"
         faster = extra / slow.step_seconds if slow.step_seconds > 0 else 0.0
-        waiting = "in the gradient all-reduce (inside backward)" if sync == "backward" else "in the collectives"
+        waiting = {"backward": "in the gradient all-reduce (inside backward)",
+                   "device": "in the step's collectives, inside its compiled graph (where the host waits for the "
+                             "device)"}.get(sync, "in the collectives")
         message = (f"rank {slow.rank} (host {slow.host}) holds the job back: each step it spends "
                    f"{extra * 1e3:.1f} ms more than the other ranks, in {CATEGORY_WORDS.get(category, category)}, and "
                    f"the other ranks spend {share:.0%} of their step waiting for it {waiting}. Without that the "

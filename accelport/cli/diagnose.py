@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from accelport.observe.profile import StepProfile
     from accelport.redact import Redactor
     from accelport.runtime.watch import Outcome, Watcher
+    from accelport.runtime.workers import WorkerRuns
 
 __all__ = ["register", "run", "render_summary"]
 
@@ -693,11 +694,16 @@ def _conclude(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | No
             watcher.notes.append("the outputs (--output, --report, --metrics-file) are rank 0's to write: this "
                                  "rank's run is said here only")
         plan.output = plan.report = plan.metrics_file = None
-    workers, unwatched = _worker_runs(plan)
+    started = _worker_runs(plan)
+    workers, unwatched = started.runs, started.unwatched
     if workers:  # the script trained in workers it started: each was watched, and is a rank of the job
-        counts = [n for _, _, n in watcher.spawned if isinstance(n, int)]
-        world = max([len(workers), max([r.rank for r in workers] + unwatched) + 1, *counts[-1:]])
+        spawned = watcher.spawned[started.start] if started.start is not None and started.start < len(
+            watcher.spawned) else None
+        counts = [spawned[2]] if spawned is not None and isinstance(spawned[2], int) else []
+        world = max([len(workers), max([r.rank for r in workers] + unwatched) + 1, *counts])
         missing = sorted(set(range(world)) - {r.rank for r in workers})
+        if started.others:  # (in the notes of --output too)
+            watcher.notes.extend(_other_starts(watcher, started))
         return _say_job(plan, watcher, outcome, records, redactor, stderr, workers, world, missing,
                         unwatched=unwatched)
     written, problems, no_page = _write_outputs(plan, lambda: _result(watcher, outcome, plan), records,
@@ -762,17 +768,31 @@ def _say_job(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | Non
     return bool(problems)
 
 
-def _worker_runs(plan: _Plan) -> tuple[list[RankRun], list[int]]:
+def _worker_runs(plan: _Plan) -> WorkerRuns:
     """The runs of the workers the script started, each watched in its own process, and the ranks that ran
     unwatched beside a watched one (torch_xla's further device threads); their directory removed."""
-    if plan.workers_dir is None:
-        return [], []
-    from accelport.runtime.workers import read_runs, unwatched_ranks
+    from accelport.runtime.workers import WorkerRuns, read_workers
 
-    runs, unwatched = read_runs(plan.workers_dir), unwatched_ranks(plan.workers_dir)
+    if plan.workers_dir is None:
+        return WorkerRuns()
+    started = read_workers(plan.workers_dir)
     shutil.rmtree(plan.workers_dir, ignore_errors=True)
     plan.workers_dir = None
-    return runs, unwatched
+    return started
+
+
+def _other_starts(watcher: Watcher, started: WorkerRuns) -> list[str]:
+    """A script that started workers more than once: which start is judged, and what the others did."""
+    def called(start: int | None) -> str:
+        if start is None or start >= len(watcher.spawned):
+            return "a start of workers"
+        launcher, site, _ = watcher.spawned[start]
+        return f"{launcher}" + (f" at {site.file}:{site.line}" if site else "") + f" ({_ordinal(start + 1)} start)"
+
+    others = "; ".join(f"{called(n)}: {workers} worker(s), {steps} optimizer step(s)"
+                       for n, workers, steps in started.others)
+    return [f"the script started workers {len(started.others) + 1} times: the job judged is {called(started.start)}, "
+            f"whose workers took the most optimizer steps; not judged: {others}"]
 
 
 def _job_result(job: JobResult) -> dict[str, Any]:

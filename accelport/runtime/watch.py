@@ -663,7 +663,8 @@ class Watcher:
                         watcher.spawned.append((launcher, Site(*site) if site else None,
                                                 nprocs if isinstance(nprocs, int) else None))
                         if watcher._wrap_worker is not None:
-                            args, kwargs = watcher._watched_fn(watcher._wrap_worker, args, kwargs)
+                            wrap = functools.partial(watcher._wrap_worker, start=len(watcher.spawned) - 1)
+                            args, kwargs = watcher._watched_fn(wrap, args, kwargs)
                 watcher._launching += 1
                 try:
                     return original(*args, **kwargs)

@@ -11,8 +11,9 @@ The launcher's function is handed over wrapped (:class:`WatchedWorker`): it trav
 the function itself would (pickled by reference under spawn and forkserver, inherited under fork), and
 in the worker it runs the function under a :class:`~accelport.runtime.watch.Watcher` of that process.
 When the function ends, however it ends, the worker writes its summary (:class:`RankRun`) whole into a
-directory of the parent's; the parent reads them once the script ends (:func:`read_runs`) and judges
-them as one job (:mod:`accelport.diagnose.job`).
+directory of the parent's; the parent reads them once the script ends (:func:`read_workers`) and judges
+them as one job (:mod:`accelport.diagnose.job`). A script that starts workers more than once (training, then
+evaluation) has each start's runs kept apart: the start that took the most optimizer steps is the job.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ import os
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from accelport.diagnose.rule import RankRun
 from accelport.runtime.watch import Watcher
 
-__all__ = ["WatchedWorker", "rank_run", "read_runs", "unwatched_ranks", "watch_workers"]
+__all__ = ["WatchedWorker", "WorkerRuns", "rank_run", "read_workers", "watch_workers"]
 
 _PREFIX = "rank-"
 #: A ``multiprocessing.Process`` target's run: a rank of the job only if it trained (a helper process does not).
@@ -67,11 +68,12 @@ class WatchedWorker:
     arguments are its own); else a launcher's, called with the worker's index first (its rank)."""
 
     def __init__(self, fn: Callable[..., Any], directory: str, backend: str | None,
-                 process: int | None = None) -> None:
+                 process: int | None = None, start: int = 0) -> None:
         self.fn = fn
         self.directory = directory
         self.backend = backend
         self.process = process
+        self.start = start  # which of the script's launcher calls started this worker (0: the first)
         self._claim = threading.Lock()  # the first thread of this process to run the function is watched
         self._claimed = False
         self._others: set[int] = set()  # this process's further device threads: the watcher skips their steps
@@ -89,7 +91,7 @@ class WatchedWorker:
             first, self._claimed = not self._claimed, True
         if not first:  # another device thread of this process is watched already
             self._others.add(threading.get_ident())
-            _mark_unwatched(self.directory, index)
+            _mark_unwatched(self.directory, self.start, index)
             return self.fn(*args, **kwargs)
         watcher = Watcher(backend=self.backend, other_loops=self._others)
         watcher.install()
@@ -108,7 +110,7 @@ class WatchedWorker:
                 watcher.finish()
                 watcher.uninstall()
                 _write(self.directory, rank_run(watcher, status, index),
-                       _PROCESS_PREFIX if self.process is not None else _PREFIX)
+                       _PROCESS_PREFIX if self.process is not None else f"{_PREFIX}{self.start}-")
             except Exception:  # noqa: BLE001 - never in the way of the worker's own end
                 pass
 
@@ -116,8 +118,8 @@ class WatchedWorker:
 def watch_workers(directory: str, backend: str | None) -> Callable[..., Callable[..., Any]]:
     """What a Watcher wraps a launcher's function (or, with ``process=N``, a Process target) with, so each
     worker's run is written to ``directory``."""
-    def wrap(fn: Callable[..., Any], process: int | None = None) -> Callable[..., Any]:
-        return WatchedWorker(fn, directory, backend, process)
+    def wrap(fn: Callable[..., Any], process: int | None = None, start: int = 0) -> Callable[..., Any]:
+        return WatchedWorker(fn, directory, backend, process, start)
     return wrap
 
 
@@ -129,46 +131,69 @@ def _write(directory: str, run: RankRun, prefix: str = _PREFIX) -> None:
     os.replace(temporary, path)
 
 
-def _mark_unwatched(directory: str, rank: int) -> None:
+def _mark_unwatched(directory: str, start: int, rank: int) -> None:
     try:
-        with open(os.path.join(directory, f"{_UNWATCHED_PREFIX}{rank}"), "w", encoding="utf-8"):
+        with open(os.path.join(directory, f"{_UNWATCHED_PREFIX}{start}-{rank}"), "w", encoding="utf-8"):
             pass
     except OSError:  # never in the way of the worker
         pass
 
 
-def unwatched_ranks(directory: str) -> list[int]:
-    """The ranks that ran as a further device thread of a watched process (torch_xla's launchers), not watched."""
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return []
-    return sorted(int(n[len(_UNWATCHED_PREFIX):]) for n in names
-                  if n.startswith(_UNWATCHED_PREFIX) and n[len(_UNWATCHED_PREFIX):].isdigit())
+@dataclass
+class WorkerRuns:
+    """What the workers a script started left: the job's ranks' runs, by rank, and the ranks that ran unwatched
+    beside a watched one (torch_xla's further device threads). ``start``: which launcher call the job is (the
+    one whose workers took the most optimizer steps); ``others``: each other start that left runs, as
+    (start, workers, optimizer steps)."""
+
+    runs: list[RankRun] = field(default_factory=list)
+    unwatched: list[int] = field(default_factory=list)
+    start: int | None = None
+    others: list[tuple[int, int, int]] = field(default_factory=list)
 
 
-def read_runs(directory: str) -> list[RankRun]:
-    """The workers' runs written to ``directory``, by rank; a file that is not one is left out.
+def _numbers(name: str, prefix: str, suffix: str = "") -> tuple[int, int] | None:
+    """(start, rank) of a file named ``{prefix}{start}-{rank}{suffix}``; None for another name."""
+    if not name.startswith(prefix) or not name.endswith(suffix):
+        return None
+    start, _, rank = name[len(prefix):len(name) - len(suffix)].partition("-")
+    return (int(start), int(rank)) if start.isdigit() and rank.isdigit() else None
+
+
+def read_workers(directory: str) -> WorkerRuns:
+    """The workers' runs written to ``directory``; a file that is not one is left out.
 
     Process targets that took no optimizer step were helpers, not ranks: left out. Those that trained are
     ranks in the order the script made them, after the launchers' workers."""
-    runs: dict[int, RankRun] = {}
-    processes: dict[int, RankRun] = {}
     try:
         names = os.listdir(directory)
     except OSError:
-        return []
+        return WorkerRuns()
+    starts: dict[int, dict[int, RankRun]] = {}
+    processes: dict[int, RankRun] = {}
+    unwatched: dict[int, list[int]] = {}
     for name in names:
-        into = runs if name.startswith(_PREFIX) else processes if name.startswith(_PROCESS_PREFIX) else None
-        if into is None or not name.endswith(".json"):
+        numbered = _numbers(name, _UNWATCHED_PREFIX)
+        if numbered is not None:
+            unwatched.setdefault(numbered[0], []).append(numbered[1])
+            continue
+        numbered = _numbers(name, _PREFIX, ".json")
+        if numbered is None and not (name.startswith(_PROCESS_PREFIX) and name.endswith(".json")):
             continue
         try:
             with open(os.path.join(directory, name), encoding="utf-8") as f:
                 run = RankRun.from_dict(json.load(f))
         except (OSError, ValueError):
             continue
-        into[run.rank] = run
-    ordered = [runs[r] for r in sorted(runs)]
+        if numbered is None:
+            processes[run.rank] = run
+        else:
+            starts.setdefault(numbered[0], {})[run.rank] = run
+    # The job is the start that trained most (of equals, the last); a start that only evaluated is said apart.
+    start = max(starts, key=lambda n: (sum(r.steps for r in starts[n].values()), n)) if starts else None
+    ordered = [starts[start][r] for r in sorted(starts[start])] if start is not None else []
     trained = [processes[n] for n in sorted(processes) if processes[n].steps]
     first = max((r.rank for r in ordered), default=-1) + 1
-    return ordered + [replace(run, rank=first + i) for i, run in enumerate(trained)]
+    others = [(n, len(starts[n]), sum(r.steps for r in starts[n].values())) for n in sorted(starts) if n != start]
+    return WorkerRuns(ordered + [replace(run, rank=first + i) for i, run in enumerate(trained)],
+                      sorted(unwatched.get(start, [])) if start is not None else [], start, others)

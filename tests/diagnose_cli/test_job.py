@@ -214,6 +214,20 @@ def test_workers_a_script_starts_itself_are_each_watched_and_judged_as_one_job(t
     assert [f["evidence"]["rank"] for f in result["findings"] if f["kind"] == "straggler"] == [1]
 
 
+def test_a_script_that_starts_workers_again_to_evaluate_is_judged_on_its_training_workers(tmp_path):
+    out = tmp_path / "job.json"
+    proc = run("--output", str(out), str(SCRIPTS / "spawn_job.py"), str(_free_port()), "--slow-rank", "1",
+               "--evaluate", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [(r["rank"], r["steps"]) for r in result["ranks"]] == [(0, 12), (1, 12)]
+    assert [f["evidence"]["rank"] for f in result["findings"] if f["kind"] == "straggler"] == [1]
+    (note,) = [n for n in result["notes"] if "started workers 2 times" in n]
+    assert "the job judged is torch.multiprocessing.start_processes at " in note and "(1st start)" in note
+    assert note.endswith("(2nd start): 2 worker(s), 0 optimizer step(s)"), note
+    assert "started workers 2 times" in " ".join(proc.stderr.split())
+
+
 @pytest.mark.parametrize("start_method", ["spawn", "fork"])
 def test_process_targets_that_train_are_ranks_and_a_helper_process_is_not(tmp_path, start_method):
     out = tmp_path / "job.json"

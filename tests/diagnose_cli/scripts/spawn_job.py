@@ -1,10 +1,11 @@
 """An unported script that starts its own DDP workers with torch.multiprocessing.spawn (gloo, cpu).
 
-    python spawn_job.py PORT [--slow-rank R] [--start-method spawn|fork|forkserver] [--process]
+    python spawn_job.py PORT [--slow-rank R] [--start-method spawn|fork|forkserver] [--process] [--evaluate]
 
 --slow-rank: that worker sleeps 0.15 s in its loop each step; every worker sleeps 0.05 s. --process: the workers
 are multiprocessing.Process objects of the script's own (with a helper process beside them that trains nothing)
-instead of torch.multiprocessing.start_processes.
+instead of torch.multiprocessing.start_processes. --evaluate: after training, the script starts 2 workers again, that
+evaluate (forward passes, no optimizer step).
 """
 
 import argparse
@@ -36,6 +37,13 @@ def train(rank: int, world: int, port: int, slow: int) -> None:
     dist.destroy_process_group()
 
 
+def evaluate(rank: int) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(4, 32))
+
+
 def helper(seconds: float) -> None:
     time.sleep(seconds)  # (a logger, a watchdog: a process of the script's that is no rank)
 
@@ -46,6 +54,7 @@ if __name__ == "__main__":
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--start-method", default="spawn")
     parser.add_argument("--process", action="store_true")
+    parser.add_argument("--evaluate", action="store_true")
     args = parser.parse_args()
     if args.process:
         import multiprocessing
@@ -60,4 +69,6 @@ if __name__ == "__main__":
         assert all(worker.exitcode == 0 for worker in workers), [worker.exitcode for worker in workers]
     else:
         mp.start_processes(train, args=(2, args.port, args.slow_rank), nprocs=2, start_method=args.start_method)
+    if args.evaluate:
+        mp.start_processes(evaluate, nprocs=2, start_method=args.start_method)
     print("all workers done")

@@ -42,6 +42,8 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from accelport.launch.heartbeat import attempt
+
 __all__ = ["JOURNAL", "PROGRESS", "POINTER", "Journal", "process_start_time", "read_runs", "account",
            "account_of_directory", "render"]
 
@@ -116,7 +118,7 @@ class Journal:
                                 "process_start_known": start is not None, "restore_began": restore_began,
                                 "time": restored, "resumed_from": resumed_from,
                                 "launch": environ.get("ACCELPORT_LAUNCH_DIR") or None,
-                                "attempt": _attempt(environ), **settings})
+                                "attempt": attempt(environ), **settings})
         except OSError:
             self.broken = True
             return
@@ -209,13 +211,6 @@ def _end_at_exit(ref: Any) -> None:
     journal = ref()
     if journal is not None and not journal.ended and journal.last is not None:
         journal.end("exited", *journal.last)
-
-
-def _attempt(environ: Mapping[str, str]) -> int:
-    try:
-        return max(0, int((environ.get("TORCHELASTIC_RESTART_COUNT") or "0").strip()))
-    except ValueError:
-        return 0
 
 
 # -- reading the account ---------------------------------------------------------------------------

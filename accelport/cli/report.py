@@ -18,6 +18,9 @@ def register(sub: Any) -> None:
     p.add_argument("--checkpoints", metavar="DIR",
                    help="add the job's goodput from ap.Checkpointer's account in DIR (its checkpoint directory; "
                         "default: ACCELPORT_CHECKPOINT_DIR where it is set and holds one)")
+    p.add_argument("--job", metavar="OUTPUT.json",
+                   help="the --output accelport diagnose wrote for a job of several ranks (the metrics file being "
+                        "rank 0's): the page says the job's findings and a row per rank")
     p.add_argument("--json", action="store_true", help="print the result (path, diagnoses, goodput) as JSON")
     p.set_defaults(func=run)
 
@@ -31,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
 
     goodput = _goodput(args.checkpoints)
     # The page is a file, not this command's output: it gets the same pass, knowing this environment's secrets.
-    written = write_report(args.metrics_file, args.output, redactor=Redactor(os.environ), goodput=goodput)
+    written = write_report(args.metrics_file, args.output, redactor=Redactor(os.environ), goodput=goodput,
+                           job=args.job)
     findings = written.findings
     if args.json:
         emit_json({"report": written.path, "diagnoses": [f.to_dict() for f in findings], "runs": written.runs,

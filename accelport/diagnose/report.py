@@ -167,6 +167,9 @@ def read_runs(path: str) -> tuple[list[Run], list[int]]:
                 # next run appended after (its step 1 follows). A bad line inside a run is an error.
                 skipped.append(number)
                 continue
+            elif _a_diagnose_output(lines):
+                raise ReportError(f"{path}: is the --output of accelport diagnose, not a metrics file: give the file "
+                                  "its --metrics-file wrote (and, for a job of several ranks, this one as --job)")
             else:
                 raise ReportError(f"{path}:{number}: {problem}")
         if not isinstance(record, dict):
@@ -182,6 +185,15 @@ def read_runs(path: str) -> tuple[list[Run], list[int]]:
     if not runs:
         raise ReportError(f"{path}: no step records; was the run started with ACCELPORT_METRICS_FILE set?")
     return runs, skipped
+
+
+def _a_diagnose_output(lines: Sequence[str]) -> bool:
+    """Whether ``lines`` are one JSON object as ``accelport diagnose --output`` writes it."""
+    try:
+        whole = json.loads("".join(lines))
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(whole, dict) and "verdict" in whole and "findings" in whole
 
 
 def skipped_note(name: str, skipped: Sequence[int]) -> str:
@@ -658,10 +670,41 @@ class Written:
     skipped_lines: list[int] = field(default_factory=list)  # partial records of killed runs, read past
 
 
+def read_job(path: str) -> tuple[list[Any], list[dict[str, Any]]]:
+    """The job's findings (as diagnoses) and its ranks from ``path``, the ``--output`` of ``accelport diagnose``
+    of a job; a specific error for a file that is not one."""
+    from accelport.diagnose.rule import Diagnosis
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            result = json.load(f)
+    except FileNotFoundError:
+        raise ReportError(f"--job {path}: no such file; give the --output file accelport diagnose wrote for the "
+                          "job") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ReportError(f"--job {path}: not the --output of accelport diagnose ({exc})") from None
+    ranks = result.get("ranks") if isinstance(result, dict) else None
+    if not isinstance(ranks, list) or not all(isinstance(r, dict) for r in ranks):
+        raise ReportError(f"--job {path}: not a job's --output (it has no 'ranks': accelport diagnose writes them "
+                          "for a job of several ranks, as under torchrun)")
+    findings = []
+    for item in result.get("findings") or []:
+        if isinstance(item, dict) and isinstance(item.get("kind"), str):
+            evidence, totals = item.get("evidence"), item.get("totals")
+            findings.append(Diagnosis(kind=item["kind"], message=str(item.get("message") or ""),
+                                      step=item["step"] if isinstance(item.get("step"), int) else 0,
+                                      evidence=evidence if isinstance(evidence, dict) else {},
+                                      severity=str(item.get("severity") or "warning"), fix=str(item.get("fix") or ""),
+                                      totals=totals if isinstance(totals, dict) else {}))
+    return findings, ranks
+
+
 def write_report(source: str, output: str | None = None, redactor: Redactor | None = None,
-                 goodput: Mapping[str, Any] | None = None) -> Written:
+                 goodput: Mapping[str, Any] | None = None, job: str | None = None) -> Written:
     """Read ``source`` (JSON lines), write the page about its last run; return what was written.
-    ``goodput``: the job's goodput account, shown on the page where given.
+    ``goodput``: the job's goodput account, shown on the page where given. ``job``: the ``--output`` of
+    ``accelport diagnose`` for the job whose rank 0 wrote ``source``: the page says the job's findings and
+    a row per rank, as diagnose's ``--report`` of a job does.
 
     Refuses to write over ``source`` itself (``-o`` naming it, or an input ending in
     ``.html`` whose default output is the input): that would destroy the run's record.
@@ -672,17 +715,24 @@ def write_report(source: str, output: str | None = None, redactor: Redactor | No
         how = "-o names" if output else "the default output (the input's name with .html) is"
         raise ReportError(f"cannot write {target}: {how} the metrics file itself, and the page would replace "
                           "the run's record; give -o another path, e.g. -o report.html")
+    ranks: list[dict[str, Any]] = []
+    if job is not None:
+        findings, ranks = read_job(job)
     runs, skipped = read_runs(source)
     run = runs[-1]
-    findings = diagnose(run.records)
     name = os.path.basename(source)
+    if job is None:
+        findings = diagnose(run.records)
     notes = []
     if len(runs) > 1:
         notes.append(f"{name} holds {len(runs)} runs, one after the other; this page is about "
                      f"the last one (lines {run.first_line} to {run.last_line}).")
     notes += filter(None, [skipped_note(name, skipped)])
-    page = render_html(run.records, findings, title=f"accelport run: {name}", notes=notes, redactor=redactor,
-                       goodput=goodput)
+    if job is not None:
+        notes.append(f"the steps are {name}'s (rank 0's); the findings and the ranks are the job's, from "
+                     f"{os.path.basename(job)}.")
+    page = render_html(run.records, findings, title=f"accelport {'job' if job else 'run'}: {name}", notes=notes,
+                       redactor=redactor, ranks=ranks, goodput=goodput)
     what = _not_a_file(target)
     if what is not None:
         raise ReportError(f"cannot write {target}: it is {what}; give -o the path of an HTML file to write")

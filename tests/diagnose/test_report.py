@@ -133,6 +133,34 @@ def test_cli_report_json_and_errors(tmp_path, capsys) -> None:  # type: ignore[n
 
 
 
+def test_a_jobs_page_takes_its_findings_and_ranks_from_the_jobs_output(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "run.jsonl"
+    write_jsonl(path, [step(1, signature=[[[8, 100], "float32"]]) for _ in range(1)])
+    job = tmp_path / "job.json"
+    straggler = {"kind": "straggler", "message": "rank 1 (host h) holds the job back", "fix": "more workers",
+                 "step": 2, "evidence": {"rank": 1}, "severity": "warning"}
+    ranks = [{"rank": r, "host": "h", "pid": 10 + r, "steps": 1, "exit_status": 0, "straggler": r == 1,
+              "time_breakdown": {"data": 0.01 + 0.2 * r, "collective": 0.2 * (1 - r)}, "findings": []} for r in (0, 1)]
+    job.write_text(json.dumps({"findings": [straggler], "ranks": ranks, "verdict": {}}, indent=1))
+    assert main(["report", str(path), "--job", str(job), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [d["kind"] for d in out["diagnoses"]] == ["straggler"]
+    html = (tmp_path / "run.html").read_text()
+    assert html.count("<tr class=rank>") == 2 and "rank 1 (host h) holds the job back" in html
+    # Not a job's --output: one specific error each, as JSON with --json.
+    (tmp_path / "one.json").write_text(json.dumps({"findings": [], "verdict": {}}))  # one process's --output
+    (tmp_path / "torn.json").write_text('{"findings": [')
+    for bad, said in ((tmp_path / "nope.json", "no such file"), (path, "not a job's --output (it has no 'ranks'"),
+                      (tmp_path / "one.json", "not a job's --output (it has no 'ranks'"),
+                      (tmp_path / "torn.json", "not the --output of accelport diagnose")):
+        assert main(["report", str(path), "--job", str(bad), "--json"]) == 1
+        err = json.loads(capsys.readouterr().out)
+        assert err["kind"] == "ReportError" and said in err["error"], err
+    # The --output where the metrics file goes.
+    assert main(["report", str(job), "--json"]) == 1
+    assert "is the --output of accelport diagnose, not a metrics file" in json.loads(capsys.readouterr().out)["error"]
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes need a POSIX system")
 def test_report_on_a_named_pipe_or_a_directory_is_an_error_not_a_hang(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import sys

@@ -76,15 +76,25 @@ def test_an_fsdp2_straggler_is_named_and_the_others_wait_in_its_all_gathers(tmp_
 
 
 def test_a_rank_with_a_slow_dataset_is_named_with_its_input_pipeline(tmp_path):
-    out, page = tmp_path / "job.json", tmp_path / "job.html"
-    proc = run("--output", str(out), "--report", str(page), *TORCHRUN, JOB, "--slow-data-rank", "1", cwd=tmp_path)
+    out, page, steps = tmp_path / "job.json", tmp_path / "job.html", tmp_path / "steps.jsonl"
+    proc = run("--output", str(out), "--report", str(page), "--metrics-file", str(steps), *TORCHRUN, JOB,
+               "--slow-data-rank", "1", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    # The page has a row per rank, the straggler marked, beside rank 0's steps and the job's findings.
-    html = page.read_text()
-    rows = html.split("<tr class=rank>")[1:]
-    assert len(rows) == 2 and "straggler" not in rows[0] and "<span class=badge>straggler</span>" in rows[1]
-    assert "straggler" in html.split("<h2>Diagnoses</h2>")[1]
+    # The page has a row per rank, the straggler marked, beside rank 0's steps and the job's findings: that of
+    # --report, and that accelport report draws later from rank 0's metrics file and the job's --output.
+    later = subprocess.run([sys.executable, "-m", "accelport", "report", str(steps), "--job", str(out), "-o",
+                            str(tmp_path / "later.html")], capture_output=True, text=True, timeout=600)
+    assert later.returncode == 0, later.stderr
+    for html in (page.read_text(), (tmp_path / "later.html").read_text()):
+        rows = html.split("<tr class=rank>")[1:]
+        assert len(rows) == 2 and "straggler" not in rows[0] and "<span class=badge>straggler</span>" in rows[1]
+        assert "straggler" in html.split("<h2>Diagnoses</h2>")[1]
+    # The --output given where the metrics file goes is said as such.
+    mixed = subprocess.run([sys.executable, "-m", "accelport", "report", str(out)], capture_output=True, text=True,
+                           timeout=600)
+    assert mixed.returncode != 0 and "is the --output of accelport diagnose, not a metrics file" in mixed.stderr
+    assert "Traceback" not in mixed.stderr
     kinds = {f["kind"]: f for f in result["findings"]}
     assert kinds["straggler"]["evidence"]["rank"] == 1
     assert kinds["straggler"]["evidence"]["category"] == "data"

@@ -42,10 +42,12 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from accelport.launch.heartbeat import attempt
+__all__ = ["ATTEMPT_ENV", "JOURNAL", "PROGRESS", "POINTER", "Journal", "attempt", "process_start_time", "read_runs",
+           "account", "account_of_directory", "render"]
 
-__all__ = ["JOURNAL", "PROGRESS", "POINTER", "Journal", "process_start_time", "read_runs", "account",
-           "account_of_directory", "render"]
+#: Which attempt of the job a process belongs to: 0, then 1 after the first restart (torchrun's agent sets it,
+#: and accelport launch's own loop on XLA backends).
+ATTEMPT_ENV = "TORCHELASTIC_RESTART_COUNT"
 
 JOURNAL = "goodput.jsonl"
 PROGRESS = "goodput-progress.bin"
@@ -211,6 +213,14 @@ def _end_at_exit(ref: Any) -> None:
     journal = ref()
     if journal is not None and not journal.ended and journal.last is not None:
         journal.end("exited", *journal.last)
+
+
+def attempt(environ: Mapping[str, str]) -> int:
+    """The attempt a process with this environment belongs to (0 where it is unset or not a number)."""
+    try:
+        return max(0, int((environ.get(ATTEMPT_ENV) or "0").strip()))
+    except ValueError:
+        return 0
 
 
 # -- reading the account ---------------------------------------------------------------------------

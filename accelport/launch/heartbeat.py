@@ -34,6 +34,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from accelport.goodput import ATTEMPT_ENV, attempt
 from accelport.plugins.hookspecs import hookimpl
 
 __all__ = ["HEARTBEAT_PREFIX", "DONE_PREFIX", "WHERE_PREFIX", "PROBE_FILE", "INTERVAL_S", "ATTEMPT_ENV", "Heartbeat",
@@ -46,17 +47,6 @@ PROBE_FILE = "probe"
 WHERE_PREFIX = "where-rank"
 #: At most one beat per this many seconds: a file write per second, not per step.
 INTERVAL_S = 1.0
-#: Which attempt of the launch a worker belongs to: 0, then 1 after the first restart (torchrun's agent sets it,
-#: and accelport's own loop on XLA backends).
-ATTEMPT_ENV = "TORCHELASTIC_RESTART_COUNT"
-
-
-def attempt(environ: Mapping[str, str]) -> int:
-    """The attempt a worker with this environment belongs to (0 where it is unset or not a number)."""
-    try:
-        return max(0, int((environ.get(ATTEMPT_ENV) or "0").strip()))
-    except ValueError:
-        return 0
 
 
 def attempt_of(record: Mapping[str, Any]) -> int:

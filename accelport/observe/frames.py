@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 import sys
 import types
+from typing import NamedTuple
 
-__all__ = ["LIBRARIES", "FRAMEWORKS", "FORWARDING", "user_site", "library_file", "library_of", "running_in"]
+__all__ = ["LIBRARIES", "FRAMEWORKS", "FORWARDING", "Site", "user_site", "library_file", "library_of", "running_in"]
 
 #: Top-level packages of the frameworks a training loop may live in: their frames are never "the user's
 #: line" either (a finding points at the user's dataset, collator or call instead), and a cause inside
@@ -24,6 +25,14 @@ LIBRARIES = frozenset({
     "accelport", "torch", "torch_xla", "torch_neuronx", "torch_tpu", "typing_extensions", "runpy", "threading",
     "warnings", "contextlib", "functools", "importlib", "_weakrefset", *FRAMEWORKS,
 })
+
+
+class Site(NamedTuple):
+    """A line of the script's, and what it is ("the training loop"); empty where the finding itself says it."""
+
+    file: str
+    line: int
+    label: str = ""
 
 
 def user_site(frame: types.FrameType | None = None, also: frozenset[str] = frozenset()) -> tuple[str, int] | None:

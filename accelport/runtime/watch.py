@@ -49,15 +49,16 @@ import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from accelport.device_loader import describe_loader, signature
 from accelport.errors import AccelportError, DiagnosticWarning
 from accelport.lazy import OWN_CLOSURE
 from accelport.observe import tracer
 from accelport.observe.dynamo import CompileEvents
-from accelport.observe.frames import LIBRARIES, library_file, user_site
+from accelport.observe.frames import Site, library_file, user_site
 from accelport.observe.steptime import watch_backward
+from accelport.runtime.job_hooks import JobHooks
 from accelport.runtime.state import Runtime
 from accelport.runtime.tracker import StepTracker
 
@@ -106,14 +107,6 @@ def where(finding: Any, sites: Mapping[str, Site]) -> Site | None:
 
 #: A lazy step that waits for its sync and has no optimizer (a loop that updates its weights by hand).
 _NO_OPTIMIZER = object()
-
-
-class Site(NamedTuple):
-    """A line of the script's, and what it is ("the training loop"); empty where the finding itself says it."""
-
-    file: str
-    line: int
-    label: str = ""
 
 
 class _Overlay(Mapping[str, str]):
@@ -190,7 +183,7 @@ class Outcome:
     forked: bool = False
 
 
-class Watcher:
+class Watcher(JobHooks):
     """Feeds a running script's steps, syncs and batches to a plugin host of its own.
 
     ``environ`` is what the host reads (default: the process's, read as it changes);
@@ -228,9 +221,7 @@ class Watcher:
         # Workers the script starts itself (mp.spawn, torch_xla.launch) run their function wrapped by this, which
         # watches it in the worker (accelport.runtime.workers); None: only this process is watched.
         self._wrap_worker = workers
-        #: multiprocessing.Process targets of the script's own wrapped so far (each gets its number).
-        self._processes = 0
-        self._launching = 0  # inside a launcher's call (another launcher it calls is part of it)
+        self._init_job_hooks()
         self._environ = os.environ if environ is None else environ
         self._find_nan = find_nan
         self._find_nan_dir = find_nan_dir
@@ -271,9 +262,6 @@ class Watcher:
         self._open: Any = None  # lazy: the optimizer of the last step, which waits for the script's next sync
         self._sync_depth = 0
         self._sync_seconds = 0.0
-        # The torch.distributed collective the loop's thread is inside now, and the frame that called it: where
-        # a rank that never ends waits (read from the job's progress thread).
-        self._in_collective: tuple[str, types.FrameType] | None = None
         # The thread that runs the script: the main thread, or in a torch_xla worker the device's own thread.
         self._main = threading.get_ident()
         self._interned: dict[tuple[Any, ...], tuple[Any, ...]] = {}
@@ -407,45 +395,6 @@ class Watcher:
         watch_backward(self.tracker.clock)
 
     #: torch.distributed's collectives a script calls itself: the time in them is a wait for the other ranks.
-    COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
-                   "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list",
-                   "reduce", "gather", "scatter", "barrier",
-                   # FSDP2's all-gathers and reduce-scatters (torch 2.13 and later; earlier: the *_tensor ones)
-                   "all_gather_single", "reduce_scatter_single")
-
-    #: torch_xla's collectives that block the host until every process arrives (its others, xm.all_reduce and
-    #: the like, only add to the step's graph: their waiting is in the sync, see JobView.meeting).
-    XLA_COLLECTIVES = ("mesh_reduce", "rendezvous")
-
-    def _on_distributed(self, module: types.ModuleType) -> None:
-        for name in self.COLLECTIVES:
-            self._patch(module, name, self._collective_wrapper("dist"))
-
-    def _collective_wrapper(self, prefix: str) -> Callable[[Any], Any]:
-        """What wraps a collective that blocks the loop's thread: its time is ``collective``, and while the loop
-        is inside it, :meth:`waiting_in` says which (``prefix.name``) and where the script called it."""
-        watcher = self
-        clock = self.tracker.clock
-
-        def make(original: Any) -> Any:
-            label = f"{prefix}.{getattr(original, '__name__', 'collective')}"
-
-            def collective(*args: Any, **kwargs: Any) -> Any:
-                if not (watcher._feeding and threading.get_ident() == watcher._main):
-                    return original(*args, **kwargs)
-                outer = watcher._in_collective
-                if outer is None:  # (one collective calling another is where the script called the first)
-                    watcher._in_collective = (label, sys._getframe(1))
-                clock.enter("collective")
-                try:
-                    return original(*args, **kwargs)
-                finally:
-                    clock.leave("collective")
-                    watcher._in_collective = outer
-            return collective
-
-        return make
-
     def _on_dataloader(self, module: types.ModuleType) -> None:
         watcher = self
         clock = time.perf_counter
@@ -635,74 +584,6 @@ class Watcher:
             # Every host read of an XLA tensor goes through one of these two ops (see accelport.lazy).
             self._copies = lambda: (counter("xla::_to_cpu") or 0) + (counter("xla::_to_copy") or 0)
 
-    def _on_xla_multiprocessing(self, module: types.ModuleType) -> None:
-        self._patch(module, "spawn", self._spawn_wrapper("xmp.spawn", None))
-
-    def _on_multiprocessing(self, module: types.ModuleType) -> None:
-        self._patch(module, "spawn", self._spawn_wrapper("torch.multiprocessing.spawn", 1))
-        self._patch(module, "start_processes", self._spawn_wrapper("torch.multiprocessing.start_processes", 1))
-
-    def _spawn_wrapper(self, launcher: str, default: int | None, single: str | None = None,
-                       position: int | None = 2) -> Callable[[Any], Any]:
-        """A wrapper of a launcher that trains in processes of its own (nprocs: argument ``position`` or the keyword,
-        ``default`` when not given, None meaning every device; ``single``: the flag that keeps it in this process)."""
-        watcher = self
-
-        def make(original: Any) -> Any:
-            def launch(*args: Any, **kwargs: Any) -> Any:
-                # torch_xla.launch calls xmp.spawn: the outer launcher's call is the script's, said once.
-                if watcher._active and not watcher._launching:
-                    given = args[position] if position is not None and len(args) > position else default
-                    nprocs = kwargs.get("nprocs", given)
-                    if single is not None and (kwargs.get(single) or (len(args) > 3 and args[3] is True)):
-                        nprocs = 1
-                    if launcher == "torch_xla.launch" and watcher._environ.get("TORCHELASTIC_RUN_ID"):
-                        nprocs = 1  # under torchrun it calls the function here, in this process
-                    if nprocs != 1:
-                        site = user_site()
-                        watcher.spawned.append((launcher, Site(*site) if site else None,
-                                                nprocs if isinstance(nprocs, int) else None))
-                        if watcher._wrap_worker is not None:
-                            wrap = functools.partial(watcher._wrap_worker, start=len(watcher.spawned) - 1)
-                            args, kwargs = watcher._watched_fn(wrap, args, kwargs)
-                watcher._launching += 1
-                try:
-                    return original(*args, **kwargs)
-                finally:
-                    watcher._launching -= 1
-            return launch
-
-        return make
-
-    def _on_process(self, module: types.ModuleType) -> None:
-        """A ``multiprocessing.Process`` whose target is the script's own (not a DataLoader worker's, a library's
-        or the standard library's) runs it watched in the new process; a target that trains is a rank."""
-        watcher = self
-
-        def make(original: Any) -> Any:
-            def __init__(process: Any, *args: Any, **kwargs: Any) -> None:
-                original(process, *args, **kwargs)
-                target = getattr(process, "_target", None)
-                if (watcher._active and watcher._wrap_worker is not None and target is not None
-                        and threading.get_ident() == watcher._main and _scripts_own(target)):
-                    process._target = watcher._wrap_worker(target, process=watcher._processes)
-                    watcher._processes += 1
-            return __init__
-
-        base = getattr(module, "BaseProcess", None)
-        if base is not None:
-            self._patch(base, "__init__", make)
-
-    @staticmethod
-    def _watched_fn(wrap: Callable[..., Callable[..., Any]], args: tuple[Any, ...],
-                    kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """A launcher's arguments with its function (first, or ``fn=``) wrapped by ``wrap``."""
-        if args:
-            return (wrap(args[0]), *args[1:]), kwargs
-        if "fn" in kwargs:
-            return args, {**kwargs, "fn": wrap(kwargs["fn"])}
-        return args, kwargs
-
     def _on_autograd(self, module: types.ModuleType) -> None:
         watcher = self
 
@@ -746,17 +627,6 @@ class Watcher:
                 self.tracker.step_end(None)
         except Exception as exc:  # never into the script's backward()
             self._stop(exc)
-
-    def waiting_in(self) -> str | None:
-        """The torch.distributed collective the loop is inside now, and the script's line that called it
-        (``"dist.all_reduce (called from train.py:57)"``: a library's, as FSDP2's all-gathers, from the line
-        of the script that led to it); None outside one. Safe from another thread."""
-        inside = self._in_collective
-        if inside is None:
-            return None
-        label, frame = inside
-        site = user_site(frame)
-        return label + (f" (called from {os.path.basename(site[0])}:{site[1]})" if site else "")
 
     @property
     def manual_steps(self) -> int:
@@ -1000,14 +870,6 @@ def _both(first: Callable[[types.ModuleType], None], then: Callable[[types.Modul
         first(module)
         then(module)
     return call
-
-
-def _scripts_own(target: Any) -> bool:
-    """Whether a Process target is the script's code: not torch's, a framework's or the standard library's."""
-    while isinstance(target, functools.partial):
-        target = target.func
-    top = str(getattr(target, "__module__", None) or "").partition(".")[0]
-    return bool(top) and top not in LIBRARIES and top not in sys.stdlib_module_names
 
 
 def _stop_in_child(ref: weakref.ReferenceType[Watcher]) -> None:

@@ -645,7 +645,9 @@ class Watcher(JobHooks):
 
         def make(original: Any) -> Any:
             def add_step_closure(closure: Any, *args: Any, **kwargs: Any) -> Any:
-                if getattr(closure, OWN_CLOSURE, False):  # accelport's own reads: counted by the backend
+                # accelport's own reads are counted by the backend; a further device thread's are its own loop's
+                if getattr(closure, OWN_CLOSURE, False) or (watcher._other_loops
+                                                            and threading.get_ident() in watcher._other_loops):
                     return original(closure, *args, **kwargs)
                 return original(watcher._counted(closure), *args, **kwargs)
             return add_step_closure
@@ -672,7 +674,10 @@ class Watcher(JobHooks):
         get_ident = threading.get_ident
 
         def sync(*args: Any, **kwargs: Any) -> Any:
-            if watcher._sync_depth or not watcher._active:  # (xm.mark_step calling torch_xla.sync: one sync)
+            # (xm.mark_step calling torch_xla.sync: one sync.) A further device thread's syncs are its own loop's:
+            # counted, they would end the watched loop's steps and nest into its syncs.
+            if watcher._sync_depth or not watcher._active or (watcher._other_loops
+                                                              and get_ident() in watcher._other_loops):
                 return original(*args, **kwargs)
             watcher._sync_depth += 1
             start = clock()

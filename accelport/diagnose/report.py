@@ -675,20 +675,35 @@ def read_job(path: str) -> tuple[list[Any], list[dict[str, Any]]]:
     of a job; a specific error for a file that is not one."""
     from accelport.diagnose.rule import Diagnosis
 
+    what = _not_a_file(path)
+    if what is not None:
+        raise ReportError(f"--job {path}: is {what}, not a file; give the --output file accelport diagnose wrote "
+                          "for the job")
     try:
         with open(path, encoding="utf-8") as f:
             result = json.load(f)
     except FileNotFoundError:
         raise ReportError(f"--job {path}: no such file; give the --output file accelport diagnose wrote for the "
                           "job") from None
+    except RecursionError:
+        raise ReportError(f"--job {path}: not the --output of accelport diagnose (nested too deeply)") from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise ReportError(f"--job {path}: not the --output of accelport diagnose ({exc})") from None
     ranks = result.get("ranks") if isinstance(result, dict) else None
     if not isinstance(ranks, list) or not all(isinstance(r, dict) for r in ranks):
         raise ReportError(f"--job {path}: not a job's --output (it has no 'ranks': accelport diagnose writes them "
                           "for a job of several ranks, as under torchrun)")
+    for r in ranks:
+        parts = r.get("time_breakdown") or {}
+        if not isinstance(parts, dict) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in parts.values()):
+            raise ReportError(f"--job {path}: rank {r.get('rank')!r}'s 'time_breakdown' is not seconds by category "
+                              "(a number per category); give the --output file accelport diagnose wrote")
+    listed = result.get("findings") or []
+    if not isinstance(listed, list):
+        raise ReportError(f"--job {path}: 'findings' is not a list; give the --output file accelport diagnose wrote")
     findings = []
-    for item in result.get("findings") or []:
+    for item in listed:
         if isinstance(item, dict) and isinstance(item.get("kind"), str):
             evidence, totals = item.get("evidence"), item.get("totals")
             findings.append(Diagnosis(kind=item["kind"], message=str(item.get("message") or ""),
@@ -717,6 +732,9 @@ def write_report(source: str, output: str | None = None, redactor: Redactor | No
                           "the run's record; give -o another path, e.g. -o report.html")
     ranks: list[dict[str, Any]] = []
     if job is not None:
+        if same_file(job, target):
+            raise ReportError(f"cannot write {target}: it is the --job file, and the page would replace the job's "
+                              "--output; give -o another path, e.g. -o report.html")
         findings, ranks = read_job(job)
     runs, skipped = read_runs(source)
     run = runs[-1]

@@ -150,15 +150,31 @@ def test_a_jobs_page_takes_its_findings_and_ranks_from_the_jobs_output(tmp_path,
     # Not a job's --output: one specific error each, as JSON with --json.
     (tmp_path / "one.json").write_text(json.dumps({"findings": [], "verdict": {}}))  # one process's --output
     (tmp_path / "torn.json").write_text('{"findings": [')
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (tmp_path / "many.json").write_text(json.dumps({"findings": 5, "ranks": ranks}))
+    for value in ("x", None, [1], float("nan")):
+        broken = [{**ranks[0], "time_breakdown": {"data": value}}]
+        (tmp_path / f"parts-{value}.json").write_text(json.dumps({"findings": [], "ranks": broken}))
+    (tmp_path / "list.json").write_text(json.dumps({"findings": [], "ranks": [{**ranks[0], "time_breakdown": [1]}]}))
+    os.mkfifo(tmp_path / "pipe.json")
+    parts = "'time_breakdown' is not seconds by category"
     for bad, said in ((tmp_path / "nope.json", "no such file"), (path, "not a job's --output (it has no 'ranks'"),
                       (tmp_path / "one.json", "not a job's --output (it has no 'ranks'"),
-                      (tmp_path / "torn.json", "not the --output of accelport diagnose")):
+                      (tmp_path / "torn.json", "not the --output of accelport diagnose"),
+                      (tmp_path / "deep.json", "nested too deeply"),
+                      (tmp_path / "many.json", "'findings' is not a list"),
+                      (tmp_path / "parts-x.json", parts), (tmp_path / "parts-None.json", parts),
+                      (tmp_path / "parts-[1].json", parts), (tmp_path / "parts-nan.json", parts),
+                      (tmp_path / "list.json", parts), (tmp_path / "pipe.json", "is a named pipe (FIFO), not a file")):
         assert main(["report", str(path), "--job", str(bad), "--json"]) == 1
         err = json.loads(capsys.readouterr().out)
         assert err["kind"] == "ReportError" and said in err["error"], err
-    # The --output where the metrics file goes.
+    # The --output where the metrics file goes; the page written over the --job file.
     assert main(["report", str(job), "--json"]) == 1
     assert "is the --output of accelport diagnose, not a metrics file" in json.loads(capsys.readouterr().out)["error"]
+    before = job.read_text()
+    assert main(["report", str(path), "--job", str(job), "-o", str(job), "--json"]) == 1
+    assert "it is the --job file" in json.loads(capsys.readouterr().out)["error"] and job.read_text() == before
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes need a POSIX system")

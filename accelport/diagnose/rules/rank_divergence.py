@@ -66,7 +66,8 @@ class RankDivergenceRule(JobRule):
                            "ranks only (under an `if rank == ...`, or after a loop whose length differs by rank).")
                 return Diagnosis(kind=self.kind, message=message, step=at + 1, severity="problem",
                                  evidence={"rank": rank, "what": "collective", "collective": str(waiting),
-                                           "steps_by_rank": {**steps, rank: at}, "hung": True},
+                                           "steps_by_rank": {**steps, rank: at + (1 if inside else 0)},
+                                           "hung": True},
                                  fix=_LONE_FIX)
             if at >= done and (at > done or inside):
                 message = (f"rank {rank} never ended: it was inside the backward pass of its step {at + 1} when "

@@ -354,7 +354,9 @@ _contents = st.one_of(
     _text,
     st.binary(max_size=40),
 )
-_pci = st.lists(st.tuples(_names, _contents, _contents), max_size=6, unique_by=lambda t: t[0])
+# A PCI address is never a hidden name (sysfs writes 0000:00:04.0): detection's glob rightly skips those.
+_pci = st.lists(st.tuples(_names.filter(lambda s: not s.startswith(".")), _contents, _contents), max_size=6,
+                unique_by=lambda t: t[0])
 _dev = st.lists(st.one_of(
     st.sampled_from(["neuron0", "neuron15", "nvidia0", "nvidiactl", "accel0", "vfio", "neuronx", "null"]),
     _names), max_size=8, unique=True)

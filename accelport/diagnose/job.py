@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from accelport.diagnose.rule import Diagnosis, JobView, RankRun
@@ -337,7 +337,5 @@ def _ranks_findings(runs: Sequence[RankRun], world_size: int) -> list[Diagnosis]
                         "the others got it through the gradient all-reduce: look at rank "
                         f"{rank}'s data and loss at that step.")
         evidence = {**dict(first.get("evidence") or {}), "rank": rank, "ranks": sorted(ranks)}
-        out.append(Diagnosis(kind=kind, message=message, step=int(first.get("step") or 0), evidence=evidence,
-                             severity=str(first.get("severity") or "warning"), fix=str(first.get("fix") or ""),
-                             totals=dict(first.get("totals") or {})))
+        out.append(replace(Diagnosis.from_dict({**first, "kind": kind}), message=message, evidence=evidence))
     return out

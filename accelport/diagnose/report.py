@@ -702,15 +702,8 @@ def read_job(path: str) -> tuple[list[Any], list[dict[str, Any]]]:
     listed = result.get("findings") or []
     if not isinstance(listed, list):
         raise ReportError(f"--job {path}: 'findings' is not a list; give the --output file accelport diagnose wrote")
-    findings = []
-    for item in listed:
-        if isinstance(item, dict) and isinstance(item.get("kind"), str):
-            evidence, totals = item.get("evidence"), item.get("totals")
-            findings.append(Diagnosis(kind=item["kind"], message=str(item.get("message") or ""),
-                                      step=item["step"] if isinstance(item.get("step"), int) else 0,
-                                      evidence=evidence if isinstance(evidence, dict) else {},
-                                      severity=str(item.get("severity") or "warning"), fix=str(item.get("fix") or ""),
-                                      totals=totals if isinstance(totals, dict) else {}))
+    findings = [Diagnosis.from_dict(item) for item in listed
+                if isinstance(item, dict) and isinstance(item.get("kind"), str)]
     return findings, ranks
 
 

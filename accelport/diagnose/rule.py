@@ -100,6 +100,17 @@ class Diagnosis:
         return {"kind": self.kind, "message": self.message, "fix": self.fix, "step": self.step,
                 "evidence": dict(self.evidence), "totals": dict(self.totals), "severity": self.severity}
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Diagnosis:
+        """A finding as :meth:`to_dict` wrote it (a rank's, a job's ``--output``); a field of the wrong type reads
+        as empty. ``data["kind"]`` must be there."""
+        evidence, totals, step = data.get("evidence"), data.get("totals"), data.get("step")
+        return cls(kind=str(data["kind"]), message=str(data.get("message") or ""),
+                   step=step if isinstance(step, int) and not isinstance(step, bool) else 0,
+                   evidence=evidence if isinstance(evidence, Mapping) else {},
+                   severity=str(data.get("severity") or "warning"), fix=str(data.get("fix") or ""),
+                   totals=totals if isinstance(totals, Mapping) else {})
+
 
 def describe_shape_change(before: Sequence[Any] | None, after: Sequence[Any] | None) -> str | None:
     """'input 0 changed from (8, 128) to (8, 131) along dim 1 (a sequence or image dimension)' for the first

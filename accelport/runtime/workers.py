@@ -190,10 +190,11 @@ def read_workers(directory: str) -> WorkerRuns:
         else:
             starts.setdefault(numbered[0], {})[run.rank] = run
     # The job is the start that trained most (of equals, the last); a start that only evaluated is said apart.
-    start = max(starts, key=lambda n: (sum(r.steps for r in starts[n].values()), n)) if starts else None
+    steps = {n: sum(r.steps for r in runs.values()) for n, runs in starts.items()}
+    start = max(starts, key=lambda n: (steps[n], n)) if starts else None
     ordered = [starts[start][r] for r in sorted(starts[start])] if start is not None else []
     trained = [processes[n] for n in sorted(processes) if processes[n].steps]
     first = max((r.rank for r in ordered), default=-1) + 1
-    others = [(n, len(starts[n]), sum(r.steps for r in starts[n].values())) for n in sorted(starts) if n != start]
+    others = [(n, len(starts[n]), steps[n]) for n in sorted(starts) if n != start]
     return WorkerRuns(ordered + [replace(run, rank=first + i) for i, run in enumerate(trained)],
                       sorted(unwatched.get(start, [])) if start is not None else [], start, others)

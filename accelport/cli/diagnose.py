@@ -146,6 +146,10 @@ def _plan(args: argparse.Namespace) -> _Plan:
         if origin is not None:
             inputs.append((f"the file of module {module}", origin))
         target = f"-m {module}"
+        launched = _launched_script(module, script_args)
+        if launched is not None:  # `accelport launch --diagnose` on torch_xla: the summary names the user's script
+            inputs.append(("the script", _script_file(launched)))
+            target = launched
     else:
         command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
         if not command:
@@ -343,6 +347,17 @@ def _script_file(script: str) -> str:
     if not os.access(script, os.R_OK):
         raise UsageError(f"diagnose: {script} cannot be read (permission denied)")
     return os.path.abspath(script)
+
+
+def _launched_script(module: str, args: Sequence[str]) -> str | None:
+    """The script that accelport launch's worker module runs (after its own options, as its ``main`` reads them),
+    or None for any other module, or where there is none."""
+    if module != "accelport.launch.worker":
+        return None
+    rest = list(args)
+    while rest and rest[0].startswith("--"):
+        del rest[:2 if rest[0] in ("--engine", "--diagnose-arg") else 1]
+    return rest[0] if rest else None
 
 
 def _module_file(name: str) -> str | None:
@@ -643,8 +658,8 @@ def _write_outputs(plan: _Plan, result: Callable[[], Mapping[str, Any]], records
             problems.append(str(exc))
     if plan.report is not None:
         if records is None or not os.path.isfile(records) or os.path.getsize(records) == 0:
-            no_page = f"no report page: no step was recorded{' in this process' if whose else ''}, and the page " \
-                      "draws the steps"
+            no_page = f"no report page: {whose + ' steps were not' if whose else 'no step was'} recorded, and " \
+                      "the page draws the steps"
         else:
             # (imported in run() already, before the script's directory went on sys.path)
             from accelport.diagnose.report import ReportError, load_records, render_html
@@ -674,9 +689,11 @@ def _conclude(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | No
     its run to rank 0, which says the job's (:mod:`accelport.diagnose.job`)."""
     from accelport.diagnose.job import JobPlace, job_rank
 
-    if watcher.error is not None and os.environ.get("ACCELPORT_LAUNCH_DIR") and not outcome.forked:
+    if watcher.error is not None and os.environ.get("ACCELPORT_LAUNCH_DIR") and not outcome.forked \
+            and not watcher.spawned:
         # A worker of `accelport launch --diagnose`: the launcher names this rank's failure by the script's own
-        # error, not by the exit status diagnose gives it.
+        # error, not by the exit status diagnose gives it. (A process that started workers is no rank: on XLA the
+        # launch's worker starts the replicas, and each records its own failure.)
         from accelport.launch.worker import record_failure
 
         ranked = job_rank(os.environ)
@@ -694,18 +711,23 @@ def _conclude(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | No
             watcher.notes.append("the outputs (--output, --report, --metrics-file) are rank 0's to write: this "
                                  "rank's run is said here only")
         plan.output = plan.report = plan.metrics_file = None
-    started = _worker_runs(plan)
-    workers, unwatched = started.runs, started.unwatched
-    if workers:  # the script trained in workers it started: each was watched, and is a rank of the job
-        spawned = watcher.spawned[started.start] if started.start is not None and started.start < len(
-            watcher.spawned) else None
+    started = _worker_runs(plan, records if not (watcher.steps + watcher.manual_steps) else None)
+    workers, unwatched = started.runs, started.unwatched  # (the page: a rank's steps, where this process took none)
+    own_steps = watcher.steps + watcher.manual_steps
+    if workers or (watcher.spawned and not own_steps):
+        # The script trained in workers it started: each was watched, and is a rank of the job. (Where none left a
+        # run, killed before their function ended, the job is said with every rank not judged.)
+        start = started.start if started.start is not None else len(watcher.spawned) - 1
+        spawned = watcher.spawned[start] if 0 <= start < len(watcher.spawned) else None
         counts = [spawned[2]] if spawned is not None and isinstance(spawned[2], int) else []
-        world = max([len(workers), max([r.rank for r in workers] + unwatched) + 1, *counts])
+        world = max([1, len(workers), *(r.rank + 1 for r in workers), *(r + 1 for r in unwatched), *counts])
         missing = sorted(set(range(world)) - {r.rank for r in workers})
         if started.others:  # (in the notes of --output too)
             watcher.notes.extend(_other_starts(watcher, started))
         return _say_job(plan, watcher, outcome, records, redactor, stderr, workers, world, missing,
-                        unwatched=unwatched)
+                        unwatched=unwatched, whose=f"rank {started.records[0]}'s" if started.records else
+                        "this process's", lost="no run came back from its worker: killed before its function "
+                        "ended (a worker writes its run when the function ends, or at a SIGTERM)")
     written, problems, no_page = _write_outputs(plan, lambda: _result(watcher, outcome, plan), records,
                                                 watcher.findings, f"accelport diagnose: {plan.target}", redactor)
     if no_page:
@@ -747,18 +769,22 @@ def _conclude_rank(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str
 
 def _say_job(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | None, redactor: Redactor,
              stderr: Any, runs: Sequence[RankRun], world_size: int, missing: Sequence[int],
-             progress: Mapping[int, Mapping[str, Any]] | None = None, unwatched: Sequence[int] = ()) -> bool:
+             progress: Mapping[int, Mapping[str, Any]] | None = None, unwatched: Sequence[int] = (),
+             whose: str = "rank 0's", lost: str | None = None) -> bool:
     """Judge a job from its ranks' runs, write the outputs and say it; whether writing one failed.
-    ``unwatched``: missing ranks that ran as further device threads of a watched process."""
+    ``unwatched``: missing ranks that ran as further device threads of a watched process; ``whose``: whose
+    steps ``records`` holds (the page and --metrics-file draw them)."""
     from accelport.diagnose.job import judge
 
     job = judge(runs, world_size, missing, progress)
     job.unwatched = [r for r in unwatched if r in job.missing]
+    if lost is not None:
+        job.lost = lost
     said = _job_result(job)
     written, problems, no_page = _write_outputs(
         plan, lambda: {**_result(watcher, outcome, plan), **said}, records, job.findings,
-        f"accelport diagnose: {plan.target} (rank 0's steps; the job's findings)", redactor, ranks=said["ranks"],
-        whose="this process's")
+        f"accelport diagnose: {plan.target} ({whose} steps; the job's findings)", redactor, ranks=said["ranks"],
+        whose=whose)
     if no_page:
         job.notes.append(no_page)
     _flush(sys.stdout)
@@ -768,14 +794,21 @@ def _say_job(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | Non
     return bool(problems)
 
 
-def _worker_runs(plan: _Plan) -> WorkerRuns:
+def _worker_runs(plan: _Plan, records: str | None) -> WorkerRuns:
     """The runs of the workers the script started, each watched in its own process, and the ranks that ran
-    unwatched beside a watched one (torch_xla's further device threads); their directory removed."""
+    unwatched beside a watched one (torch_xla's further device threads); their directory removed. Where the
+    workers trained, ``records`` (this process's step records, for the page and --metrics-file) gets the steps
+    of the job's first rank instead."""
     from accelport.runtime.workers import WorkerRuns, read_workers
 
     if plan.workers_dir is None:
         return WorkerRuns()
     started = read_workers(plan.workers_dir)
+    if records is not None and started.runs and started.records is not None:
+        try:
+            shutil.copyfile(started.records[1], records)
+        except OSError:
+            started.records = None  # (then there is no page, and the summary says why)
     shutil.rmtree(plan.workers_dir, ignore_errors=True)
     plan.workers_dir = None
     return started
@@ -835,9 +868,9 @@ def job_verdict(job: JobResult) -> tuple[str, str]:
                         "whose first device thread was watched: torch_xla runs a thread per device of a process, and "
                         "one thread per process is watched; run one device per process to have each rank watched)")
         if lost:
-            said.append(f"rank(s) {', '.join(map(str, lost))} (no result reached rank 0: crashed, killed or still "
-                        "running when rank 0 stopped waiting, ACCELPORT_JOB_WAIT)")
-        return "note", f"judged ranks {judged} of {job.world_size}; not judged: " + "; ".join(said)
+            said.append(f"rank(s) {', '.join(map(str, lost))} ({job.lost})")
+        head = f"judged ranks {judged} of {job.world_size}" if judged else f"no rank of {job.world_size} was judged"
+        return "note", f"{head}; not judged: " + "; ".join(said)
     if failed:
         return "note", ("the job did not end well: " + ", ".join(f"rank {r.rank} exited with status {r.exit_status}"
                                                                    for r in failed))
@@ -873,7 +906,9 @@ def render_job(target: str, job: JobResult, watcher: Watcher, written: Sequence[
     shown = redactor.text
     hosts = len({r.host for r in job.runs})
     steps = sorted({r.steps for r in job.runs})
-    if len(steps) == 1:
+    if not steps:
+        each = ""
+    elif len(steps) == 1:
         each = f"{steps[0]} optimizer step(s) {'on each rank judged' if job.missing else 'each'}"
     else:
         each = f"{steps[0]}-{steps[-1]} optimizer steps"
@@ -881,8 +916,9 @@ def render_job(target: str, job: JobResult, watcher: Watcher, written: Sequence[
     on = f" on {', '.join(backends)}" if backends else ""
     found = f": {len(job.findings)} finding(s)" if job.findings else ""
     ranks = "rank" if job.world_size == 1 else "ranks"
-    lines = [shown(f"accelport diagnose: {target}, a job of {job.world_size} {ranks} on {hosts} host(s), took {each}"
-                   f"{on}{found}")]
+    on_hosts = f" on {hosts} host(s)" if hosts else ""
+    took = f", took {each}" if each else ": no rank's run came back"
+    lines = [shown(f"accelport diagnose: {target}, a job of {job.world_size} {ranks}{on_hosts}{took}{on}{found}")]
     for f in job.findings:
         lines += _wrapped(shown(f"{f.kind}: {f.message}"), f"  [{_ICON[f.severity]}] ")
         if f.fix:
@@ -949,7 +985,7 @@ def run(args: argparse.Namespace) -> int:
     rank_store = RankStore.for_environ(os.environ)
     watcher = Watcher(backend=plan.backend, metrics_file=records, redactor=redactor, find_nan=plan.find_nan,
                       find_nan_dir=plan.find_nan_dir, command=(*command, *plan.args), profile=plan.profile,
-                      workers=watch_workers(plan.workers_dir, plan.backend),
+                      workers=watch_workers(plan.workers_dir, plan.backend, steps=records is not None),
                       imports=rank_store.imports() if rank_store is not None else None)
     watcher.notes += plan.notes
 
@@ -1012,6 +1048,9 @@ class _Terminate:
     ignored one stays ignored, and a handler the script installs replaces this one, so the script's
     runs. Once the script has ended, a SIGTERM waits until the outputs are written.
     """
+
+    #: A worker the script forks inherits this handler: it is the parent's, which that worker may replace.
+    parent_only = True
 
     def __init__(self, watcher: Watcher, conclude: Callable[[Outcome], object]) -> None:
         self._watcher = watcher

@@ -47,7 +47,8 @@ def register(sub: Any) -> None:
                         "of --timeout and 600, else no limit)")
     p.add_argument("--diagnose", action="store_true",
                    help="run each worker under `accelport diagnose` (an unported script too): rank 0 says the "
-                        "job's findings once, with the rank that holds the others back (torchrun engines)")
+                        "job's findings once, with the rank that holds the others back (on XLA backends the "
+                        "process that starts the replicas does, watching each)")
     p.add_argument("--output", metavar="FILE.json", help="with --diagnose: write the job's findings as JSON")
     p.add_argument("--report", metavar="FILE.html", help="with --diagnose: write the job's report page")
     hosts = p.add_argument_group("several hosts (torchrun rendezvous; the same values on every host; "

@@ -258,6 +258,9 @@ class JobResult:
     notes: list[str] = field(default_factory=list)
     #: Of the missing ranks, those that ran unwatched: a further device thread of a watched process.
     unwatched: list[int] = field(default_factory=list)
+    #: Why a missing rank's run is not here, as the way the runs were gathered tells it.
+    lost: str = ("no result reached rank 0: crashed, killed or still running when rank 0 stopped waiting, "
+                 "ACCELPORT_JOB_WAIT")
 
 
 def judge(runs: Sequence[RankRun], world_size: int, missing: Sequence[int] = (),

@@ -179,8 +179,9 @@ def build_plan(
     Raises the CLI's usage error for bad input (no such script, a script path that
     starts with "-", ``nprocs`` < 1 or more than the host's devices without
     ``oversubscribe``, a ``timeout`` or ``startup_timeout`` < 1, ``max_restarts`` < 0,
-    rendezvous options that cannot work), with what to do instead. ``diagnose``: each worker runs the
-    script under ``accelport diagnose`` with these options (torchrun only), and rank 0 says the job's.
+    rendezvous options that cannot work), with what to do instead. ``diagnose``: the job runs under
+    ``accelport diagnose`` with these options: under torchrun each worker, and rank 0 says the job's; on
+    torch_xla the process that calls ``torch_xla.launch``, which watches every replica and says the job's.
     """
     environ = os.environ if environ is None else environ
     rdzv = rdzv or Rendezvous()
@@ -211,13 +212,13 @@ def build_plan(
         _check_room(backend, nprocs, probe.available, probe.device_count)
     env = {"ACCELPORT_BACKEND": backend.name}
     notes: list[str] = []
-    if diagnose is not None and engine == "xla":
-        raise _usage(f"--diagnose runs under torchrun, and {backend.name}'s workers start with torch_xla.launch: run "
-                     "`accelport diagnose SCRIPT` instead (one process; a script that calls torch_xla.launch or "
-                     "xmp.spawn itself has each of its workers watched)")
     if engine == "xla":
         command, n = _xla_command(backend, script, script_args, nprocs, rdzv, environ, platform, python,
                                   env, notes)
+        if diagnose is not None:
+            # The worker that calls torch_xla.launch runs under `accelport diagnose`, which watches each replica
+            # torch_xla.launch starts and says the job's findings from that one process.
+            command = [python, "-m", "accelport", "diagnose", *diagnose, *command[1:]]
         if max_restarts:
             notes.append(f"torch_xla's launcher has no restarts: accelport starts it again, up to {max_restarts} "
                          "time(s), when a worker fails (TORCHELASTIC_RESTART_COUNT counts the restarts, as under "

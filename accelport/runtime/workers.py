@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import threading
 from collections.abc import Callable
@@ -36,6 +37,8 @@ _PREFIX = "rank-"
 _PROCESS_PREFIX = "process-"
 #: A device thread of a process whose first thread is watched: a rank, not watched.
 _UNWATCHED_PREFIX = "unwatched-"
+#: A worker's step records, beside its run (``rank-0-1.jsonl``), where the parent asked for them.
+_STEPS_SUFFIX = ".jsonl"
 
 
 def rank_run(watcher: Watcher, exit_status: int, rank: int) -> RankRun:
@@ -61,6 +64,10 @@ def rank_run(watcher: Watcher, exit_status: int, rank: int) -> RankRun:
                    lazy=bool(getattr(watcher.backend, "lazy", False)))
 
 
+#: What stays in the process a WatchedWorker is in: not pickled to a worker.
+_LOCAL = ("_claim", "_claimed", "_others", "_active", "_written", "_writing", "_signalled")
+
+
 class WatchedWorker:
     """A launcher's function, watched in the worker that runs it; its run written to ``directory``.
 
@@ -68,22 +75,72 @@ class WatchedWorker:
     arguments are its own); else a launcher's, called with the worker's index first (its rank)."""
 
     def __init__(self, fn: Callable[..., Any], directory: str, backend: str | None,
-                 process: int | None = None, start: int = 0) -> None:
+                 process: int | None = None, start: int = 0, steps: bool = False) -> None:
         self.fn = fn
         self.directory = directory
         self.backend = backend
+        self.steps = steps  # write the worker's step records too (the parent draws the job's page from them)
         self.process = process
         self.start = start  # which of the script's launcher calls started this worker (0: the first)
         self._claim = threading.Lock()  # the first thread of this process to run the function is watched
         self._claimed = False
         self._others: set[int] = set()  # this process's further device threads: the watcher skips their steps
+        self._active: tuple[Watcher, int, str] | None = None  # (the watcher, the rank, its files' prefix) while it runs
+        self._written = threading.Lock()  # held once the run is written
+        self._writing = False
+        self._signalled: int | None = None  # a SIGTERM that came while the run was written
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_claim", "_claimed", "_others")}
+        return {k: v for k, v in self.__dict__.items() if k not in _LOCAL}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._claim, self._claimed, self._others = threading.Lock(), False, set()
+        self._active, self._written, self._writing, self._signalled = None, threading.Lock(), False, None
+        # Unpickled in the worker's main thread (spawn, forkserver; torch_xla's replicas then run the function in
+        # a thread per device, where no signal handler can be installed): SIGTERM is taken here.
+        self._on_sigterm()
+
+    def _on_sigterm(self) -> None:
+        """A launcher's stop (SIGTERM, where it would end the worker): write the run so far, then end by it."""
+        try:
+            current = signal.getsignal(signal.SIGTERM)
+            # (a forked worker inherits the handler of the parent's `accelport diagnose`, which is not its own)
+            if threading.current_thread() is threading.main_thread() and (
+                    current == signal.SIG_DFL or getattr(current, "parent_only", False)):
+                signal.signal(signal.SIGTERM, self._stopped)
+        except (AttributeError, ValueError, OSError):  # no SIGTERM on this system
+            pass
+
+    def _stopped(self, signum: int, frame: Any) -> None:
+        if self._writing:  # the run is being written (the function ended): the worker ends by the signal after
+            self._signalled = signum
+            return
+        if self._active is not None:
+            watcher, index, prefix = self._active
+            self._conclude(watcher, index, prefix, 128 + signum)
+        self._end(signum)
+
+    @staticmethod
+    def _end(signum: int) -> None:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    def _conclude(self, watcher: Watcher, index: int, prefix: str, status: int) -> None:
+        """Write the run once (the function's end, or a SIGTERM that came first)."""
+        if not self._written.acquire(blocking=False):
+            return
+        self._writing = True
+        try:
+            watcher.finish()
+            watcher.uninstall()
+            _write(self.directory, rank_run(watcher, status, index), prefix)
+        except Exception:  # noqa: BLE001 - never in the way of the worker's own end
+            pass
+        finally:
+            self._writing = False
+        if self._signalled is not None:  # a SIGTERM came while it was written: it ends the worker now
+            self._end(self._signalled)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         index = self.process if self.process is not None else int(args[0])
@@ -93,8 +150,12 @@ class WatchedWorker:
             self._others.add(threading.get_ident())
             _mark_unwatched(self.directory, self.start, index)
             return self.fn(*args, **kwargs)
-        watcher = Watcher(backend=self.backend, other_loops=self._others)
+        prefix = _PROCESS_PREFIX if self.process is not None else f"{_PREFIX}{self.start}-"
+        records = os.path.join(self.directory, f"{prefix}{index}{_STEPS_SUFFIX}") if self.steps else None
+        watcher = Watcher(backend=self.backend, other_loops=self._others, metrics_file=records)
         watcher.install()
+        self._on_sigterm()  # (a worker that runs the function in its main thread: fork, or spawn's own call)
+        self._active = (watcher, index, prefix)
         status = 0
         try:
             return self.fn(*args, **kwargs)
@@ -106,20 +167,15 @@ class WatchedWorker:
             watcher.failed(exc)
             raise
         finally:
-            try:
-                watcher.finish()
-                watcher.uninstall()
-                _write(self.directory, rank_run(watcher, status, index),
-                       _PROCESS_PREFIX if self.process is not None else f"{_PREFIX}{self.start}-")
-            except Exception:  # noqa: BLE001 - never in the way of the worker's own end
-                pass
+            self._active = None
+            self._conclude(watcher, index, prefix, status)
 
 
-def watch_workers(directory: str, backend: str | None) -> Callable[..., Callable[..., Any]]:
+def watch_workers(directory: str, backend: str | None, steps: bool = False) -> Callable[..., Callable[..., Any]]:
     """What a Watcher wraps a launcher's function (or, with ``process=N``, a Process target) with, so each
-    worker's run is written to ``directory``."""
+    worker's run is written to ``directory``; ``steps``: its step records too."""
     def wrap(fn: Callable[..., Any], process: int | None = None, start: int = 0) -> Callable[..., Any]:
-        return WatchedWorker(fn, directory, backend, process, start)
+        return WatchedWorker(fn, directory, backend, process, start, steps)
     return wrap
 
 
@@ -150,6 +206,8 @@ class WorkerRuns:
     unwatched: list[int] = field(default_factory=list)
     start: int | None = None
     others: list[tuple[int, int, int]] = field(default_factory=list)
+    #: The step records of the job's first rank that wrote any (its number, the file), where asked for.
+    records: tuple[int, str] | None = None
 
 
 def _numbers(name: str, prefix: str, suffix: str = "") -> tuple[int, int] | None:
@@ -196,5 +254,9 @@ def read_workers(directory: str) -> WorkerRuns:
     trained = [processes[n] for n in sorted(processes) if processes[n].steps]
     first = max((r.rank for r in ordered), default=-1) + 1
     others = [(n, len(starts[n]), steps[n]) for n in sorted(starts) if n != start]
-    return WorkerRuns(ordered + [replace(run, rank=first + i) for i, run in enumerate(trained)],
-                      sorted(unwatched.get(start, [])) if start is not None else [], start, others)
+    ranks = ordered + [replace(run, rank=first + i) for i, run in enumerate(trained)]
+    files = [f"{_PREFIX}{start}-{run.rank}" for run in ordered] + [f"{_PROCESS_PREFIX}{run.rank}" for run in trained]
+    written = [(run.rank, path) for run, name in zip(ranks, files, strict=True)
+               if os.path.isfile(path := os.path.join(directory, name + _STEPS_SUFFIX)) and os.path.getsize(path)]
+    return WorkerRuns(ranks, sorted(unwatched.get(start, [])) if start is not None else [], start, others,
+                      written[0] if written else None)

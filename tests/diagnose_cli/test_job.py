@@ -104,6 +104,19 @@ def test_a_rank_with_a_slow_dataset_is_named_with_its_input_pipeline(tmp_path):
     assert kinds["input-bound"]["message"].startswith("on rank 1:")
 
 
+def test_memory_one_rank_holds_alone_names_that_rank(tmp_path):  # (silent on the balanced job below)
+    # Rank 1 keeps 64 MiB of tensors a step (768 MiB by the end); on cpu a rank's memory is its process's resident
+    # memory (the host is the device).
+    proc, result = _job(tmp_path, "--memory-rank", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (found,) = [f for f in result["findings"] if f["kind"] == "rank-divergence"]
+    evidence = found["evidence"]
+    assert (evidence["rank"], evidence["what"]) == (1, "memory"), found
+    by_rank = {int(r): v for r, v in evidence["peak_memory_bytes_by_rank"].items()}
+    assert by_rank[1] - by_rank[0] > 600 * 2**20, by_rank
+    assert "rank 1 peaked at" in " ".join(proc.stderr.split())
+
+
 def test_a_rank_that_recompiles_is_the_straggler_by_compiling_and_a_rank_divergence(tmp_path):
     # Every rank compiles its model; rank 1's batch grows a row each step, so it compiles a program per step.
     proc, result = _job(tmp_path, "--manual", "--recompile-rank", "1")
@@ -210,9 +223,10 @@ def test_torchrun_arguments_it_refuses_are_one_specific_error(tmp_path, args, sa
 
 @pytest.mark.parametrize("start_method", ["spawn", "fork"])
 def test_workers_a_script_starts_itself_are_each_watched_and_judged_as_one_job(tmp_path, start_method):
-    out = tmp_path / "job.json"
-    proc = run("--output", str(out), str(SCRIPTS / "spawn_job.py"), str(_free_port()), "--slow-rank", "1",
-               "--start-method", start_method, cwd=tmp_path)
+    out, page, steps = tmp_path / "job.json", tmp_path / "job.html", tmp_path / "steps.jsonl"
+    proc = run("--output", str(out), "--report", str(page), "--metrics-file", str(steps),
+               str(SCRIPTS / "spawn_job.py"), str(_free_port()), "--slow-rank", "1", "--start-method", start_method,
+               cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "all workers done" in proc.stdout
     summaries = _summaries(proc.stderr)
@@ -222,6 +236,32 @@ def test_workers_a_script_starts_itself_are_each_watched_and_judged_as_one_job(t
     assert [(r["rank"], r["steps"]) for r in result["ranks"]] == [(0, 12), (1, 12)]
     assert len({r["pid"] for r in result["ranks"]}) == 2
     assert [f["evidence"]["rank"] for f in result["findings"] if f["kind"] == "straggler"] == [1]
+    # The parent trained nothing: the page and the metrics file are rank 0's steps (a worker's), with the job's
+    # rows and findings, as under torchrun.
+    assert f"wrote {out}, {page}, {steps} (rank 0's steps)" in " ".join(proc.stderr.split()), proc.stderr[-2000:]
+    lines = [json.loads(line) for line in steps.read_text().splitlines()]
+    assert sum(1 for line in lines if "step" in line) == 12, lines[:2]
+    html = page.read_text()
+    rows = html.split("<tr class=rank>")[1:]
+    assert len(rows) == 2 and "straggler" not in rows[0] and "<span class=badge>straggler</span>" in rows[1]
+    assert "rank 0&#x27;s steps; the job&#x27;s findings" in html
+
+
+def test_a_killed_worker_is_named_not_judged_and_the_one_spawn_then_stops_still_is(tmp_path):
+    """Rank 1 is killed (SIGKILL) at its 6th step: it leaves no run. torch's spawn then stops rank 0 with SIGTERM
+    (or its all-reduce fails first): rank 0 writes its run either way, and the parent says the job."""
+    out = tmp_path / "job.json"
+    proc = run("--output", str(out), str(SCRIPTS / "spawn_job.py"), str(_free_port()), "--kill-rank", "1",
+               cwd=tmp_path)
+    assert proc.returncode == 1 and "all workers done" not in proc.stdout, proc.stderr[-3000:]
+    assert len(_summaries(proc.stderr)) == 1 and "a job of 2 ranks" in _summaries(proc.stderr)[0], proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (rank0,) = result["ranks"]
+    assert rank0["rank"] == 0 and rank0["exit_status"] in (1, 143) and 5 <= rank0["steps"] <= 6, rank0
+    assert result["job"]["ranks_missing"] == [1]
+    said = " ".join(proc.stderr.split())
+    assert "not judged: rank(s) 1 (no run came back from its worker: killed before its function ended" in said
+    assert "[ok ]" not in said
 
 
 def test_a_script_that_starts_workers_again_to_evaluate_is_judged_on_its_training_workers(tmp_path):
@@ -241,14 +281,16 @@ def test_a_script_that_starts_workers_again_to_evaluate_is_judged_on_its_trainin
 @pytest.mark.parametrize("start_method", ["spawn", "fork"])
 def test_process_targets_that_train_are_ranks_and_a_helper_process_is_not(tmp_path, start_method):
     out = tmp_path / "job.json"
-    proc = run("--output", str(out), str(SCRIPTS / "spawn_job.py"), str(_free_port()), "--slow-rank", "1",
-               "--start-method", start_method, "--process", cwd=tmp_path)
+    proc = run("--output", str(out), "--report", str(tmp_path / "job.html"), str(SCRIPTS / "spawn_job.py"),
+               str(_free_port()), "--slow-rank", "1", "--start-method", start_method, "--process", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "all workers done" in proc.stdout
     summaries = _summaries(proc.stderr)
     assert len(summaries) == 1 and "a job of 2 ranks" in summaries[0]
     result = json.loads(out.read_text())
     assert [(r["rank"], r["steps"]) for r in result["ranks"]] == [(0, 12), (1, 12)]  # the helper is no rank
+    # (the page is drawn from the first training process's steps, rank 0's, however many helpers came before)
+    assert len((tmp_path / "job.html").read_text().split("<tr class=rank>")[1:]) == 2
     assert [f["evidence"]["rank"] for f in result["findings"] if f["kind"] == "straggler"] == [1]
 
 

@@ -190,6 +190,10 @@ def test_xla_family_launches_through_torch_xla(script: str) -> None:
     one = build_plan(backend, script, environ={"PJRT_DEVICE": "cpu"}, nprocs=1)
     assert "--single-process" in one.command and one.env["PJRT_DEVICE"] == "CPU"
     assert not one.notes  # one replica is what the xla test environment runs
+    # --diagnose: the worker that calls torch_xla.launch runs under accelport diagnose, which watches its replicas.
+    watched = build_plan(backend, script, ["a"], environ={}, platform="gcp-tpu", diagnose=["--output", "/o.json"])
+    assert watched.command[1:] == ["-m", "accelport", "diagnose", "--output", "/o.json", "-m",
+                                   "accelport.launch.worker", "--engine", "xla", script, "a"]
 
 
 def test_xla_nprocs_maps_to_the_device_count_variable_or_is_refused(script: str) -> None:

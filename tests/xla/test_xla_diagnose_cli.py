@@ -206,3 +206,61 @@ def test_a_further_device_thread_of_a_watched_worker_is_said_unwatched_not_lost(
     assert f"not judged: rank(s) {other} (each a further device thread of a process" in said
     assert "crashed" not in said and "[ok ]" not in said
     assert result["verdict"]["judged_every_step"] is False
+
+
+def test_launch_diagnose_on_xla_watches_the_replica_torch_xla_launch_starts(tmp_path: pathlib.Path) -> None:
+    """`accelport launch --backend xla --diagnose`: the launch's worker calls torch_xla.launch under `accelport
+    diagnose`, which watches the replica: one job summary naming the script, its finding at the script's line,
+    and the page drawn from the replica's steps. A replica that raises is named by its own error."""
+    from tests.launch.test_launch import launch
+
+    script = SCRIPTS / "xla_item.py"
+    out, page = tmp_path / "job.json", tmp_path / "job.html"
+    done = launch("--backend", "xla", "--diagnose", "--output", str(out), "--report", str(page), str(script),
+                  timeout=600, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
+    assert done.returncode == 0 and "mean loss" in done.stdout, done.stderr[-3000:]
+    said = " ".join(done.stderr.split())
+    assert said.count("accelport diagnose:") == 1 and f"accelport diagnose: {script}, a job of 1 rank" in said, said
+    result = json.loads(out.read_text())
+    (rank,) = result["ranks"]
+    assert (rank["rank"], rank["steps"], rank["exit_status"]) == (0, 14, 0)
+    site = f"{script}:{line_of(script, 'total += loss.item()')}"
+    assert [(f["kind"], f["evidence"]["where"]) for f in result["findings"]] == [("host-sync", site)]
+    assert page.read_text().count("<tr class=rank>") == 1
+
+    failing = tmp_path / "fails.py"
+    failing.write_text(script.read_text().replace("    loss.backward()\n", "    loss.backward()\n"
+                                                  "    if total > 0: raise ValueError('bad batch')\n", 1))
+    done = launch("--backend", "xla", "--diagnose", "--output", str(out), str(failing), timeout=600,
+                  PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "accelport: error: rank 0" in done.stderr and "ValueError: bad batch" in done.stderr
+    assert [r["exit_status"] for r in json.loads(out.read_text())["ranks"]] == [1]
+
+
+def test_launch_timeout_stops_a_hung_replica_which_still_hands_over_its_run(tmp_path: pathlib.Path) -> None:
+    """The replica hangs after 5 steps (its function runs in a device thread, where no handler can be): --timeout
+    stops the job with SIGTERM, taken in the replica's main thread, which writes the run before the replica ends."""
+    from tests.launch.test_launch import launch
+
+    script = tmp_path / "hangs.py"
+    script.write_text(
+        "import time, torch, torch_xla\n"
+        "device = torch_xla.device()\n"
+        "model = torch.nn.Linear(10, 1).to(device)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.01)\n"
+        "for step in range(12):\n"
+        "    if step == 5:\n"
+        "        time.sleep(600)  # hung\n"
+        "    model(torch.randn(4, 10).to(device)).pow(2).mean().backward()\n"
+        "    opt.step()\n"
+        "    opt.zero_grad()\n"
+        "    torch_xla.sync()\n")
+    out = tmp_path / "job.json"
+    done = launch("--backend", "xla", "--diagnose", "--timeout", "10", "--output", str(out), str(script),
+                  timeout=600, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
+    assert done.returncode != 0, done.stderr[-3000:]
+    said = " ".join(done.stderr.split())
+    assert f"accelport diagnose: {script}, a job of 1 rank" in said and "more than --timeout 10" in said, said[-3000:]
+    (rank,) = json.loads(out.read_text())["ranks"]
+    assert (rank["rank"], rank["steps"], rank["exit_status"]) == (0, 5, 143)

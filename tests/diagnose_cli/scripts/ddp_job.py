@@ -4,7 +4,7 @@
                                              [--fail-rank R] [--steps N] [--manual] [--nan-rank R]
                                              [--kill-rank R] [--ddp-uneven]
                                              [--die-after-rank R] [--fsdp] [--lone-collective-rank R]
-                                             [--recompile-rank R]
+                                             [--recompile-rank R] [--memory-rank R]
 
 --slow-rank: that rank sleeps 0.15 s in the loop each step (host work, an augmentation of its own).
 --slow-data-rank: that rank's Dataset sleeps 0.05 s per sample (4 per batch) in the main process.
@@ -16,6 +16,7 @@ DDP hang).
 one row more each step (its last sample repeated): it compiles a new program each step, the others once.
 --lone-collective-rank: that rank alone calls dist.all_reduce after its steps (rank-0-only work gone wrong): it
 waits for partners that never come.
+--memory-rank: that rank keeps 64 MiB of host tensors a step in a list (metrics kept on that rank alone).
 --die-after-rank: that rank kills itself with SIGKILL 3 s after its steps (while rank 0 waits for its summary).
 --kill-rank: that rank kills itself with SIGKILL at step 5 (out of memory, as the kernel ends it).
 --nan-rank: that rank's batch at step 5 holds a NaN (DDP's all-reduce carries it to the others).
@@ -48,6 +49,7 @@ parser.add_argument("--die-after-rank", type=int, default=-1)
 parser.add_argument("--fsdp", action="store_true")
 parser.add_argument("--lone-collective-rank", type=int, default=-1)
 parser.add_argument("--recompile-rank", type=int, default=-1)
+parser.add_argument("--memory-rank", type=int, default=-1)
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -81,6 +83,7 @@ class Samples(torch.utils.data.Dataset):
 
 loader = torch.utils.data.DataLoader(Samples(), batch_size=4)
 steps = args.steps + (1 if rank == args.extra_step_rank else 0)
+kept = []
 for step, (x, y) in enumerate(loader):
     if step == steps:
         break
@@ -91,6 +94,8 @@ for step, (x, y) in enumerate(loader):
         x[0, 0] = float("nan")
     if rank == args.slow_rank:
         time.sleep(0.15)
+    if rank == args.memory_rank:
+        kept.append(torch.full((16 * 2**20,), float(step)))  # 64 MiB, written: resident
     if rank == args.recompile_rank:
         x, y = torch.cat([x] + [x[-1:]] * (step + 1)), torch.cat([y] + [y[-1:]] * (step + 1))
     loss = torch.nn.functional.mse_loss(model(x), y)

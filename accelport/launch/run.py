@@ -341,6 +341,9 @@ def _place(answer: Mapping[str, Any] | None) -> str:
     steps = f" after {answer['steps']} step(s)" if isinstance(answer.get("steps"), int) else ""
     if answer.get("waiting"):
         return f"its script waits in {answer['waiting']}{at}{steps}, a collective"
+    if answer.get("script_running") is False:
+        return (f"its script is not running{steps}: accelport's own code is, before the script started or after it "
+                "ended (meeting the other ranks to end the process group, or under --diagnose gathering their runs)")
     return f"its script is{at or ' somewhere not known'}{steps}, outside any collective"
 
 

@@ -189,7 +189,9 @@ def locate(frame: types.FrameType | None, api: Mapping[types.CodeType, str],
     the collective it is inside, named by the outermost of accelport's functions on the
     stack (``ap.optimizer_step``, ``ap.save``) when marked, else the innermost
     torch.distributed function (``torch.distributed.all_reduce``), else None; and
-    ``world`` whether it is one of accelport's over every rank.
+    ``world`` whether it is one of accelport's over every rank; ``script_running`` False where no frame of the
+    script is on the stack (accelport's own code runs: under ``accelport diagnose``, before the script starts
+    or after it ended, gathering the job's ranks).
     """
     from accelport.observe.frames import user_site  # the same "user's line" as diagnose shows
 
@@ -211,7 +213,7 @@ def locate(frame: types.FrameType | None, api: Mapping[types.CodeType, str],
 
         text = linecache.getline(site[0], site[1]).strip()
     return {"where": f"{site[0]}:{site[1]}" if site else None, "code": text, "waiting": waiting,
-            "world": world is not None}
+            "world": world is not None, "script_running": site is not None or frame is None}
 
 
 class _Responder(threading.Thread):

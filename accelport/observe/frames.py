@@ -35,6 +35,10 @@ class Site(NamedTuple):
     label: str = ""
 
 
+#: accelport's own directory: ``python -m accelport`` runs its ``__main__.py`` as ``__main__``, as a script's is.
+_OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
 def user_site(frame: types.FrameType | None = None, also: frozenset[str] = frozenset()) -> tuple[str, int] | None:
     """(file, line) of the innermost frame outside torch, torch_xla, accelport and the import machinery;
     ``also``: files skipped too (a plugin's rules)."""
@@ -42,7 +46,8 @@ def user_site(frame: types.FrameType | None = None, also: frozenset[str] = froze
     while frame is not None:
         module = frame.f_globals.get("__name__") or ""
         filename = frame.f_code.co_filename
-        if module.partition(".")[0] not in LIBRARIES and not filename.startswith("<frozen ") and filename not in also:
+        if module.partition(".")[0] not in LIBRARIES and not filename.startswith("<frozen ") and filename not in also \
+                and not (module == "__main__" and filename.startswith(_OWN)):
             return filename, frame.f_lineno
         frame = frame.f_back
     return None

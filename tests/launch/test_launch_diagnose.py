@@ -71,3 +71,20 @@ def test_eight_ranks_on_two_cores_finish_with_one_summary_of_eight(tmp_path: Pat
     assert [r["rank"] for r in result["ranks"]] == list(range(8)) and result["job"]["ranks_missing"] == []
     assert all(r["steps"] == 4 for r in result["ranks"])
     assert sum(line.startswith("accelport diagnose:") for line in done.stderr.splitlines()) == 1
+
+
+def test_the_ddp_hang_under_launch_timeout_ends_and_rank_0_names_the_rank_that_hangs(tmp_path: Path) -> None:
+    """Rank 1 has one batch more (uneven inputs, kept under DDP): it hangs in its extra step's all-reduce. --timeout
+    stops the job; rank 0, which ended its steps and waits for rank 1's run, says the job with rank 1 placed."""
+    out = tmp_path / "job.json"
+    done = launch("--nprocs", "2", "--timeout", "20", "--diagnose", "--output", str(out), JOB, "--extra-step-rank",
+                  "1", "--ddp-uneven", timeout=600)
+    assert done.returncode != 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [(f["kind"], f["evidence"]["rank"], f["evidence"]["what"]) for f in result["findings"]] == [
+        ("rank-divergence", 1, "steps")]
+    said = " ".join(done.stderr.split())
+    assert "rank 1 never ended: it was inside the backward pass of its step 13" in said, said[-3000:]
+    # The launcher places rank 1 at the script's line, and says rank 0's script had ended (not accelport's line).
+    assert "ddp_job.py:" in said and "loss.backward()" in said
+    assert "rank 0" in said and "its script is not running" in said and "__main__.py" not in said, said[-3000:]

@@ -1,8 +1,8 @@
 """MFU with a chip's peak from the compatibility matrix, and the causes of a low one, each on a model built to have
 it and silent on one without.
 
-There is no TPU or Trainium here: the stand-ins (tests/backends/test_standins.py) are the real backend classes
-with their tensors on the host CPU, on a fake TPU VM or Trainium host (tests/fakes.py) read through
+There is no TPU, Trainium or NVIDIA GPU here: the stand-ins (tests/backends/test_standins.py) are the real backend
+classes with their tensors on the host CPU, on a fake TPU VM, Trainium or NVIDIA host (tests/fakes.py) read through
 ACCELPORT_SYSROOT, so the chip is detected as on the hardware.
 """
 
@@ -44,6 +44,7 @@ def mlp(hidden: int) -> torch.nn.Module:
     # Torch sees four devices (logical NeuronCores) per Trainium2 chip: each has a quarter of its peak; float32
     # has a peak of its own there.
     ("neuron", lambda root: fakes.neuron_host(root, 16, "trn2.48xlarge"), "Trainium2", 181e12, 4),
+    ("cuda", lambda root: fakes.nvidia_host(root, 8, "NVIDIA H100 80GB HBM3"), "NVIDIA H100 SXM", 67e12, 1),
 ])
 def test_mfu_is_the_achieved_flops_over_the_chips_peak(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                        standin: str, host: Any, chip: str, peak: float,

@@ -16,7 +16,7 @@ from pathlib import Path
 from tests.diagnose_cli.runs import REPO, child_env, default_signals
 
 _WORKER = textwrap.dedent("""
-    import os, signal, sys, threading
+    import os, signal, sys, threading, time
     import torch
     from accelport.runtime.workers import WatchedWorker, read_workers
 
@@ -25,7 +25,11 @@ _WORKER = textwrap.dedent("""
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for step in range(10):
             if step == 3:
-                os.kill(os.getpid(), signal.SIGTERM)  # the launcher's stop, in the middle of step 4
+                # Hung in step 4, where the launcher's stop finds it. (In a thread, the function would otherwise
+                # run on and end before the main thread is scheduled to take the signal: its run, rightly, then
+                # says it ended well.)
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(120)
             model(torch.randn(2, 4)).sum().backward()
             opt.step()
             opt.zero_grad()
@@ -60,4 +64,4 @@ def test_a_worker_stopped_by_sigterm_writes_its_run_then_ends_by_the_signal(tmp_
 
 def test_a_worker_whose_function_runs_in_another_thread_is_stopped_the_same(tmp_path: Path) -> None:
     run = _stopped(tmp_path, "thread")
-    assert (run["rank"], run["exit_status"]) == (0, 128 + signal.SIGTERM) and run["steps"] >= 3
+    assert (run["rank"], run["steps"], run["exit_status"]) == (0, 3, 128 + signal.SIGTERM)

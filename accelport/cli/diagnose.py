@@ -711,9 +711,10 @@ def _conclude(plan: _Plan, watcher: Watcher, outcome: Outcome, records: str | No
             watcher.notes.append("the outputs (--output, --report, --metrics-file) are rank 0's to write: this "
                                  "rank's run is said here only")
         plan.output = plan.report = plan.metrics_file = None
-    started = _worker_runs(plan, records if not (watcher.steps + watcher.manual_steps) else None)
-    workers, unwatched = started.runs, started.unwatched  # (the page: a rank's steps, where this process took none)
     own_steps = watcher.steps + watcher.manual_steps
+    # (The page and --metrics-file: a worker's steps where this process took none, else this process's own.)
+    started = _worker_runs(plan, records if not own_steps else None)
+    workers, unwatched = started.runs, started.unwatched
     if workers or (watcher.spawned and not own_steps):
         # The script trained in workers it started: each was watched, and is a rank of the job. (Where none left a
         # run, killed before their function ended, the job is said with every rank not judged.)
@@ -804,11 +805,14 @@ def _worker_runs(plan: _Plan, records: str | None) -> WorkerRuns:
     if plan.workers_dir is None:
         return WorkerRuns()
     started = read_workers(plan.workers_dir)
+    copied = None
     if records is not None and started.runs and started.records is not None:
         try:
             shutil.copyfile(started.records[1], records)
+            copied = started.records
         except OSError:
-            started.records = None  # (then there is no page, and the summary says why)
+            pass  # (then there is no page, and the summary says why)
+    started.records = copied  # whose steps ``records`` now holds, where a worker's
     shutil.rmtree(plan.workers_dir, ignore_errors=True)
     plan.workers_dir = None
     return started

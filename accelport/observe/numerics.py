@@ -18,9 +18,12 @@ step (``ap.optimizer_step``), at a cost that stays out of the step:
   device work, nothing added to a graph) and every :data:`CHECK_EVERY` steps the
   newest is read with the weight the way ``ap.after_step`` reads, when the step's
   values are ready anyway; only when the gradient is bad are the others read, for
-  the first bad step. On XLA only the newest is kept (each sync looks at every live
-  tensor), the weight is read whole (a slice would be a graph to compile), so only
-  one of at most :data:`WEIGHT_LAZY_MAX` elements is chosen, and both are read every
+  the first bad step. On XLA no gradient is kept (a tensor live at the loop's sync
+  is an output of the step's graph, made and let go each step): the canary's values
+  are read instead of its gradient (a NaN or Inf gradient makes the values it updates
+  NaN or Inf, and they stay so), with the weight's, both read whole (a slice would be
+  a graph to compile), so only one of at most :data:`WEIGHT_LAZY_MAX` elements is
+  chosen as the weight; they are read every
   :data:`CHECK_EVERY_LAZY` steps and at the end of each loop, right after the loop's
   sync (a transfer, never an extra execution or compilation; left out of
   ``ap.metrics().device_to_host``): a bad input batch is still named at its step
@@ -288,6 +291,8 @@ class NumericsWatch:
         self._weight_sharded = False
         self._clone = False  # gradients accumulated in place (zero_grad(set_to_none=False)): copy them
         self._kept: list[tuple[int, Any]] = []
+        self._step = 0  # lazy: the last step seen...
+        self._read_step = 0  # ...and the last one read
         self._unread = 0  # steps since the last read
         self._finite_at = 0  # the last step read and found finite (lazy: reads are far apart)
         self._bad_inputs: dict[int, str] = {}
@@ -358,23 +363,24 @@ class NumericsWatch:
         if self.deferred:
             if isinstance(batch, str):
                 self._bad_inputs[step] = batch
-            if grad is not None:
-                if self._lazy:
-                    # Only the newest: every live XLA tensor is looked at by each sync, so
-                    # keeping hundreds would slow every step (and a copy would be a graph op).
-                    self._kept[:] = [(step, local_shard(grad) if self._sharded else grad)]
-                else:
-                    # The same gradient object as last step: accumulated in place
-                    # (zero_grad(set_to_none=False)), so each kept one must be a copy. The
-                    # first is copied anyway, before that can be told. (Compared before
-                    # to_local(), which hands out a new object on every call.)
-                    if grad is self._last_grad:
-                        self._clone = True
-                    clone = self._clone or self._last_grad is None
-                    self._last_grad = grad
-                    if self._sharded:
-                        grad = grad.to_local()
-                    self._kept.append((step, grad.detach().clone() if clone else grad))
+            if self._lazy:
+                # No gradient is kept: one live at the loop's sync is an output of the step's graph,
+                # made and let go each step (the largest of the checks' costs on a small model), and
+                # keeping it on some steps only would make a second graph to compile. The canary's
+                # values are read instead, with the weight's (see read()).
+                self._step = step
+            elif grad is not None:
+                # The same gradient object as last step: accumulated in place
+                # (zero_grad(set_to_none=False)), so each kept one must be a copy. The
+                # first is copied anyway, before that can be told. (Compared before
+                # to_local(), which hands out a new object on every call.)
+                if grad is self._last_grad:
+                    self._clone = True
+                clone = self._clone or self._last_grad is None
+                self._last_grad = grad
+                if self._sharded:
+                    grad = grad.to_local()
+                self._kept.append((step, grad.detach().clone() if clone else grad))
             self._unread += 1
             if self._unread >= self.every:
                 self.read()
@@ -463,6 +469,9 @@ class NumericsWatch:
         # Were this block's inputs looked at? Counted by the loader's thread, which reads ahead,
         # so told per block, not per step.
         seen, self._inspected_read = self._inspected != self._inspected_read, self._inspected
+        if self._lazy and self.nonfinite is None:
+            self._read_values(seen)
+            return
         if not kept or self.nonfinite is not None:
             return
         steps = [s for s, _ in kept]
@@ -487,6 +496,34 @@ class NumericsWatch:
         weight = (self._weight_sample(),) if self._weight is not None else ()
         self._after(newest, (kept[-1][1], *weight))
 
+    def _read_values(self, seen: bool) -> None:
+        """Lazy backends: read the canary's values and the checked weight's, as they are after the newest step.
+
+        A NaN or Inf gradient makes the parameter it updates NaN or Inf, and they stay so; the
+        parameters are outputs of every step's graph anyway, so this read adds nothing to a graph.
+        (A step a loss scaler skipped leaves them finite: not reported, as in the other modes.)
+        """
+        last, since = self._step, self._finite_at
+        probes = [p for p in (self._canary, self._weight) if p is not None]
+        if last <= self._read_step or not probes:
+            return  # no step since the last read
+        self._read_step = last
+
+        def judge(*values: Any) -> None:
+            if self.nonfinite is not None:
+                return
+            bad = next((p for p, v in zip(probes, values, strict=False) if not _finite(v)), None)
+            if bad is None:
+                self._finite_at = max(self._finite_at, last)
+                return
+            inputs = sorted(s for s in self._bad_inputs if since < s <= last)  # checked step by step
+            if inputs:
+                self._found(inputs[0], self._bad_inputs[inputs[0]])
+            else:
+                self._found(last, None, finite_at=since, seen=seen, weights=True, probe=bad)
+
+        self._after(judge, tuple(local_shard(p).detach() for p in probes))
+
     def _check_values(self, steps: list[int], values: tuple[Any, ...], seen: bool) -> None:
         for step, v in zip(steps, values, strict=False):
             if not _finite(v):
@@ -496,11 +533,11 @@ class NumericsWatch:
 
     # -- the finding -------------------------------------------------------------------------------
     def _found(self, step: int, batch: Any, finite_at: int | None = None, *, seen: bool = True,
-               weights: bool = False) -> None:
+               weights: bool = False, probe: Any = None) -> None:
         """Name the first bad step's source. ``batch``: on cpu the step's last batch (None: none
         came), deferred what the loader's thread said of it; ``seen``: deferred, whether the
-        block's inputs were looked at; ``weights``: found in the checked weight's values, not in
-        the canary's gradient."""
+        block's inputs were looked at; ``weights``: found in values (the checked weight's, or
+        ``probe``'s), not in the canary's gradient."""
         import torch
 
         params = self._params
@@ -510,7 +547,9 @@ class NumericsWatch:
             if isinstance(batch, str):
                 self.nonfinite = NonFinite(step, "input", batch)
                 return
-            probe, found_in = (self._weight, "weights") if weights else (self._canary, "gradients")
+            if probe is None:
+                probe = self._weight if weights else self._canary
+            found_in = "weights" if weights else "gradients"
             where = f" (seen in {name(probe)})" if probe is not None else ""
             self.nonfinite = NonFinite(step, "gradients" if seen else "unknown",
                                        f"the {found_in}{where}" + ("" if seen else _UNSEEN.format("these steps")),

@@ -63,16 +63,39 @@ def test_a_nan_input_batch_is_named_exactly_without_an_extra_graph_or_transfer()
     assert m.device_to_host - start.device_to_host == 0
 
 
-def test_a_diverging_loss_is_reported_from_the_gradients() -> None:
+def test_a_diverging_loss_is_reported_from_the_parameters_it_made_nan() -> None:
     ap.use("xla")
     with pytest.warns(ap.DiagnosticWarning, match="non-finite"):
         train(12, data(20, 12, scale=30.0), lr=10.0)  # found by the read at the loop's end
     (found,) = ap.diagnostics()
-    # Read at the loop's end: the step it was found by, and the last one known finite.
+    # Read at the loop's end: the canary's values (no gradient is kept on XLA), the step it was found by,
+    # and the last one known finite.
     assert found.evidence["source"] == "gradients" and found.evidence["found_by_step"] == 20
+    assert found.evidence["names"] == ["2.bias"] and found.text.startswith("the weights became NaN or Inf")
     assert found.evidence["first_step"] is None and found.evidence["finite_at_step"] == 0
     assert "after step 0 and by step 20 (on xla they are read every few hundred steps" in found.text
     assert "The inputs were finite" in found.text and "clip_grad_norm_" in found.text
+
+
+def test_no_gradient_outlives_its_step_so_no_step_graph_outputs_one() -> None:
+    # A tensor live at the loop's sync is an output of the step's graph, made and let go each step: the
+    # checks keep no gradient on XLA (they read the canary's values), so those the script let go of are gone.
+    import weakref
+
+    import torch
+
+    ap.use("xla")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(9, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).to(ap.device())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    alive = []
+    for x, y in ap.loader(data(5, 9)):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        ap.optimizer_step(opt)
+        gradient = weakref.ref(model[2].bias.grad)  # the canary's
+        opt.zero_grad()  # (set_to_none: the script lets go of them, before the loop's sync)
+        alive.append(gradient() is not None)
+    assert ap.diagnostics() == [] and alive == [False] * 5
 
 
 def test_bf16_weights_with_a_tiny_learning_rate_stall() -> None:

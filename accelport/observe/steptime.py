@@ -159,9 +159,11 @@ class StepClock:
 
     def body(self) -> None:
         """The optimizer step starts: it is the body until the step ends, closures' forwards and backwards too."""
-        if self.thread is None or _get_ident() == self.thread:
-            self._stepping = True
-        self._base("body")  # (a step's start before any batch stays "pre": the forward is in it)
+        thread = self.thread
+        if thread is not None and _get_ident() != thread:
+            return
+        self._stepping = True
+        self._move("body")  # (a step's start before any batch stays "pre": the forward is in it)
 
     def tail(self) -> None:
         """A backward ended: the script's own code runs until the next body; inside the optimizer step (a
@@ -176,6 +178,10 @@ class StepClock:
         thread = self.thread
         if thread is not None and _get_ident() != thread:
             return
+        self._move(phase)
+
+    def _move(self, phase: str) -> None:
+        """The loop's thread moves to ``phase``: what ran since the last boundary goes to the phase it was in."""
         stack = self._stack
         mark = self._mark
         self._idle = self._closed = False  # training work: the batch before it was a training batch
@@ -192,20 +198,36 @@ class StepClock:
             self._mark = now
         stack[0] = phase
 
+    # enter() and leave() run around every sync of a lazy backend's loop: written out, one thread lookup and at
+    # most one clock read each (inside a training loop a call costs several times its time alone).
     def enter(self, phase: str) -> None:
         """A phase that nests (a sync, a host read, a collective) starts in the loop's thread."""
-        if self.thread is not None and threading.get_ident() != self.thread:
+        thread = self.thread
+        if thread is not None and _get_ident() != thread:
             return
-        self._charge(time.perf_counter())
-        self._stack.append(phase)
+        stack = self._stack
+        mark = self._mark
+        if mark is not None:
+            now = _clock()
+            top = stack[-1]
+            parts = self.parts
+            parts[top] = parts.get(top, 0.0) + (now - mark)
+            self._mark = now
+        stack.append(phase)
 
     def leave(self, phase: str) -> None:
         """The phase :meth:`enter` started ends (said by name: a leave without its enter changes nothing)."""
-        if self.thread is not None and threading.get_ident() != self.thread:
+        thread = self.thread
+        if thread is not None and _get_ident() != thread:
             return
         stack = self._stack
         if len(stack) > 1 and stack[-1] == phase:
-            self._charge(time.perf_counter())
+            mark = self._mark
+            if mark is not None:
+                now = _clock()
+                parts = self.parts
+                parts[phase] = parts.get(phase, 0.0) + (now - mark)
+                self._mark = now
             stack.pop()
 
     def span(self, phase: str, since: float) -> None:

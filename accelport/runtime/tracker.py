@@ -145,9 +145,10 @@ class StepTracker:
         return watch.inspect if watch is not None and watch.deferred else None
 
     def batch_arrived(self, wait: float, sig: Any, batch: Any = None, *, blocked: float | None = None,
-                      transfer: float = 0.0) -> None:
+                      transfer: float = 0.0, now: float | None = None) -> None:
         """The loop got a batch after ``wait`` seconds of waiting for data; ``batch`` itself where the host is the
-        device. ``blocked``: all the loop waited (default ``wait``), of which ``transfer`` for the backend's copies."""
+        device. ``blocked``: all the loop waited (default ``wait``), of which ``transfer`` for the backend's copies;
+        ``now``: when it got it (``time.perf_counter()``, read by the caller; default: read here)."""
         search = self.nan_search
         if search is not None:  # (what the loader's thread found in a host batch, else the batch)
             search.batch(sig.info if type(sig) is not tuple else batch)
@@ -160,7 +161,8 @@ class StepTracker:
                 watch.batch(batch)
         elif self._backend is None:  # the backend (and its checks) is chosen at the end of the first step
             self._unbound_batch = batch
-        now = time.perf_counter()
+        if now is None:
+            now = time.perf_counter()
         if blocked is None:
             blocked = wait
         if self.clock.arrived(now, blocked, wait, transfer):

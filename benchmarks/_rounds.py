@@ -70,6 +70,43 @@ def interleave(runs: Mapping[str, Callable[[], tuple[list[float], float]]], roun
     return out
 
 
+def call_times(targets: Iterable[tuple[str, Any, str]], run: Callable[[], Any], passes: int) -> dict[str, float]:
+    """Median wall microseconds of each call of ``targets`` ((label, object, method name)) made while ``run()``
+    trains, ``passes`` times: what they cost inside the loop, where the device's work beside them (and the
+    caches it leaves cold) makes them several times slower than :func:`per_call` says. Each call's time
+    includes the timing's own: time a call of nothing beside them to know it."""
+    durations: dict[str, list[float]] = {}
+    restore = []
+    for label, obj, name in targets:
+        original = getattr(obj, name)
+        own = name in vars(obj)  # (an attribute of the instance, not its class: put back as it was)
+        setattr(obj, name, _timed(original, durations.setdefault(label, [])))
+        restore.append((obj, name, original if own else None))
+    try:
+        for _ in range(passes):
+            run()
+    finally:
+        for obj, name, original in reversed(restore):
+            if original is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, original)
+    return {label: statistics.median(kept) * 1e6 for label, kept in durations.items() if kept}
+
+
+def _timed(fn: Callable[..., Any], kept: list[float]) -> Callable[..., Any]:
+    clock = time.perf_counter
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = clock()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            kept.append(clock() - start)
+
+    return timed
+
+
 def per_call(fn: Callable[[], Any], n: int = 5000) -> float:
     """Microseconds per call of ``fn``, timed alone."""
     t0 = time.perf_counter()

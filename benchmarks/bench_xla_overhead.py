@@ -18,8 +18,8 @@ slow drifts of a shared machine), the same from the loop thread's CPU time per s
 leaves out the time other processes take the core away: the steadier figure on a busy
 machine), the same from each round's mean step time (work done
 once every few steps, such as the diagnostics reading torch_xla's counters once per 16
-quiet steps, shows in the mean but hardly in the median), and the cost of accelport's
-per-step pieces timed alone.
+quiet steps, shows in the mean but hardly in the median), the cost of accelport's
+per-step pieces timed alone, and the same pieces timed inside the loop (median per call).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 import torch  # noqa: E402
 import torch_xla  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
-from _rounds import interleave, per_call, train_pass  # noqa: E402
+from _rounds import call_times, interleave, per_call, train_pass  # noqa: E402
 from torch_xla.distributed.parallel_loader import MpDeviceLoader  # noqa: E402
 
 import accelport as ap  # noqa: E402
@@ -116,6 +116,35 @@ def main() -> None:
                        ("step_counters(), once per 16 quiet steps", per_call(backend.step_counters)),
                        ("counters(), behind ap.metrics()", per_call(backend.counters, 500))):
         print(f"{name:46s} {cost:7.2f} us per call")
+
+    # The same pieces inside the loop, where they cost several times as much: the median of each call
+    # while the accelport loop trains, less the timing's own cost (a timed call of nothing, made once a
+    # step); and the loop's sync against raw torch_xla's (its graph outputs the canary gradient the
+    # numerics checks keep: one more buffer made and let go each step).
+    class Nothing:
+        def call(self) -> None:
+            return None
+
+    nothing = Nothing()
+
+    def stepped(opt: torch.optim.Optimizer) -> Any:
+        nothing.call()
+        return ap.optimizer_step(opt)
+
+    pieces = [("(a timed call of nothing)", nothing, "call"),
+              ("tracker.batch_arrived", tracker, "batch_arrived"),
+              ("tracker.optimizer_started", tracker, "optimizer_started"),
+              ("tracker.step_end", tracker, "step_end")]
+    pieces += [(f"  of which {name}.step_end", watch, "step_end") for name, watch in
+               (("numerics", tracker.numerics), ("flops", tracker.flops), ("memory", tracker.memory)) if watch]
+    pieces += [("tracker.synced (the median: a quiet step's)", tracker, "synced"),
+               ("backend.end_of_batch: the loop's sync", backend, "end_of_batch")]
+    inside = call_times(pieces, lambda: train_pass(ap.loader(data), *models["accelport"], stepped), 5)
+    inside.update(call_times([("raw torch_xla: its loader's sync", torch_xla, "sync")], raw, 5))
+    own = inside.pop("(a timed call of nothing)")
+    print(f"inside the loop (median per call, less {own:.2f} us of timing):")
+    for name, cost in inside.items():
+        print(f"  {name:46s} {cost - own:7.2f} us per call")
     ratio = by_median["accelport"]
     print(f"accelport / raw = {ratio:.3f}, median of per-round ratios (target <= 1.03: "
           f"{'yes' if ratio <= 1.03 else 'NO'}); from each round's mean step: {by_mean['accelport']:.3f}")

@@ -37,7 +37,7 @@ class LoaderTracker(Protocol):
     def inspector(self) -> Any: ...
 
     def batch_arrived(self, wait: float, sig: Any, batch: Any = None, *, blocked: float | None = None,
-                      transfer: float = 0.0, now: float | None = None) -> None: ...
+                      transfer: float = 0.0) -> None: ...
 
     def synced(self) -> None: ...
 
@@ -511,7 +511,7 @@ class DeviceLoader:
                 total = backend.transfer_seconds
                 transfer = min(blocked - wait, total - copied) if total != copied else 0.0
                 copied = total
-                tracker.batch_arrived(wait, next_signature(), batch, blocked=blocked, transfer=transfer, now=now)
+                tracker.batch_arrived(wait, next_signature(), batch, blocked=blocked, transfer=transfer)
                 if position is not None:
                     position.advance()
                 if bar is not None:

@@ -14,14 +14,15 @@ step (``ap.optimizer_step``), at a cost that stays out of the step:
   values, non-finite. Its values, not its gradient: the parameter is live anyway
   (nothing more kept, no copy), and a non-finite weight stays so, so the newest read
   tells. Where the host is the device (``cpu``) both are checked at once; on
-  accelerators and lazy backends a reference to the canary's gradient is kept (no
-  device work, nothing added to a graph) and every :data:`CHECK_EVERY` steps the
+  eager accelerators a reference to the canary's gradient is kept (no device work,
+  nothing added to a graph) and every :data:`CHECK_EVERY` steps the
   newest is read with the weight the way ``ap.after_step`` reads, when the step's
   values are ready anyway; only when the gradient is bad are the others read, for
   the first bad step. On XLA no gradient is kept (a tensor live at the loop's sync
   is an output of the step's graph, made and let go each step): the canary's values
-  are read instead of its gradient (a NaN or Inf gradient makes the values it updates
-  NaN or Inf, and they stay so), with the weight's, both read whole (a slice would be
+  are read instead of its gradient (with torch's optimizers a NaN or Inf gradient
+  makes the values it updates NaN or Inf, and they stay so), with the weight's, both
+  read whole (a slice would be
   a graph to compile), so only one of at most :data:`WEIGHT_LAZY_MAX` elements is
   chosen as the weight; they are read every
   :data:`CHECK_EVERY_LAZY` steps and at the end of each loop, right after the loop's
@@ -56,8 +57,8 @@ from accelport.sharding import is_dtensor, local_shard
 __all__ = ["NumericsWatch", "NonFinite", "Stalled", "Inspected", "check_batch", "batch_tensors", "param_names",
            "CHECK_EVERY", "PRECISION_FIRST", "PRECISION_EVERY", "PRECISION_STALLED"]
 
-#: Steps between reads of the kept gradients on eager accelerators, and on lazy backends:
-#: each read waits for the step it reads to finish executing, which on XLA costs the
+#: Steps between reads of the kept gradients on eager accelerators, and of the parameters' values
+#: on lazy backends: each read waits for the step it reads to finish executing, which on XLA costs the
 #: overlap of host and device for one step, so there it comes seldom (and at the end of
 #: each ap.loader loop, and at ap.diagnostics()).
 CHECK_EVERY = 64
@@ -101,7 +102,8 @@ class NonFinite:
     names: tuple[str, ...] = ()
     #: Where gradients are read far apart (accelerators, lazy backends): the last step read and found finite.
     finite_at: int | None = None
-    #: What was found non-finite: "gradients", or "weights" (the values of the checked weight).
+    #: What was found non-finite: "gradients", or "weights" (parameter values: the checked weight's, or on
+    #: lazy backends the canary's).
     found_in: str = "gradients"
 
 
@@ -314,6 +316,8 @@ class NumericsWatch:
         self._last_shares: dict[int, float] = {}
         #: Reads handed to after_step that have not run yet (lazy: they run after the next sync).
         self.pending = 0
+        #: Optimizer steps started (the step tracker counts them as each starts, before its update runs).
+        self.started = 0
 
     @property
     def low_precision_params(self) -> int | None:
@@ -455,7 +459,8 @@ class NumericsWatch:
         return math.isfinite(abs(sum(view.tolist())))  # (float64 sums: no overflow of finite float32 values)
 
     def read(self) -> None:
-        """Read the kept gradients (deferred mode), the way after_step reads: when the step's values are ready.
+        """Read the kept gradients (deferred mode), the way after_step reads: when the step's values are ready;
+        on lazy backends the parameters' values instead (:meth:`_read_values`).
 
         Only the newest is read, with the checked weight (one transfer each per CHECK_EVERY
         steps: on XLA each tensor read is a transfer of its own). Gradients and weights that
@@ -486,7 +491,7 @@ class NumericsWatch:
                 self._finite_at = max(self._finite_at, last)
             elif not gradient_finite and len(kept) > 1:
                 self._after(lambda *values: self._check_values(steps, values, seen), tuple(t for _, t in kept))
-            else:  # only the newest was kept (lazy), or the weight alone: the inputs were checked step by step
+            else:  # the weight alone: the inputs were checked step by step
                 bad = sorted(s for s in self._bad_inputs if since < s <= last)
                 if bad:
                     self._found(bad[0], self._bad_inputs[bad[0]])
@@ -503,7 +508,7 @@ class NumericsWatch:
         parameters are outputs of every step's graph anyway, so this read adds nothing to a graph.
         (A step a loss scaler skipped leaves them finite: not reported, as in the other modes.)
         """
-        last, since = self._step, self._finite_at
+        last, since, started = self._step, self._finite_at, self.started
         probes = [p for p in (self._canary, self._weight) if p is not None]
         if last <= self._read_step or not probes:
             return  # no step since the last read
@@ -512,15 +517,20 @@ class NumericsWatch:
         def judge(*values: Any) -> None:
             if self.nonfinite is not None:
                 return
+            # The read runs at the next sync, and what it reads is the parameters themselves: where that sync
+            # is a later step's (a step that syncs before it ends, a script's own sync under diagnose), the values
+            # are after that step's update too. (At an ap.loader loop's sync, or the end of a loop, they are
+            # after step ``last``.)
+            by = last + max(self.started - started, 0)
             bad = next((p for p, v in zip(probes, values, strict=False) if not _finite(v)), None)
             if bad is None:
-                self._finite_at = max(self._finite_at, last)
+                self._finite_at = max(self._finite_at, by)
                 return
-            inputs = sorted(s for s in self._bad_inputs if since < s <= last)  # checked step by step
+            inputs = sorted(s for s in self._bad_inputs if since < s <= by)  # checked step by step
             if inputs:
                 self._found(inputs[0], self._bad_inputs[inputs[0]])
             else:
-                self._found(last, None, finite_at=since, seen=seen, weights=True, probe=bad)
+                self._found(by, None, finite_at=since, seen=seen, weights=True, probe=bad)
 
         self._after(judge, tuple(local_shard(p).detach() for p in probes))
 
@@ -550,9 +560,12 @@ class NumericsWatch:
             if probe is None:
                 probe = self._weight if weights else self._canary
             found_in = "weights" if weights else "gradients"
-            where = f" (seen in {name(probe)})" if probe is not None else ""
+            if weights:
+                where = f"the values of {name(probe)}" if probe is not None else "the weights"
+            else:
+                where = "the gradients" + (f" (seen in {name(probe)})" if probe is not None else "")
             self.nonfinite = NonFinite(step, "gradients" if seen else "unknown",
-                                       f"the {found_in}{where}" + ("" if seen else _UNSEEN.format("these steps")),
+                                       where + ("" if seen else _UNSEEN.format("these steps")),
                                        (name(probe),) if probe is not None else (),
                                        finite_at if finite_at is not None and finite_at < step - 1 else None,
                                        found_in)

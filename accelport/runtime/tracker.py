@@ -145,10 +145,9 @@ class StepTracker:
         return watch.inspect if watch is not None and watch.deferred else None
 
     def batch_arrived(self, wait: float, sig: Any, batch: Any = None, *, blocked: float | None = None,
-                      transfer: float = 0.0, now: float | None = None) -> None:
+                      transfer: float = 0.0) -> None:
         """The loop got a batch after ``wait`` seconds of waiting for data; ``batch`` itself where the host is the
-        device. ``blocked``: all the loop waited (default ``wait``), of which ``transfer`` for the backend's copies;
-        ``now``: when it got it (``time.perf_counter()``, read by the caller; default: read here)."""
+        device. ``blocked``: all the loop waited (default ``wait``), of which ``transfer`` for the backend's copies."""
         search = self.nan_search
         if search is not None:  # (what the loader's thread found in a host batch, else the batch)
             search.batch(sig.info if type(sig) is not tuple else batch)
@@ -161,8 +160,7 @@ class StepTracker:
                 watch.batch(batch)
         elif self._backend is None:  # the backend (and its checks) is chosen at the end of the first step
             self._unbound_batch = batch
-        if now is None:
-            now = time.perf_counter()
+        now = time.perf_counter()
         if blocked is None:
             blocked = wait
         if self.clock.arrived(now, blocked, wait, transfer):
@@ -186,6 +184,9 @@ class StepTracker:
 
     def optimizer_started(self) -> None:
         """The optimizer step starts (its time is the body's, as the forward and backward are)."""
+        watch = self.numerics
+        if watch is not None:
+            watch.started += 1
         self.clock.body()
 
     def step_end(self, optimizer: Any = None) -> None:
@@ -253,7 +254,7 @@ class StepTracker:
 
         The end of an ``ap.loader`` loop (``pass_ended``: what runs until its next batch is work between
         the training steps), ``ap.diagnostics()``, a change of backend and the end of the process call it:
-        kept gradients are read, a graph run outside the steps is looked at, and the rules see what was
+        the step checks read what they keep, a graph run outside the steps is looked at, and the rules see what was
         found since the last step.
         """
         self._hand_over()
@@ -269,7 +270,7 @@ class StepTracker:
         watch = self.numerics
         if watch is not None and watch.deferred and not self._failed:
             watch.read()
-            for _ in range(3):  # a bad newest gradient asks for the others: a second read
+            for _ in range(3):  # (the reads run at a sync; a bad newest gradient asks for the others: a second read)
                 if not (watch.pending and backend.lazy):
                     break
                 backend.sync()  # runs the reads (step closures); nothing of the loop's is pending here

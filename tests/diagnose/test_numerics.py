@@ -370,7 +370,7 @@ def test_on_accelerators_a_loss_linear_in_the_output_that_diverges_shows_in_the_
     assert ev["names"] == ["out.weight"]
     assert (f"the weights became NaN or Inf after step {ev['finite_at_step']} and by step {ev['found_by_step']} "
             f"(on {standin.name} they are read every {CHECK_EVERY} steps and at the end of each loop): "
-            "it showed in the weights (the weights (seen in out.weight))") in found.text
+            "it showed in the weights (the values of out.weight)") in found.text
     assert "The inputs were finite" in found.text
 
 

@@ -57,8 +57,8 @@ def test_a_nan_input_batch_is_named_exactly_without_an_extra_graph_or_transfer()
     assert found.evidence["first_step"] == 6 and found.evidence["source"] == "input"
     assert "input 0: 1 of 176 values are NaN or Inf" in found.text
     m = ap.metrics()
-    # The step's graph and the optimizer's start-up, as without the check; the gradients
-    # kept were read after the loop's syncs, and those reads are not the user's.
+    # The step's graph and the optimizer's start-up, as without the check; the parameters'
+    # values were read after the loop's syncs, and those reads are not the user's.
     assert m.compilations - start.compilations <= 2
     assert m.device_to_host - start.device_to_host == 0
 
@@ -96,6 +96,26 @@ def test_no_gradient_outlives_its_step_so_no_step_graph_outputs_one() -> None:
         opt.zero_grad()  # (set_to_none: the script lets go of them, before the loop's sync)
         alive.append(gradient() is not None)
     assert ap.diagnostics() == [] and alive == [False] * 5
+
+
+def test_a_read_run_by_a_later_steps_sync_is_said_of_that_step() -> None:
+    # Outside ap.loader, ap.optimizer_step syncs before the step ends: the read due at step 256 runs at step
+    # 257's sync, after its update, and reads the parameters as they are then. A NaN that step 257 made is
+    # found by step 257, not by step 256 (which was finite).
+    import torch
+
+    ap.use("xla")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(9, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).to(ap.device())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.warns(ap.DiagnosticWarning, match="non-finite"):
+        for x, y in data(CHECK_EVERY_LAZY + 3, 9, nan_at=CHECK_EVERY_LAZY + 1):
+            torch.nn.functional.mse_loss(model(x.to(ap.device())), y.to(ap.device())).backward()
+            ap.optimizer_step(opt)
+            opt.zero_grad()
+        (found,) = ap.diagnostics()
+    assert found.evidence["found_by_step"] == CHECK_EVERY_LAZY + 1 and found.evidence["finite_at_step"] == 0
+    assert found.evidence["names"] == ["2.bias"] and "(the values of 2.bias" in found.text
 
 
 def test_bf16_weights_with_a_tiny_learning_rate_stall() -> None:

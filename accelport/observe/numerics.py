@@ -25,8 +25,9 @@ step (``ap.optimizer_step``), at a cost that stays out of the step:
   read whole (a slice would be
   a graph to compile), so only one of at most :data:`WEIGHT_LAZY_MAX` elements is
   chosen as the weight; they are read every
-  :data:`CHECK_EVERY_LAZY` steps and at the end of each loop, right after the loop's
-  sync (a transfer, never an extra execution or compilation; left out of
+  :data:`CHECK_EVERY_LAZY` steps and at the end of each loop, at the next sync (the
+  loop's; a later step's where a step syncs before it ends, and then said of that
+  step: a transfer, never an extra execution or compilation; left out of
   ``ap.metrics().device_to_host``): a bad input batch is still named at its step
   (the loader's thread checked it), a diverging loss between two reads. Input
   batches are checked on the host, in the loader's thread, before they go to the
@@ -373,6 +374,8 @@ class NumericsWatch:
                 # keeping it on some steps only would make a second graph to compile. The canary's
                 # values are read instead, with the weight's (see read()).
                 self._step = step
+                if self.started < step:  # (counted from the step numbers: the watch may come after a start)
+                    self.started = step
             elif grad is not None:
                 # The same gradient object as last step: accumulated in place
                 # (zero_grad(set_to_none=False)), so each kept one must be a copy. The
@@ -502,13 +505,17 @@ class NumericsWatch:
         self._after(newest, (kept[-1][1], *weight))
 
     def _read_values(self, seen: bool) -> None:
-        """Lazy backends: read the canary's values and the checked weight's, as they are after the newest step.
+        """Lazy backends: read the canary's values and the checked weight's, as they are at the next sync.
 
-        A NaN or Inf gradient makes the parameter it updates NaN or Inf, and they stay so; the
-        parameters are outputs of every step's graph anyway, so this read adds nothing to a graph.
-        (A step a loss scaler skipped leaves them finite: not reported, as in the other modes.)
+        With torch's optimizers a NaN or Inf gradient makes the parameter it updates NaN or Inf,
+        and it stays so; the parameters are outputs of every step's graph anyway, so this read
+        adds nothing to a graph. (A step a loss scaler skipped leaves them finite: not reported,
+        as in the other modes.) The read runs at the next sync and reads the parameters
+        themselves, so it is of every step started by then: of the newest step at an
+        ``ap.loader`` loop's sync or a loop's end, of a later one where the step syncs before it
+        ends (``ap.optimizer_step`` outside ``ap.loader``, a script's own sync under diagnose).
         """
-        last, since, started = self._step, self._finite_at, self.started
+        last, since = self._step, self._finite_at
         probes = [p for p in (self._canary, self._weight) if p is not None]
         if last <= self._read_step or not probes:
             return  # no step since the last read
@@ -517,11 +524,7 @@ class NumericsWatch:
         def judge(*values: Any) -> None:
             if self.nonfinite is not None:
                 return
-            # The read runs at the next sync, and what it reads is the parameters themselves: where that sync
-            # is a later step's (a step that syncs before it ends, a script's own sync under diagnose), the values
-            # are after that step's update too. (At an ap.loader loop's sync, or the end of a loop, they are
-            # after step ``last``.)
-            by = last + max(self.started - started, 0)
+            by = max(last, self.started)  # the values are after the update of every step started by now
             bad = next((p for p, v in zip(probes, values, strict=False) if not _finite(v)), None)
             if bad is None:
                 self._finite_at = max(self._finite_at, by)
@@ -529,6 +532,8 @@ class NumericsWatch:
             inputs = sorted(s for s in self._bad_inputs if since < s <= by)  # checked step by step
             if inputs:
                 self._found(inputs[0], self._bad_inputs[inputs[0]])
+            elif by > self._step and isinstance(self._batch, str):  # the step in progress, not ended yet
+                self._found(self._step + 1, self._batch)
             else:
                 self._found(by, None, finite_at=since, seen=seen, weights=True, probe=bad)
 

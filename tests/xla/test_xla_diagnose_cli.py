@@ -83,6 +83,16 @@ def test_a_nan_batch_is_found_at_its_step_without_a_read_per_step(tmp_path, capf
     assert result["metrics"]["device_to_host"] <= 2
 
 
+def test_a_nan_batch_right_after_a_read_is_still_named_at_its_step(tmp_path, capfd) -> None:  # type: ignore[no-untyped-def]
+    # The step checks' read due at step 256 runs at the script's next sync, step 257's, after its update: it
+    # reads values that step's NaN input already made NaN, before that step ended. The input is still named.
+    result, out, err = diagnose(SCRIPTS / "xla_nan_after_read.py", tmp_path, capfd)
+    assert out == "trained\n" and result["steps"] == 260, err
+    [found] = result["findings"]
+    assert (found["kind"], found["step"]) == ("non-finite", 257)
+    assert "it came from the input batch (input 0: 1 of 272 values are NaN or Inf)" in found["message"]
+
+
 def test_a_loop_that_never_syncs_is_graph_growth_saying_where_to_sync(tmp_path: pathlib.Path) -> None:
     script = SCRIPTS / "xla_no_sync.py"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELPORT_")}

@@ -374,8 +374,6 @@ class NumericsWatch:
                 # keeping it on some steps only would make a second graph to compile. The canary's
                 # values are read instead, with the weight's (see read()).
                 self._step = step
-                if self.started < step:  # (counted from the step numbers: the watch may come after a start)
-                    self.started = step
             elif grad is not None:
                 # The same gradient object as last step: accumulated in place
                 # (zero_grad(set_to_none=False)), so each kept one must be a copy. The
@@ -515,7 +513,7 @@ class NumericsWatch:
         ``ap.loader`` loop's sync or a loop's end, of a later one where the step syncs before it
         ends (``ap.optimizer_step`` outside ``ap.loader``, a script's own sync under diagnose).
         """
-        last, since = self._step, self._finite_at
+        last, since, started = self._step, self._finite_at, self.started
         probes = [p for p in (self._canary, self._weight) if p is not None]
         if last <= self._read_step or not probes:
             return  # no step since the last read
@@ -524,7 +522,9 @@ class NumericsWatch:
         def judge(*values: Any) -> None:
             if self.nonfinite is not None:
                 return
-            by = max(last, self.started)  # the values are after the update of every step started by now
+            # The values are after the update of every step started before the sync that runs this: counted
+            # from here (a step that raised and was skipped does not shift later reads).
+            by = last + max(self.started - started, 0)
             bad = next((p for p, v in zip(probes, values, strict=False) if not _finite(v)), None)
             if bad is None:
                 self._finite_at = max(self._finite_at, by)

@@ -25,7 +25,11 @@ def tree_map(obj: Any, fn: Callable[[Any], Any], leaf: Callable[[Any], bool]) ->
         if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
             return type(x)(*(walk(v) for v in x))
         if isinstance(x, (list, tuple)):
-            return type(x)(walk(v) for v in x)
+            # Made from a list, not a generator: tuple() grows a tuple from a generator in place, which
+            # fails (SystemError) if anything holds it meanwhile, as gc.get_objects() in another thread
+            # does (the step checks name a parameter that way while a prefetch thread moves a batch).
+            items = [walk(v) for v in x]
+            return items if type(x) is list else type(x)(items)
         return x
 
     return walk(obj)

@@ -25,3 +25,23 @@ def test_a_leaf_may_be_a_container_itself() -> None:
     tagged = {"keep": {"tag": 1, "v": 2}, "list": [{"tag": 1, "v": 3}, {"v": 4}]}
     out = tree_map(tagged, lambda d: d["v"] * 10, lambda x: isinstance(x, dict) and "tag" in x)
     assert out == {"keep": 20, "list": [30, {"v": 4}]}
+
+
+def test_a_heap_walk_while_a_tuple_is_mapped_does_not_break_it() -> None:
+    # gc.get_objects() holds every object, a tuple being built among them: the step checks walk the heap that
+    # way (to name a parameter) while a prefetch thread maps a batch. Here the walk runs inside the map itself,
+    # so the tuple being built is held when it grows past its first allocation.
+    import gc
+
+    held = []
+
+    def walk_the_heap(x: int) -> int:
+        held.append(gc.get_objects())
+        return x * 2
+
+    class Pair(list):  # type: ignore[type-arg]
+        pass
+
+    out = tree_map((tuple(range(25)), Pair(range(3))), walk_the_heap, lambda x: isinstance(x, int))
+    held.clear()
+    assert out == (tuple(range(0, 50, 2)), [0, 2, 4]) and type(out[1]) is Pair

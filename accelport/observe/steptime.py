@@ -198,22 +198,13 @@ class StepClock:
             self._mark = now
         stack[0] = phase
 
-    # enter() and leave() run around every sync of a lazy backend's loop: written out, one thread lookup and at
-    # most one clock read each (inside a training loop a call costs several times its time alone).
     def enter(self, phase: str) -> None:
         """A phase that nests (a sync, a host read, a collective) starts in the loop's thread."""
         thread = self.thread
         if thread is not None and _get_ident() != thread:
             return
-        stack = self._stack
-        mark = self._mark
-        if mark is not None:
-            now = _clock()
-            top = stack[-1]
-            parts = self.parts
-            parts[top] = parts.get(top, 0.0) + (now - mark)
-            self._mark = now
-        stack.append(phase)
+        self._charge(_clock())
+        self._stack.append(phase)
 
     def leave(self, phase: str) -> None:
         """The phase :meth:`enter` started ends (said by name: a leave without its enter changes nothing)."""
@@ -222,12 +213,7 @@ class StepClock:
             return
         stack = self._stack
         if len(stack) > 1 and stack[-1] == phase:
-            mark = self._mark
-            if mark is not None:
-                now = _clock()
-                parts = self.parts
-                parts[phase] = parts.get(phase, 0.0) + (now - mark)
-                self._mark = now
+            self._charge(_clock())
             stack.pop()
 
     def span(self, phase: str, since: float) -> None:

@@ -30,16 +30,17 @@ def line_of(script: pathlib.Path, text: str) -> int:
     return next(n for n, line in enumerate(script.read_text().splitlines(), 1) if text in line)
 
 
-def diagnose(script: pathlib.Path, tmp_path: pathlib.Path,
-             capfd: pytest.CaptureFixture[str]) -> tuple[dict[str, Any], str, str]:
-    """The --output JSON, the script's stdout and the stderr of `accelport diagnose SCRIPT`, run in this process."""
+def diagnose(script: pathlib.Path, tmp_path: pathlib.Path, capfd: pytest.CaptureFixture[str],
+             *args: str) -> tuple[dict[str, Any], str, str]:
+    """The --output JSON, the script's stdout and the stderr of `accelport diagnose SCRIPT ARGS`, run in this
+    process."""
     import torch_xla.debug.metrics as met
 
     # diagnose counts torch_xla's counters from the process's start (as the script's own process would):
     # what earlier tests in this process counted is not this script's.
     met.clear_all()
     out = tmp_path / "findings.json"
-    assert main(["diagnose", "--output", str(out), str(script)]) == 0
+    assert main(["diagnose", "--output", str(out), str(script), *args]) == 0
     captured = capfd.readouterr()
     return json.loads(out.read_text()), captured.out, captured.err
 
@@ -86,7 +87,8 @@ def test_a_nan_batch_is_found_at_its_step_without_a_read_per_step(tmp_path, capf
 def test_a_nan_batch_right_after_a_read_is_still_named_at_its_step(tmp_path, capfd) -> None:  # type: ignore[no-untyped-def]
     # The step checks' read due at step 256 runs at the script's next sync, step 257's, after its update: it
     # reads values that step's NaN input already made NaN, before that step ended. The input is still named.
-    result, out, err = diagnose(SCRIPTS / "xla_nan_after_read.py", tmp_path, capfd)
+    # 260 steps, the NaN in batch 257, 17 features (a graph of its own).
+    result, out, err = diagnose(SCRIPTS / "xla_nan.py", tmp_path, capfd, "260", "257", "17")
     assert out == "trained\n" and result["steps"] == 260, err
     [found] = result["findings"]
     assert (found["kind"], found["step"]) == ("non-finite", 257)

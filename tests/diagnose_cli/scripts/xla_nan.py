@@ -1,14 +1,17 @@
-"""A torch_xla loop whose seventh batch holds a NaN: batches moved with .to(device), one
-torch_xla.sync() per step, no value ever read. Never imports accelport."""
+"""A torch_xla loop one of whose batches holds a NaN (the seventh of 20, or as ``xla_nan.py STEPS BATCH
+FEATURES`` says): batches moved with .to(device), one torch_xla.sync() per step, no value ever read. Never
+imports accelport."""
+
+import sys
 
 import torch
 import torch_xla
 
-FEATURES = 13
+STEPS, NAN_BATCH, FEATURES = (int(a) for a in sys.argv[1:4]) if len(sys.argv) > 1 else (20, 7, 13)
 torch.manual_seed(0)
-inputs = torch.randn(16 * 20, FEATURES)
-inputs[6 * 16 + 2, 5] = float("nan")  # in the seventh batch
-data = torch.utils.data.TensorDataset(inputs, torch.randn(16 * 20, 1))
+inputs = torch.randn(16 * STEPS, FEATURES)
+inputs[(NAN_BATCH - 1) * 16 + 2, 5] = float("nan")
+data = torch.utils.data.TensorDataset(inputs, torch.randn(16 * STEPS, 1))
 device = torch_xla.device()
 model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)).to(device)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)

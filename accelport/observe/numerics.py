@@ -360,11 +360,16 @@ class NumericsWatch:
         if optimizer is not self._optimizer:
             self._select(optimizer)
         canary = self._canary
-        grad = canary.grad if canary is not None else None
-        if grad is None and self._params:
-            self._select(optimizer)
-            canary = self._canary
+        if self._lazy and canary is not None:
+            # No gradient is kept on lazy backends (below), nor looked at once a canary is chosen: a
+            # property of the C++ tensor, a cold lookup in the middle of every step.
+            grad = None
+        else:
             grad = canary.grad if canary is not None else None
+            if grad is None and self._params:
+                self._select(optimizer)
+                canary = self._canary
+                grad = canary.grad if canary is not None else None
         if self.deferred:
             if isinstance(batch, str):
                 self._bad_inputs[step] = batch

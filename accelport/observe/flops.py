@@ -223,7 +223,6 @@ class FlopWatch:
         self.lazy = lazy
         #: Each counted signature's step.
         self.counts: dict[Any, StepCount] = {}
-        self._steps: dict[Any, int] = {}  # steps run per signature (of those counted)
         self._active: _Counting | None = None
         self._last: Any = None
         self._known = False  # the last signature has a count
@@ -234,33 +233,39 @@ class FlopWatch:
         self.problem: str | None = None
 
     # -- the tracker's boundaries (the training loop's thread) ----------------------------------------------
-    def batch(self, signature: Any, batch: Any = None) -> None:
-        """A batch arrived: the step starts; count it if its signature is new."""
+    def batch(self, signature: Any, batch: Any = None) -> bool:
+        """A batch arrived: the step starts; count it if its signature is new.
+
+        Returns whether the boundaries of steps with this signature need not be told until another signature
+        comes or :meth:`pause` (no count is open and none will start for it): the tracker's hot path."""
         self._loader = True
-        if self._active is not None or self._broken or (signature is self._last and self._known) \
-                or signature in self.counts or len(self.counts) >= self.MAX_SIGNATURES or signature in self._skip:
-            return
+        if self._active is not None:
+            return False
+        if (signature is self._last and self._known) or self._settled(signature):
+            return True
         self._start(signature)
         if self._active is not None and batch is not None:
             try:
                 self._active.notes.count.padding = _mask_padding(batch)
             except Exception:  # noqa: BLE001 - a mask of a kind not foreseen: no padding share
                 pass
+        return self._active is None
 
-    def step_end(self, signature: Any) -> None:
-        """An optimizer step ended (its batch had ``signature``: None where no batch came through a loader)."""
+    def step_end(self, signature: Any) -> bool:
+        """An optimizer step ended (its batch had ``signature``: None where no batch came through a loader).
+        Returns what :meth:`batch` does."""
         if signature is not None:
             self._loader = True  # (the first batch may have come before this watch: the run starts at a step's end)
         active = self._active
         if active is not None:
             if threading.get_ident() != active.thread:
-                return
+                return False
             self._active = None
             try:
                 count = active.close()
             except Exception as exc:  # noqa: BLE001 - the mode stack was changed under it: stop counting
                 self._stop(exc)
-                return
+                return True
             if self._loader and active.signature != signature:
                 # The count began with another batch (an evaluation's, between the steps): it is not a step's.
                 self._skip.add(active.signature)
@@ -270,10 +275,14 @@ class FlopWatch:
         key = signature if self._loader else self._NONE
         if key is not self._last:  # (a loader hands equal signatures as one object: one lookup per change)
             self._last, self._known = key, key in self.counts
-        if self._known:
-            self._steps[key] = self._steps.get(key, 0) + 1
         if not self._loader and not self._broken and self._NONE not in self.counts and active is None:
             self._start(self._NONE)  # no batches seen: count the next step, from this step's end
+        return self._active is None and (self._known or self._settled(key))
+
+    def _settled(self, signature: Any) -> bool:
+        """No count will start for ``signature``: counted, left out, or counting stopped."""
+        return self._broken or signature in self.counts or len(self.counts) >= self.MAX_SIGNATURES \
+            or signature in self._skip
 
     def pause(self) -> None:
         """The loop left its steps (its end, ap.diagnostics()): a partial count is dropped."""
@@ -297,16 +306,17 @@ class FlopWatch:
         self.problem = f"FLOPs not counted: {type(exc).__name__}: {exc}"[:300]
 
     # -- what the run's FLOPs were ------------------------------------------------------------------------
-    def summary(self) -> StepCount | None:
-        """The counted steps as one: FLOPs per step weighted by how many steps each signature ran, the
-        matmul dtypes and dimensions of the most common one; None before any step was counted."""
+    def summary(self, steps: Mapping[Any, int] | None = None) -> StepCount | None:
+        """The counted steps as one: FLOPs per step weighted by how many steps each signature ran (``steps``,
+        by batch signature, None for steps without one: the tracker's ``steps_by_signature()``), the matmul
+        dtypes and dimensions of the most common one; None before any step was counted."""
         if not self.counts:
             return None
-        weights = {sig: max(self._steps.get(sig, 1), 1) for sig in self.counts}
-        steps = sum(weights.values())
+        ran = steps or {}
+        weights = {sig: max(ran.get(None if sig is self._NONE else sig, 1), 1) for sig in self.counts}
         common = max(self.counts, key=lambda s: weights[s])
         out = StepCount(source=self.counts[common].source)
-        out.flops = round(sum(c.flops * weights[s] for s, c in self.counts.items()) / steps)
+        out.flops = round(sum(c.flops * weights[s] for s, c in self.counts.items()) / sum(weights.values()))
         out.by_dtype = dict(self.counts[common].by_dtype)
         out.forward = list(self.counts[common].forward)
         pads = [(c.padding, weights[s]) for s, c in self.counts.items() if c.padding is not None]

@@ -233,7 +233,7 @@ class Runtime:
 
         t = self.tracker
         watch = t.flops
-        count = watch.summary() if watch is not None else None
+        count = watch.summary(t.steps_by_signature()) if watch is not None else None
         seconds = device_seconds(t.time_total, t.time_steps, t.first_breakdown)
         peak, chip, devices = None, None, 1
         backend = self._backend

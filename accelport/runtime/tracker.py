@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 __all__ = ["StepTracker"]
 
+_ANY = object()  # (no batch signature is this one)
+
 
 class StepTracker:
     """Counts steps, data wait and batch signatures; hands a StepRecord per step to the rules and the observers.
@@ -65,6 +67,10 @@ class StepTracker:
         self.signatures: set[tuple[Any, ...]] = set()
         self._arrived: set[Any] = set()  # every batch signature that arrived, steps' or not
         self._step_signature: Any = None
+        # Steps per batch signature (None: steps without one), but for the run of steps of the current
+        # one, counted in _run_steps (a dict update per change of signature, not per step).
+        self._signature_steps: dict[Any, int] = {}
+        self._run_steps = 0
         self._pending_wait = 0.0
         self._last_signature: tuple[Any, ...] | None = None
         self._last_end: float | None = None
@@ -88,6 +94,8 @@ class StepTracker:
         self._fresh = False  # a batch of a shape not seen before arrived since the counters were last read
         #: Counts a step's FLOPs once per batch signature (None: not bound to a run).
         self.flops: FlopWatch | None = None
+        # The signature whose steps the FLOP watch need not be told of (it said so): most steps of a run.
+        self._flops_quiet: Any = _ANY
         #: The search for the op that made the first NaN (``--find-nan``; None: not asked for), shown each batch.
         self.nan_search: NanSearch | None = None
         #: The run's memory (read with the counters, the static part counted at sampled steps).
@@ -117,6 +125,7 @@ class StepTracker:
         self._backend, self._host, self._engine, self.numerics = backend, host, engine, numerics
         self._shapes = shapes
         self.memory = memory
+        self._flops_quiet = _ANY  # (a FLOP watch of this run's, which was told nothing yet)
         batch, self._unbound_batch = self._unbound_batch, None
         if numerics is not None and batch is not None:  # the checks start with the step whose batch came first
             if not numerics.deferred:
@@ -179,8 +188,8 @@ class StepTracker:
             self._last_signature = sig
         # (--find-nan's checked steps run under a dispatch mode of their own: no count beside it, whose mode
         # would be left under the search's on the stack)
-        if self.flops is not None and self.nan_search is None:
-            self.flops.batch(sig, batch)
+        if sig is not self._flops_quiet and self.flops is not None and self.nan_search is None:
+            self._flops_quiet = sig if self.flops.batch(sig, batch) else _ANY
 
     def optimizer_started(self) -> None:
         """The optimizer step starts (its time is the body's, as the forward and backward are)."""
@@ -199,8 +208,9 @@ class StepTracker:
             watch.step_end(self.steps, optimizer)
         if self._shapes is not None:
             self._shapes.step_end()
-        if self.flops is not None and self.nan_search is None:
-            self.flops.step_end(self._last_signature)
+        signature = self._last_signature
+        if signature is not self._flops_quiet and self.flops is not None and self.nan_search is None:
+            self._flops_quiet = signature if self.flops.step_end(signature) else _ANY
         memory = self.memory
         if memory is not None:
             memory.step_end(self.steps, optimizer)
@@ -229,9 +239,12 @@ class StepTracker:
         self._last_end = now
         wait, self._pending_wait = self._pending_wait, 0.0
         signature = self._last_signature
-        if signature is not self._step_signature and signature is not None:
+        if signature is not self._step_signature:
+            self._count_run()
             self._step_signature = signature
-            self.signatures.add(signature)
+            if signature is not None:
+                self.signatures.add(signature)
+        self._run_steps += 1
         pending = self._pending
         pending.append((step, seconds, wait, signature, now + self._wall_offset, parts))
         profile = self.profile
@@ -260,6 +273,7 @@ class StepTracker:
         self._hand_over()
         if self.flops is not None:
             self.flops.pause()
+            self._flops_quiet = _ANY
         if pass_ended:
             self.clock.pass_ended()
         backend = self._backend
@@ -277,6 +291,17 @@ class StepTracker:
         self._outside_steps("a point outside the training steps")
         if self._engine is not None:
             self._unsaid += self._engine.settle()
+
+    def steps_by_signature(self) -> dict[Any, int]:
+        """The finished steps per batch signature (equal signatures as one; None: steps without one)."""
+        self._count_run()
+        return dict(self._signature_steps)
+
+    def _count_run(self) -> None:
+        if self._run_steps:
+            steps = self._signature_steps
+            steps[self._step_signature] = steps.get(self._step_signature, 0) + self._run_steps
+            self._run_steps = 0
 
     def user_synced(self) -> None:
         """``ap.sync()`` ran: on a lazy backend, look at the graph it executed."""

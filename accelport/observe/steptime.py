@@ -58,7 +58,7 @@ class StepClock:
     """Charges the loop thread's time to the phase it is in; :meth:`close` hands over a step's phases."""
 
     __slots__ = ("_stack", "_mark", "parts", "thread", "_stepping", "_idle", "_passed", "_closed", "_loose",
-                 "backward", "_backward_from", "_backward_depth", "__weakref__")
+                 "backward", "_backward_from", "_backward_depth", "phased", "__weakref__")
 
     def __init__(self) -> None:
         self._stack = ["pre"]
@@ -86,6 +86,9 @@ class StepClock:
         self.backward = 0.0
         self._backward_from: float | None = None
         self._backward_depth = 0  # backward passes nested in the loop's thread (reentrant checkpointing)
+        #: Whether a backward's end parts the body from the tail (the backend tells them apart): else a backward
+        #: only says its batch was a training one (see watch_backward).
+        self.phased = True
 
     @property
     def in_backward(self) -> bool:
@@ -197,6 +200,12 @@ class StepClock:
             parts[top] = parts.get(top, 0.0) + (now - mark)
             self._mark = now
         stack[0] = phase
+
+    def trained(self) -> None:
+        """Training work (a backward) ran: the batch before it was a training batch, though no optimizer step
+        followed it yet (the micro-batches of a gradient accumulation are their step's, not work between steps)."""
+        if self.thread is None or _get_ident() == self.thread:
+            self._idle = False
 
     def enter(self, phase: str) -> None:
         """A phase that nests (a sync, a host read, a collective) starts in the loop's thread."""
@@ -352,7 +361,8 @@ _installed: list[Any] = []  # [the original torch.autograd.backward] once wrappe
 
 def watch_backward(clock: StepClock) -> None:
     """Tell ``clock`` when each backward pass starts and ends (wraps ``torch.autograd.backward`` once per
-    process; ``Tensor.backward`` calls it). torch must be imported already."""
+    process; ``Tensor.backward`` calls it). torch must be imported already. A clock that is not
+    :attr:`~StepClock.phased` is told only that training work ran (:meth:`StepClock.trained`): no clock read."""
     for ref in _clocks:
         if ref() is clock:
             return
@@ -375,6 +385,9 @@ def watch_backward(clock: StepClock) -> None:
         for ref in clocks:  # (on every backward: no list built)
             clock = ref()
             if clock is not None:
+                if not clock.phased:
+                    clock.trained()
+                    continue
                 clock._base("body")
                 if clock.thread is None or _get_ident() == clock.thread:  # (the loop's backward, outermost)
                     clock._backward_depth += 1
@@ -385,7 +398,7 @@ def watch_backward(clock: StepClock) -> None:
         finally:
             for ref in clocks:
                 clock = ref()
-                if clock is not None:
+                if clock is not None and clock.phased:
                     clock.tail()
                     if clock._backward_depth and (clock.thread is None or _get_ident() == clock.thread):
                         clock._backward_depth -= 1

@@ -111,6 +111,41 @@ def test_host_reads_inside_the_step_are_host_sync(tmp_path, monkeypatch) -> None
     assert "host_sync" in ap.metrics().time_breakdown
 
 
+def test_an_accumulations_micro_batches_are_their_steps_not_work_between_steps(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # On XLA a backward does not part the step's phases (they are all host time), so it was not watched: a
+    # micro-batch with a backward and no optimizer step after it looked like an evaluation's batch, and half
+    # of every step of a loop accumulating over two was said to be work between the steps.
+    import torch
+
+    path = tmp_path / "run.jsonl"
+    monkeypatch.setenv("ACCELPORT_METRICS_FILE", str(path))
+
+    def accumulating(evaluate_every: int) -> list[dict[str, Any]]:
+        before = len(records_of(path)) if path.exists() else 0
+        ap.use("xla")
+        model = mlp(12, 32)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        batches = [(torch.randn(16, 12), torch.randn(16, 1)) for _ in range(24)]
+        for i, (x, y) in enumerate(ap.loader(batches)):
+            if evaluate_every and i % evaluate_every == evaluate_every - 1:
+                with torch.no_grad():  # an evaluation's batch: no backward, no step
+                    model(x).sum()
+                continue
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if i % 2 == 1:
+                ap.optimizer_step(opt)
+                opt.zero_grad()
+        ap.diagnostics()  # (every step recorded)
+        return records_of(path)[before:]
+
+    records = accumulating(0)
+    assert len(records) == 12 and all(adds_up(r) for r in records)
+    assert not [r["breakdown"] for r in records if "between_steps" in r["breakdown"]]
+    # The same loop with an evaluation's batch now and then still says that batch's time is between steps.
+    records = accumulating(6)
+    assert any("between_steps" in r["breakdown"] for r in records), [r["breakdown"] for r in records]
+
+
 def test_diagnose_says_where_a_raw_torch_xla_loops_time_went(tmp_path) -> None:  # type: ignore[no-untyped-def]
     done = run("--metrics-file", "steps.jsonl", "--output", "out.json", str(SCRIPTS / "xla_healthy.py"),
                cwd=tmp_path, env={"PJRT_DEVICE": "CPU"})

@@ -58,7 +58,7 @@ class StepClock:
     """Charges the loop thread's time to the phase it is in; :meth:`close` hands over a step's phases."""
 
     __slots__ = ("_stack", "_mark", "parts", "thread", "_stepping", "_idle", "_passed", "_closed", "_loose",
-                 "backward", "_backward_from", "_backward_depth", "phased", "__weakref__")
+                 "backward", "_backward_from", "_backward_depth", "phased", "_backwards", "__weakref__")
 
     def __init__(self) -> None:
         self._stack = ["pre"]
@@ -87,8 +87,10 @@ class StepClock:
         self._backward_from: float | None = None
         self._backward_depth = 0  # backward passes nested in the loop's thread (reentrant checkpointing)
         #: Whether a backward's end parts the body from the tail (the backend tells them apart): else a backward
-        #: only says its batch was a training one (see watch_backward).
+        #: only says its batch was a training one, read from the count of backward passes at each batch's arrival
+        #: (see watch_backward).
         self.phased = True
+        self._backwards = 0  # the count of backward passes at the last batch's arrival (a clock not phased)
 
     @property
     def in_backward(self) -> bool:
@@ -119,6 +121,13 @@ class StepClock:
             mark = None
         elif start > mark:
             self._charge(start)
+        if not self.phased:
+            # A backward since the last batch (of any thread: only counted, not told apart, on every backward)
+            # was training work: the batch before was a training one, though no optimizer step followed it yet
+            # (the micro-batches of a gradient accumulation are their step's, not work between steps).
+            count = _backward_count[0]
+            if count != self._backwards:
+                self._backwards, self._idle = count, False
         between = mark is not None and (self._idle or self._passed)
         if between:
             self._between()
@@ -200,12 +209,6 @@ class StepClock:
             parts[top] = parts.get(top, 0.0) + (now - mark)
             self._mark = now
         stack[0] = phase
-
-    def trained(self) -> None:
-        """Training work (a backward) ran: the batch before it was a training batch, though no optimizer step
-        followed it yet (the micro-batches of a gradient accumulation are their step's, not work between steps)."""
-        if self.thread is None or _get_ident() == self.thread:
-            self._idle = False
 
     def enter(self, phase: str) -> None:
         """A phase that nests (a sync, a host read, a collective) starts in the loop's thread."""
@@ -355,19 +358,19 @@ def breakdown_line(breakdown: Mapping[str, float], per_step: float, steps: int) 
 
 # -- loss.backward(): where the forward pass ends ---------------------------------------------------
 
-_clocks: list[weakref.ReferenceType[StepClock]] = []
+_clocks: list[weakref.ReferenceType[StepClock]] = []  # the phased clocks
 _installed: list[Any] = []  # [the original torch.autograd.backward] once wrapped
+_backward_count = [0]  # backward passes begun in this process, since it was wrapped
 
 
 def watch_backward(clock: StepClock) -> None:
     """Tell ``clock`` when each backward pass starts and ends (wraps ``torch.autograd.backward`` once per
     process; ``Tensor.backward`` calls it). torch must be imported already. A clock that is not
-    :attr:`~StepClock.phased` is told only that training work ran (:meth:`StepClock.trained`): no clock read."""
-    for ref in _clocks:
-        if ref() is clock:
-            return
-    _clocks[:] = [ref for ref in _clocks if ref() is not None]
-    _clocks.append(weakref.ref(clock))
+    :attr:`~StepClock.phased` is told nothing: it reads how many backward passes began (a count, the wrapper's
+    only work where no clock is phased, as on XLA) when a batch arrives."""
+    if clock.phased and not any(ref() is clock for ref in _clocks):
+        _clocks[:] = [ref for ref in _clocks if ref() is not None]
+        _clocks.append(weakref.ref(clock))
     if _installed:
         return
     autograd = sys.modules.get("torch.autograd")
@@ -376,18 +379,16 @@ def watch_backward(clock: StepClock) -> None:
         return
     compiler = getattr(sys.modules.get("torch"), "compiler", None)
     is_compiling = getattr(compiler, "is_compiling", None) or (lambda: False)
-    clocks = _clocks
+    clocks, count = _clocks, _backward_count
 
     def backward(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
         # Under torch.compile's tracing the plain call: a clock read would break the graph.
-        if is_compiling():
+        if not clocks or is_compiling():
             return original(*args, **kwargs)
         for ref in clocks:  # (on every backward: no list built)
             clock = ref()
-            if clock is not None:
-                if not clock.phased:
-                    clock.trained()
-                    continue
+            if clock is not None and clock.phased:
                 clock._base("body")
                 if clock.thread is None or _get_ident() == clock.thread:  # (the loop's backward, outermost)
                     clock._backward_depth += 1

@@ -86,9 +86,9 @@ class StepClock:
         self.backward = 0.0
         self._backward_from: float | None = None
         self._backward_depth = 0  # backward passes nested in the loop's thread (reentrant checkpointing)
-        #: Whether a backward's end parts the body from the tail (the backend tells them apart): else a backward
-        #: only says its batch was a training one, read from the count of backward passes at each batch's arrival
-        #: (see watch_backward).
+        #: Whether the backend tells the body from the tail and a step's start (else they are one category): a
+        #: backward's end parts them; else a backward only says its batch was a training one, read from the count
+        #: of backward passes at each batch's arrival (see watch_backward), and the optimizer's start is no boundary.
         self.phased = True
         self._backwards = 0  # the count of backward passes at the last batch's arrival (a clock not phased)
 
@@ -170,7 +170,12 @@ class StepClock:
             self._passed = True
 
     def body(self) -> None:
-        """The optimizer step starts: it is the body until the step ends, closures' forwards and backwards too."""
+        """The optimizer step starts: it is the body until the step ends, closures' forwards and backwards too.
+        On a clock that is not :attr:`phased` the body is one category with what comes before and after it:
+        once the clock runs there is nothing to part (and the step's end, which comes before the next batch,
+        says its batch was a training one)."""
+        if not self.phased and self._mark is not None:
+            return
         thread = self.thread
         if thread is not None and _get_ident() != thread:
             return

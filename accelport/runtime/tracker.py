@@ -135,10 +135,10 @@ class StepTracker:
         self._recording = engine is not None or host.has_step_observers
         phases = self._phases = backend.time_phases()
         backend.time_with(self.clock)
-        # Where the backend tells the body from the tail, the end of a backward parts them; everywhere a backward
-        # says its batch was a training one (a gradient accumulation's first micro-batches are no work between
-        # steps, though no optimizer step followed them).
-        self.clock.phased = phases.get("body") != phases.get("tail")
+        # Where the backend tells the body from the tail and a step's start, the end of a backward parts them;
+        # everywhere a backward says its batch was a training one (a gradient accumulation's first micro-batches
+        # are no work between steps, though no optimizer step followed them).
+        self.clock.phased = len({phases.get("pre"), phases.get("body"), phases.get("tail")}) > 1
         watch_backward(self.clock)
         if self.profile is not None:
             self.profile.arm(backend, self.steps)

@@ -249,7 +249,7 @@ def optimizer_step(optimizer: Any, **kwargs: Any) -> Any:
         if not (callable(getattr(optimizer, "step", None)) and hasattr(optimizer, "param_groups")):
             raise TypeError(f"ap.optimizer_step needs a torch.optim.Optimizer, not {type(optimizer).__name__}")
         _checked[0] = optimizer
-    return _rt().optimizer_step(optimizer, **kwargs)
+    return (_RUNTIME[0] or _rt()).optimizer_step(optimizer, **kwargs)  # (a call less per step)
 
 
 _checked: list[Any] = [object()]  # the last optimizer that passed the check

@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -263,10 +263,12 @@ class Backend(abc.ABC):
         """Average gradients across replicas, step, and flush lazy work."""
 
     @abc.abstractmethod
-    def wrap_loader(self, iterable: Iterable[Any], *, prefetch: int | None) -> Iterator[Any]:
-        """Yield the batches of ``iterable`` already on ``self.device()``.
+    def wrap_loader(self, iterable: Iterable[Any], *, prefetch: int | None) -> Iterable[Any]:
+        """The batches of ``iterable`` already on ``self.device()`` (an iterator, or an iterable whose
+        ``iter()`` is one pass).
 
-        ``prefetch`` batches are loaded ahead; None means this backend's default.
+        ``prefetch`` batches are loaded ahead; None means this backend's default. ``ap.loader``
+        calls its ``close()``, where it has one, when the pass ends (finished, left early, or failed).
         """
 
     def end_of_batch(self) -> None:  # noqa: B027 - optional hook for subclasses

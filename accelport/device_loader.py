@@ -471,8 +471,9 @@ class DeviceLoader:
             world = backend.world_size()
             source = position.begin(source, world if self.shard and world > 1 else 1)
         busy = _Busy()
-        it = iter(backend.wrap_loader(_signed(self._source(backend, source), signatures, busy, inspect),
-                                      prefetch=self.prefetch))
+        wrapped = backend.wrap_loader(_signed(self._source(backend, source), signatures, busy, inspect),
+                                      prefetch=self.prefetch)
+        it = iter(wrapped)
         del source  # (a pass's generator) only what reads it holds it: a prefetch thread lets go of it itself
         next_signature = signatures.popleft
         # Eager backends neither run a graph between batches nor defer a step's record.
@@ -518,9 +519,14 @@ class DeviceLoader:
                     _advance(bar, tracker, backend, runtime.baseline.get("compilations"))
                 yield batch
         finally:
-            # The observers get every step of this loop now (see StepTracker).
-            runtime.tracker.flush()
-            if tracker is not runtime.tracker:
-                tracker.flush()
-            if bar is not None:
-                bar.close()
+            try:
+                # The observers get every step of this loop now (see StepTracker).
+                runtime.tracker.flush()
+                if tracker is not runtime.tracker:
+                    tracker.flush()
+            finally:
+                close = getattr(wrapped, "close", None)
+                if close is not None:  # (the backend's pass ends: its loader thread stops)
+                    close()
+                if bar is not None:
+                    bar.close()

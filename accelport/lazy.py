@@ -369,11 +369,11 @@ class LazyBackend(Backend):
         if self._parallel and self._mark_synced is not None:
             self._mark_synced(True)  # the ParallelLoader's own sync would be an empty one
 
-    def wrap_loader(self, iterable: Iterable[Any], *, prefetch: int | None) -> Iterator[Any]:
+    def wrap_loader(self, iterable: Iterable[Any], *, prefetch: int | None) -> Iterable[Any]:
         self._x()
         device = self.device()
         if prefetch == 0:
-            return self._tracked(None, self._unprefetched(iterable, device))
+            return _Loading(self, None, self._unprefetched(iterable, device))
         from torch_xla.distributed.parallel_loader import ParallelLoader
 
         backend = self
@@ -394,19 +394,7 @@ class LazyBackend(Backend):
         # one transfer; None keeps torch_xla's defaults, the same as a raw MpDeviceLoader.
         kwargs = {} if prefetch is None else {"device_prefetch_size": prefetch}
         parallel = TimedLoader(iterable, [device], **kwargs)
-        return self._tracked(parallel, parallel.per_device_loader(device))
-
-    def _tracked(self, parallel: Any, it: Iterator[Any]) -> Iterator[Any]:
-        uses_parallel = int(parallel is not None)
-        self._loading += 1
-        self._parallel += uses_parallel
-        try:
-            yield from it
-        finally:
-            self._loading -= 1
-            self._parallel -= uses_parallel
-            if parallel is not None:
-                parallel.close()
+        return _Loading(self, parallel, parallel.per_device_loader(device))
 
     def _unprefetched(self, iterable: Iterable[Any], device: Any) -> Iterator[Any]:
         """prefetch=0: upload each batch in the loop's thread (end_of_batch syncs between batches)."""
@@ -661,6 +649,36 @@ class LazyBackend(Backend):
         # without it each tensor's .to("cpu") would run its own graph.
         self.sync()
         return super().save(obj, path, background=background)
+
+
+class _Loading:
+    """A loop's device batches, counted as loading (the step's sync is left to the loop: see
+    ``LazyBackend.optimizer_step``) until :meth:`close`, which ``ap.loader`` calls when its pass ends, as
+    does the garbage collector. ``iter()`` hands out the device iterator itself: no layer of Python
+    per batch between the loop and torch_xla's loader."""
+
+    def __init__(self, backend: LazyBackend, parallel: Any, it: Iterator[Any]) -> None:
+        self._backend, self._parallel_loader, self._it = backend, parallel, it
+        backend._loading += 1
+        backend._parallel += parallel is not None
+        self._open = True
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._it
+
+    def close(self) -> None:
+        """The loop is done: count it out, and stop the upload thread (none is left behind on an early break)."""
+        if not self._open:
+            return
+        self._open = False
+        backend, parallel = self._backend, self._parallel_loader
+        backend._loading -= 1
+        backend._parallel -= parallel is not None
+        if parallel is not None:
+            parallel.close()
+
+    def __del__(self) -> None:
+        self.close()
 
 
 #: Where a step's time goes on a lazy backend (see LazyBackend.time_phases).

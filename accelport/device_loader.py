@@ -525,8 +525,10 @@ class DeviceLoader:
                 if tracker is not runtime.tracker:
                     tracker.flush()
             finally:
-                close = getattr(wrapped, "close", None)
-                if close is not None:  # (the backend's pass ends: its loader thread stops)
-                    close()
-                if bar is not None:
-                    bar.close()
+                try:
+                    close = getattr(wrapped, "close", None)
+                    if close is not None:  # (the backend's pass ends: its loader thread stops)
+                        close()
+                finally:
+                    if bar is not None:
+                        bar.close()

@@ -360,9 +360,10 @@ class NumericsWatch:
         if optimizer is not self._optimizer:
             self._select(optimizer)
         canary = self._canary
-        if self._lazy and canary is not None:
-            # No gradient is kept on lazy backends (below), nor looked at once a canary is chosen: a
-            # property of the C++ tensor, a cold lookup in the middle of every step.
+        if self._lazy and canary is not None and self._unread + 1 < self.every:
+            # No gradient is kept on lazy backends (below), and it is looked at only on the steps that read
+            # (to choose another canary where this one stopped getting one): a property of the C++ tensor, a
+            # cold lookup in the middle of every step.
             grad = None
         else:
             grad = canary.grad if canary is not None else None

@@ -11,7 +11,10 @@ A :class:`StepClock` charges every moment of the loop's thread to the phase it i
   loop's thread (:func:`watch_backward`), and the start of the optimizer step: after a
   backward, and after the optimizer step, the script runs its own code (the tail). A
   backward inside the optimizer step (the closure of ``opt.step(closure)``: LBFGS) is the
-  step's own work: after it the optimizer runs on, still the body;
+  step's own work: after it the optimizer runs on, still the body. Where the backend makes
+  the body, the tail and a step's start one category (lazy backends: :attr:`StepClock.phased`
+  is False) neither is a boundary; the loop thread's backward passes are only counted there,
+  to tell a training batch from an evaluation's;
 - what a backend marks itself (:meth:`accelport.contract.Backend.time_with`): its syncs,
   its waits for the other replicas, host reads of its tensors (the tracer times those);
 - the end of a loader's pass (:meth:`StepClock.pass_ended`).
@@ -82,7 +85,8 @@ class StepClock:
         # step starts at its last backward, not at the first of the passes that were no step.
         self._loose = False
         #: Seconds the loop's thread spent inside backward passes over the run (a job's ranks wait for each other
-        #: there: DDP's gradient all-reduce runs inside the backward), whatever phase they were charged to.
+        #: there: DDP's gradient all-reduce runs inside the backward), whatever phase they were charged to; not
+        #: measured (0) on a clock that is not phased.
         self.backward = 0.0
         self._backward_from: float | None = None
         self._backward_depth = 0  # backward passes nested in the loop's thread (reentrant checkpointing)
@@ -90,7 +94,7 @@ class StepClock:
         #: backward's end parts them; else a backward only says its batch was a training one, read from the count
         #: of backward passes at each batch's arrival (see watch_backward), and the optimizer's start is no boundary.
         self.phased = True
-        self._backwards = 0  # the count of backward passes at the last batch's arrival (a clock not phased)
+        self._backwards = 0  # the loop thread's backward passes at the last batch's arrival (a clock not phased)
 
     @property
     def in_backward(self) -> bool:
@@ -122,10 +126,10 @@ class StepClock:
         elif start > mark:
             self._charge(start)
         if not self.phased:
-            # A backward since the last batch (of any thread: only counted, not told apart, on every backward)
-            # was training work: the batch before was a training one, though no optimizer step followed it yet
-            # (the micro-batches of a gradient accumulation are their step's, not work between steps).
-            count = _backward_count[0]
+            # A backward of the loop's thread since the last batch was training work: the batch before was a
+            # training one, though no optimizer step followed it yet (the micro-batches of a gradient
+            # accumulation are their step's, not work between steps).
+            count = _backward_counts.get(self.thread, 0)
             if count != self._backwards:
                 self._backwards, self._idle = count, False
         between = mark is not None and (self._idle or self._passed)
@@ -172,9 +176,9 @@ class StepClock:
     def body(self) -> None:
         """The optimizer step starts: it is the body until the step ends, closures' forwards and backwards too.
         On a clock that is not :attr:`phased` the body is one category with what comes before and after it:
-        once the clock runs there is nothing to part (and the step's end, which comes before the next batch,
-        says its batch was a training one)."""
+        once the clock runs there is nothing to part, only its batch to be said a training one."""
         if not self.phased and self._mark is not None:
+            self._idle = False  # (training work: a step that ends only after the next batch came says so here)
             return
         thread = self.thread
         if thread is not None and _get_ident() != thread:
@@ -365,17 +369,19 @@ def breakdown_line(breakdown: Mapping[str, float], per_step: float, steps: int) 
 
 _clocks: list[weakref.ReferenceType[StepClock]] = []  # the phased clocks
 _installed: list[Any] = []  # [the original torch.autograd.backward] once wrapped
-_backward_count = [0]  # backward passes begun in this process, since it was wrapped
+_backward_counts: dict[int | None, int] = {}  # thread -> backward passes it began, since the wrapper was installed
 
 
 def watch_backward(clock: StepClock) -> None:
     """Tell ``clock`` when each backward pass starts and ends (wraps ``torch.autograd.backward`` once per
     process; ``Tensor.backward`` calls it). torch must be imported already. A clock that is not
-    :attr:`~StepClock.phased` is told nothing: it reads how many backward passes began (a count, the wrapper's
-    only work where no clock is phased, as on XLA) when a batch arrives."""
+    :attr:`~StepClock.phased` is told nothing: it reads how many backward passes its thread began (a count per
+    thread, the wrapper's only work where no clock is phased, as on XLA) when a batch arrives."""
     if clock.phased and not any(ref() is clock for ref in _clocks):
         _clocks[:] = [ref for ref in _clocks if ref() is not None]
         _clocks.append(weakref.ref(clock))
+    elif not clock.phased and not clock._backward_depth:  # (one inside a backward is let go at its end)
+        _clocks[:] = [ref for ref in _clocks if ref() is not None and ref() is not clock]
     if _installed:
         return
     autograd = sys.modules.get("torch.autograd")
@@ -384,12 +390,15 @@ def watch_backward(clock: StepClock) -> None:
         return
     compiler = getattr(sys.modules.get("torch"), "compiler", None)
     is_compiling = getattr(compiler, "is_compiling", None) or (lambda: False)
-    clocks, count = _clocks, _backward_count
+    clocks, counts = _clocks, _backward_counts
 
     def backward(*args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        # Under torch.compile's tracing the plain call: a clock read would break the graph.
-        if not clocks or is_compiling():
+        # Under torch.compile's tracing the plain call: a clock read (or a count) would break the graph.
+        if is_compiling():
+            return original(*args, **kwargs)
+        thread = _get_ident()
+        counts[thread] = counts.get(thread, 0) + 1
+        if not clocks:
             return original(*args, **kwargs)
         for ref in clocks:  # (on every backward: no list built)
             clock = ref()
@@ -404,8 +413,9 @@ def watch_backward(clock: StepClock) -> None:
         finally:
             for ref in clocks:
                 clock = ref()
-                if clock is not None and clock.phased:
-                    clock.tail()
+                if clock is not None:
+                    if clock.phased:  # (a clock bound to a lazy backend during the backward: no tail to start)
+                        clock.tail()
                     if clock._backward_depth and (clock.thread is None or _get_ident() == clock.thread):
                         clock._backward_depth -= 1
                         if clock._backward_depth == 0:

@@ -297,8 +297,11 @@ class StepTracker:
 
     def steps_by_signature(self) -> dict[Any, int]:
         """The finished steps per batch signature (equal signatures as one; None: steps without one)."""
-        self._count_run()
-        return dict(self._signature_steps)
+        out = dict(self._signature_steps)
+        run, signature = self._run_steps, self._step_signature  # (read, not folded in: the loop may be stepping)
+        if run:
+            out[signature] = out.get(signature, 0) + run
+        return out
 
     def _count_run(self) -> None:
         if self._run_steps:

@@ -224,6 +224,43 @@ def test_the_clock_charges_each_moment_to_one_phase() -> None:
     assert parts == {"data": 0.5, "body": 0.5} and sum(parts.values()) == 15.0 - 14.0
 
 
+def test_a_clock_that_is_not_phased_tells_training_batches_by_its_own_threads_backward_passes() -> None:
+    # (XLA's clock: the body, the tail and a step's start are one category, so a backward is only counted.)
+    import threading
+
+    from accelport.observe.steptime import watch_backward
+
+    clock = StepClock()
+    clock.phased = False
+    watch_backward(clock)
+    x = torch.ones(3, requires_grad=True)
+
+    def backward() -> None:
+        (x * 2).sum().backward()
+
+    assert clock.arrived(now=1.0, blocked=0.0, data=0.0, transfer=0.0) is False  # the first batch
+    other = threading.Thread(target=backward)  # another thread's backward is not the loop's training work
+    other.start()
+    other.join()
+    assert clock.arrived(now=2.0, blocked=0.0, data=0.0, transfer=0.0) is True  # the batch before: between steps
+    backward()  # a micro-batch of an accumulation: no optimizer step yet
+    assert clock.arrived(now=3.0, blocked=0.0, data=0.0, transfer=0.0) is False
+    clock.body()  # an optimizer step whose end comes after the next batch
+    assert clock.arrived(now=4.0, blocked=0.0, data=0.0, transfer=0.0) is False
+
+
+def test_a_backward_whose_clock_stops_being_phased_inside_it_still_ends() -> None:
+    # (Under accelport diagnose the backend, and so the clock's kind, may be chosen during a backward.)
+    from accelport.observe.steptime import watch_backward
+
+    clock = StepClock()
+    watch_backward(clock)
+    x = torch.ones(3, requires_grad=True)
+    x.register_hook(lambda grad: setattr(clock, "phased", False))
+    (x * 2).sum().backward()
+    assert not clock.in_backward
+
+
 def test_phases_become_categories_as_the_backend_says() -> None:
     parts = {"data": 1.0, "transfer": 0.5, "sched": 0.25, "body": 2.0, "tail": 1.0, "read": 0.5}
     assert categories(parts, TIME_PHASES) == {"data": 1.0, "transfer": 0.5, "other": 1.25, "device+other": 2.0,

@@ -52,6 +52,15 @@ class Rounds:
         """The median over rounds of ``name``'s figure over ``base``'s in the same round."""
         return statistics.median(a / b for a, b in zip(per_round[name], per_round[base], strict=True))
 
+    def spread(self, per_round: Mapping[str, list[float]], name: str, base: str) -> tuple[float, float]:
+        """The quartiles (25th, 75th percentile) of the per-round ratios whose median :meth:`ratio` gives: how
+        far one round's ratio strays from that median on this machine."""
+        ratios = [a / b for a, b in zip(per_round[name], per_round[base], strict=True)]
+        if len(ratios) < 2:
+            return (ratios[0], ratios[0]) if ratios else (float("nan"), float("nan"))
+        q1, _, q3 = statistics.quantiles(ratios, n=4)
+        return q1, q3
+
 
 def interleave(runs: Mapping[str, Callable[[], tuple[list[float], float]]], rounds: int) -> Rounds:
     """Run every loop once to warm up (compile), then ``rounds`` rounds, rotating who goes first."""

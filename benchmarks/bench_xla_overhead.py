@@ -6,6 +6,9 @@ The same tiny model (where overhead shows most) trains in loops written three wa
 interleaved round by round in one process so machine noise hits all alike:
 
 - raw:        MpDeviceLoader(batches, device) + xm.optimizer_step(opt), torch_xla's defaults
+- raw again:  the same raw loop a second time, with a model of its own: a control. Its ratio to
+              raw is what this machine's noise alone makes of two equal loops, the yardstick
+              for the figures of the others
 - accelport:  ap.loader(batches) + ap.optimizer_step(opt), as shipped: the built-in
               rules judge every step's record
 - no-observer: the same loop with the rules off, so no step record is built and no
@@ -14,7 +17,8 @@ interleaved round by round in one process so machine noise hits all alike:
 A step's time is the wall time between consecutive batches arriving in the loop.
 Reported: the median step time of each, its ratio to raw, the median over rounds of
 each round's ratio (the headline figure, target <= 1.03: pairing within a round cancels
-slow drifts of a shared machine), the same from the loop thread's CPU time per step (it
+slow drifts of a shared machine) with the quartiles of those ratios beside it (how far
+one round strays), the same from the loop thread's CPU time per step (it
 leaves out the time other processes take the core away: the steadier figure on a busy
 machine), the same from each round's mean step time (work done
 once every few steps, such as the diagnostics reading torch_xla's counters once per 16
@@ -58,7 +62,7 @@ def main() -> None:
     device = ap.device()
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(16, 32, generator=g), torch.randn(16, 1, generator=g)) for _ in range(args.steps)]
-    models = {name: make_model(device) for name in ("raw", "accelport", "no-observer")}
+    models = {name: make_model(device) for name in ("raw", "raw again", "accelport", "no-observer")}
     host = RUNTIME.host()
     engine = RUNTIME.diagnostics()
 
@@ -71,8 +75,8 @@ def main() -> None:
         def __exit__(self, *exc: Any) -> None:
             RUNTIME.tracker.bind(ap.backend(), host, engine, RUNTIME.tracker.numerics)
 
-    def raw() -> tuple[list[float], float]:
-        return train_pass(MpDeviceLoader(data, device), *models["raw"], xm.optimizer_step)
+    def raw(name: str = "raw") -> tuple[list[float], float]:
+        return train_pass(MpDeviceLoader(data, device), *models[name], xm.optimizer_step)
 
     watching: list[str] = []  # the observers the "accelport" loop ran with
 
@@ -85,13 +89,14 @@ def main() -> None:
         with observers_off():
             return train_pass(ap.loader(data), *models["no-observer"], ap.optimizer_step)
 
-    runs = {"raw": raw, "accelport": accel, "no-observer": quiet}
+    runs = {"raw": raw, "raw again": lambda: raw("raw again"), "accelport": accel, "no-observer": quiet}
     rounds = interleave(runs, args.rounds)
     torch_xla.sync()
     med = {k: statistics.median(v) for k, v in rounds.times.items()}
     by_median = {k: rounds.ratio(rounds.median, k, "raw") for k in runs}
     by_mean = {k: rounds.ratio(rounds.mean, k, "raw") for k in runs}
     by_cpu = {k: rounds.ratio(rounds.cpu, k, "raw") for k in runs}
+    spread = {k: rounds.spread(rounds.median, k, "raw") for k in runs}
     print(f"torch {torch.__version__}, torch_xla {torch_xla.__version__}, PJRT_DEVICE={os.environ['PJRT_DEVICE']}; "
           f"{args.rounds} rounds x {args.steps} steps each, interleaved; "
           f"rules judging the accelport loop: {', '.join(watching) or 'none'}")
@@ -100,7 +105,8 @@ def main() -> None:
         # (XLA:CPU computes in threads of its own: this is the host's tracing and accelport's work).
         extra_cpu = statistics.median(a - b for a, b in zip(rounds.cpu[k], rounds.cpu["raw"], strict=True)) * 1e6
         print(f"{k:12s} median step {med[k] * 1e6:8.1f} us   ratio to raw {med[k] / med['raw']:.3f}   "
-              f"median of per-round ratios {by_median[k]:.3f} (of means {by_mean[k]:.3f}, "
+              f"median of per-round ratios {by_median[k]:.3f} [quartiles {spread[k][0]:.3f} to {spread[k][1]:.3f}] "
+              f"(of means {by_mean[k]:.3f}, "
               f"of CPU time {by_cpu[k]:.3f}; {extra_cpu:+.1f} us of CPU a step)")
 
     # accelport's own per-step pieces, timed alone (no device work running beside them;
@@ -119,8 +125,8 @@ def main() -> None:
 
     # The same pieces inside the loop, where they cost several times as much: the median of each call
     # while the accelport loop trains, less the timing's own cost (a timed call of nothing, made once a
-    # step); and the loop's sync against raw torch_xla's (its graph outputs the canary gradient the
-    # numerics checks keep: one more buffer made and let go each step).
+    # step); and the loop's sync against raw torch_xla's, with the step marker inside each (the same graph
+    # traced and launched: the same time, where the loops' own Python differs).
     class Nothing:
         def call(self) -> None:
             return None
@@ -137,17 +143,23 @@ def main() -> None:
               ("tracker.step_end", tracker, "step_end")]
     pieces += [(f"  of which {name}.step_end", watch, "step_end") for name, watch in
                (("numerics", tracker.numerics), ("flops", tracker.flops), ("memory", tracker.memory)) if watch]
+    marker = torch_xla._XLAC  # (the step marker: tracing the step's graph and launching it, inside either sync)
     pieces += [("tracker.synced (the median: a quiet step's)", tracker, "synced"),
-               ("backend.end_of_batch: the loop's sync", backend, "end_of_batch")]
+               ("backend.end_of_batch: the loop's sync", backend, "end_of_batch"),
+               ("  of which torch_xla's step marker", marker, "_xla_step_marker")]
     inside = call_times(pieces, lambda: train_pass(ap.loader(data), *models["accelport"], stepped), 5)
-    inside.update(call_times([("raw torch_xla: its loader's sync", torch_xla, "sync")], raw, 5))
+    inside.update(call_times([("raw torch_xla: its loader's sync", torch_xla, "sync"),
+                              ("  of which torch_xla's step marker (raw)", marker, "_xla_step_marker")], raw, 5))
     own = inside.pop("(a timed call of nothing)")
     print(f"inside the loop (median per call, less {own:.2f} us of timing):")
     for name, cost in inside.items():
         print(f"  {name:46s} {cost - own:7.2f} us per call")
     ratio = by_median["accelport"]
+    low, high = spread["accelport"]
     print(f"accelport / raw = {ratio:.3f}, median of per-round ratios (target <= 1.03: "
-          f"{'yes' if ratio <= 1.03 else 'NO'}); from each round's mean step: {by_mean['accelport']:.3f}")
+          f"{'yes' if ratio <= 1.03 else 'NO'}; quartiles {low:.3f} to {high:.3f}); from each round's mean step: "
+          f"{by_mean['accelport']:.3f}. The control, raw again / raw: {by_median['raw again']:.3f} "
+          f"(quartiles {spread['raw again'][0]:.3f} to {spread['raw again'][1]:.3f}), what noise alone gives here")
 
 
 if __name__ == "__main__":

@@ -48,14 +48,19 @@ class Rounds:
     mean: dict[str, list[float]] = field(default_factory=dict)
     cpu: dict[str, list[float]] = field(default_factory=dict)
 
+    @staticmethod
+    def ratios(per_round: Mapping[str, list[float]], name: str, base: str) -> list[float]:
+        """Each round's ``name`` figure over ``base``'s in the same round."""
+        return [a / b for a, b in zip(per_round[name], per_round[base], strict=True)]
+
     def ratio(self, per_round: Mapping[str, list[float]], name: str, base: str) -> float:
         """The median over rounds of ``name``'s figure over ``base``'s in the same round."""
-        return statistics.median(a / b for a, b in zip(per_round[name], per_round[base], strict=True))
+        return statistics.median(self.ratios(per_round, name, base))
 
     def spread(self, per_round: Mapping[str, list[float]], name: str, base: str) -> tuple[float, float]:
         """The quartiles (25th, 75th percentile) of the per-round ratios whose median :meth:`ratio` gives: how
         far one round's ratio strays from that median on this machine."""
-        ratios = [a / b for a, b in zip(per_round[name], per_round[base], strict=True)]
+        ratios = self.ratios(per_round, name, base)
         if len(ratios) < 2:
             return (ratios[0], ratios[0]) if ratios else (float("nan"), float("nan"))
         q1, _, q3 = statistics.quantiles(ratios, n=4)

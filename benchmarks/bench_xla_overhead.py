@@ -2,8 +2,8 @@
 
     PJRT_DEVICE=CPU python benchmarks/bench_xla_overhead.py [--rounds 21] [--steps 100]
 
-The same tiny model (where overhead shows most) trains in loops written three ways,
-interleaved round by round in one process so machine noise hits all alike:
+The same tiny model (where overhead shows most) trains in loops written three ways (the
+first twice), interleaved round by round in one process so machine noise hits all alike:
 
 - raw:        MpDeviceLoader(batches, device) + xm.optimizer_step(opt), torch_xla's defaults
 - raw again:  the same raw loop a second time, with a model of its own: a control. Its ratio to

@@ -25,7 +25,8 @@ step (``ap.optimizer_step``), at a cost that stays out of the step:
   read whole (a slice would be
   a graph to compile), so only one of at most :data:`WEIGHT_LAZY_MAX` elements is
   chosen as the weight; they are read every
-  :data:`CHECK_EVERY_LAZY` steps and at the end of each loop, at the next sync (the
+  :data:`CHECK_EVERY_LAZY` steps and at the end of a loop (at most once per
+  :data:`PASS_END_READ_SECONDS`), at the next sync (the
   loop's; a later step's where a step syncs before it ends, and then said of that
   step: a transfer, never an extra execution or compilation; left out of
   ``ap.metrics().device_to_host``): a bad input batch is still named at its step
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import gc
 import math
+import time
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -61,9 +63,14 @@ __all__ = ["NumericsWatch", "NonFinite", "Stalled", "Inspected", "check_batch", 
 #: Steps between reads of the kept gradients on eager accelerators, and of the parameters' values
 #: on lazy backends: each read waits for the step it reads to finish executing, which on XLA costs the
 #: overlap of host and device for one step, so there it comes seldom (and at the end of
-#: each ap.loader loop, and at ap.diagnostics()).
+#: an ap.loader loop, on lazy backends at most once per PASS_END_READ_SECONDS, and at ap.diagnostics()).
 CHECK_EVERY = 64
 CHECK_EVERY_LAZY = 256
+#: On lazy backends a loader's pass that ends reads the kept values at most once per this many seconds. There a
+#: read at a pass's end is a sync of its own (about 0.7 ms on XLA:CPU: 0.7% of a pass of 100 steps of 1 ms),
+#: where the reads inside a pass go with the loop's own sync; a loop of short passes is read every
+#: CHECK_EVERY_LAZY steps, at ``ap.diagnostics()`` and at the run's end, as inside a pass.
+PASS_END_READ_SECONDS = 10.0
 PRECISION_FIRST = 10
 PRECISION_EVERY = 50
 #: Share of elements with a non-zero gradient that did not move, for a parameter to count as stalled.
@@ -317,6 +324,7 @@ class NumericsWatch:
         self._last_shares: dict[int, float] = {}
         #: Reads handed to after_step that have not run yet (lazy: they run after the next sync).
         self.pending = 0
+        self._read_at = -math.inf  # time.monotonic() at the last read
         #: Optimizer steps started (the step tracker counts them as each starts, before its update runs).
         self.started = 0
 
@@ -343,6 +351,12 @@ class NumericsWatch:
         if covered:
             self._inspected += 1  # (only this thread writes it)
         return signature if found is None else Inspected(signature, found)
+
+    def read_at_pass_end(self) -> bool:
+        """Whether a loader's pass that ends now reads the kept values (:meth:`read`): always, but on lazy backends
+        only if nothing was read yet or the last read is PASS_END_READ_SECONDS old, since there it is a sync of its
+        own. (What is left is read every CHECK_EVERY_LAZY steps, by ``ap.diagnostics()`` and at the run's end.)"""
+        return not self._lazy or time.monotonic() - self._read_at >= PASS_END_READ_SECONDS
 
     def batch(self, info: Any) -> None:
         """The loop got a batch: on cpu the batch itself, else what :meth:`inspect` found in it."""
@@ -478,6 +492,7 @@ class NumericsWatch:
         """
         kept, self._kept = self._kept, []
         self._unread = 0
+        self._read_at = time.monotonic()
         # Were this block's inputs looked at? Counted by the loader's thread, which reads ahead,
         # so told per block, not per step.
         seen, self._inspected_read = self._inspected != self._inspected_read, self._inspected

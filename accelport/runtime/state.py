@@ -419,7 +419,7 @@ class Runtime:
             search = self.tracker.nan_search
             if search is not None and search is not saved["tracker"].nan_search:
                 search.finish()  # the block's own search ends with it
-            self.tracker.flush()
+            self.tracker.flush(pass_ended=False)  # (its tracker goes: what its checks keep is read now)
             with self._lock:
                 vars(self).update(saved)
 

@@ -270,8 +270,9 @@ class StepTracker:
 
         The end of an ``ap.loader`` loop (``pass_ended``: what runs until its next batch is work between
         the training steps), ``ap.diagnostics()``, a change of backend and the end of the process call it:
-        the step checks read what they keep, a graph run outside the steps is looked at, and the rules see what was
-        found since the last step.
+        the step checks read what they keep (at a pass's end on a lazy backend, at most once per
+        ``PASS_END_READ_SECONDS``: there a read is a sync of its own), a graph run outside the steps is looked at,
+        and the rules see what was found since the last step.
         """
         self._hand_over()
         if self.flops is not None:
@@ -285,7 +286,7 @@ class StepTracker:
         if self._shapes is not None:
             self._shapes.pause()
         watch = self.numerics
-        if watch is not None and watch.deferred and not self._failed:
+        if watch is not None and watch.deferred and not self._failed and (not pass_ended or watch.read_at_pass_end()):
             watch.read()
             for _ in range(3):  # (the reads run at a sync; a bad newest gradient asks for the others: a second read)
                 if not (watch.pending and backend.lazy):

@@ -77,6 +77,83 @@ def test_a_diverging_loss_is_reported_from_the_parameters_it_made_nan() -> None:
     assert "The inputs were finite" in found.text and "clip_grad_norm_" in found.text
 
 
+@pytest.mark.parametrize("every_pass", [False, True])
+def test_a_short_pass_that_ends_soon_after_a_read_leaves_its_read_to_the_next_one(
+        every_pass: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On XLA a read at a pass's end is a sync of its own: the first pass's end reads, and then a pass's end
+    # reads only PASS_END_READ_SECONDS after the last read. What it left is read by ap.diagnostics().
+    import warnings
+
+    from accelport.observe import numerics
+
+    monkeypatch.setattr(numerics, "PASS_END_READ_SECONDS", 0.0 if every_pass else 3600.0)
+    ap.use("xla")
+    train(12, data(5, 12))  # read at its end: the first pass's
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        train(12, data(20, 12, scale=30.0), lr=10.0)  # diverges
+    at_pass_end = [str(w.message) for w in said if "[non-finite]" in str(w.message)]
+    assert bool(at_pass_end) == every_pass, at_pass_end
+    (found,) = ap.diagnostics()
+    assert found.kind == "non-finite" and found.evidence["found_by_step"] == 25
+    assert found.evidence["finite_at_step"] == 5  # (the first pass's end read its values: finite)
+
+
+def test_what_a_pass_left_unread_is_read_when_its_scoped_run_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The pytest plugin runs each test in a scoped runtime, whose tracker goes with it: its end reads.
+    from accelport.observe import numerics
+    from accelport.runtime.state import RUNTIME
+
+    monkeypatch.setattr(numerics, "PASS_END_READ_SECONDS", 3600.0)
+    with pytest.warns(ap.DiagnosticWarning, match=r"\[non-finite\] PROBLEM: the weights became NaN or Inf after "
+                                                  r"step 5 and by step 25"):
+        with RUNTIME.scoped():
+            ap.use("xla")
+            train(12, data(5, 12))
+            train(12, data(20, 12, scale=30.0), lr=10.0)
+
+
+_TWO_LOOPS = """
+import accelport as ap
+import torch
+ap.use("xla")
+torch.manual_seed(0)
+g = torch.Generator().manual_seed(1)
+w = torch.randn(12, 1, generator=g)
+def data(n, scale):
+    out = []
+    for _ in range(n):
+        x = torch.randn(16, 12, generator=g) * scale
+        out.append((x, x @ w))
+    return out
+model = torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).to(ap.device())
+for batches, lr in ((data(5, 1.0), 0.01), (data(20, 30.0), 10.0)):
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for x, y in ap.loader(batches):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        ap.optimizer_step(opt)
+        opt.zero_grad()
+print("trained", flush=True)
+"""
+
+
+def test_a_script_whose_last_short_pass_diverges_is_told_as_it_exits(tmp_path: Any) -> None:
+    # Its last pass's end came within PASS_END_READ_SECONDS of the first's read: the read at the process's exit
+    # (before torch_xla's own exit hook, though accelport was imported first) finds it.
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "two_loops.py"
+    script.write_text(_TWO_LOOPS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELPORT_")}
+    env.update(PJRT_DEVICE="CPU", PYTHONWARNINGS="default")
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "trained", out.stdout + out.stderr
+    assert "[non-finite] PROBLEM: the weights became NaN or Inf after step 5 and by step 25" in out.stderr, out.stderr
+
+
 def test_no_gradient_outlives_its_step_so_no_step_graph_outputs_one() -> None:
     # A tensor live at the loop's sync is an output of the step's graph, made and let go each step: the
     # checks keep no gradient on XLA (they read the canary's values), so those the script let go of are gone.

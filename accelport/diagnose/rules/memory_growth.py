@@ -9,6 +9,7 @@ kept in a list, a running sum of losses): that is the cause it names, with the f
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import deque
 
@@ -109,10 +110,11 @@ class MemoryGrowthRule(Rule):
         return out
 
     def _grows(self) -> tuple[int, int, float, int, int, int] | None:
-        intervals = list(self._intervals)
-        if len(intervals) < self.WINDOW:
+        kept = self._intervals
+        if len(kept) < self.WINDOW:
             return None
-        window = intervals[-self.WINDOW:]
+        # (Judged at every reading: the window is copied, the whole history only once it grows.)
+        window = list(itertools.islice(kept, len(kept) - self.WINDOW, None))
         least = self.MIN_GROWTH_RESIDENT if self._resident else self.MIN_GROWTH
         steps = sum(s1 - s0 for s0, s1, _, _ in window)
         grown = sum(g for _, _, g, _ in window)
@@ -130,6 +132,7 @@ class MemoryGrowthRule(Rule):
         # Where the growth began: going back from the newest interval, block by block of SPAN intervals, the
         # first step of the earliest block of a run that grew by at least half the usual amount.
         usual = statistics.median(rates)
+        intervals = list(kept)
         start = window[-1][0]
         for i in range(len(intervals) - self.SPAN, -1, -self.SPAN):
             first, rate = self._spans(intervals[i:i + self.SPAN])[0]

@@ -103,9 +103,12 @@ class NonFiniteRule(Rule):
         if found.finite_at is None:
             when = f"at step {found.step}"
         else:  # accelerators and lazy backends read them apart, to keep the reads out of the steps
-            every = "every few hundred steps" if watch.every >= CHECK_EVERY_LAZY else f"every {watch.every} steps"
-            when = (f"after step {found.finite_at} and by step {found.step} (on {watch.backend_name} they "
-                    f"are read {every} and at the end of each loop)")
+            if watch.every >= CHECK_EVERY_LAZY:  # (a pass's end reads there at most every few seconds)
+                every = "every few hundred steps and at the end of a loop"
+            else:
+                every = f"every {watch.every} steps and at the end of each loop"
+            when = (f"after step {found.finite_at} and by step {found.step} (on {watch.backend_name} they are "
+                    f"read {every})")
         hint = self._search_hint(found.step, found.finite_at, found.source)
         self.report(
             f"the {found.found_in} became NaN or Inf {when}: {source} ({found.detail}). Every step "

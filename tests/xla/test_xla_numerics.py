@@ -139,17 +139,12 @@ print("trained", flush=True)
 
 def test_a_script_whose_last_short_pass_diverges_is_told_as_it_exits(tmp_path: Any) -> None:
     # Its last pass's end came within PASS_END_READ_SECONDS of the first's read: the read at the process's exit
-    # (before torch_xla's own exit hook, though accelport was imported first) finds it.
-    import os
-    import subprocess
-    import sys
+    # finds it (after torch_xla's own exit hook, which runs first since accelport was imported first).
+    from tests.diagnose_cli.runs import run
 
     script = tmp_path / "two_loops.py"
     script.write_text(_TWO_LOOPS)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELPORT_")}
-    env.update(PJRT_DEVICE="CPU", PYTHONWARNINGS="default")
-    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = run(str(script), cwd=tmp_path, diagnose=False, env={"PJRT_DEVICE": "CPU", "PYTHONWARNINGS": "default"})
     assert out.returncode == 0 and out.stdout.strip() == "trained", out.stdout + out.stderr
     assert "[non-finite] PROBLEM: the weights became NaN or Inf after step 5 and by step 25" in out.stderr, out.stderr
 

@@ -29,7 +29,6 @@ launcher (``accelport verify-resume``'s), which runs the script under a Watcher 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import hashlib
 import json
 import os
@@ -44,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from accelport.errors import AccelportError, UsageError
+from accelport.heap import live_instances
 
 __all__ = ["StepRecorder", "Command", "Run", "Result", "Difference", "compare", "verify", "SIGNALS", "FACETS"]
 
@@ -196,12 +196,10 @@ def _scaler_state(frame: Any) -> str | None:
 def _schedulers(optimizer: Any) -> list[str]:
     """The class names of the learning-rate schedulers that drive ``optimizer`` (asked once per run)."""
     module = sys.modules.get("torch.optim.lr_scheduler")
-    kinds = tuple(c for c in (getattr(module, "LRScheduler", None), getattr(module, "ReduceLROnPlateau", None))
-                  if isinstance(c, type))
-    if not kinds:
-        return []
-    return sorted({type(o).__name__ for o in gc.get_objects()
-                   if isinstance(o, kinds) and getattr(o, "optimizer", None) is optimizer})
+    kinds = {c for c in (getattr(module, "LRScheduler", None), getattr(module, "ReduceLROnPlateau", None))
+             if isinstance(c, type)}  # (ReduceLROnPlateau is an LRScheduler since torch 2.2; not before)
+    return sorted({type(o).__name__ for kind in kinds for o in live_instances(kind)
+                   if getattr(o, "optimizer", None) is optimizer})
 
 
 def _loader_facts(iterator: Any) -> dict[str, Any]:

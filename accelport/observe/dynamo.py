@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from accelport.heap import live_instances
 from accelport.observe.frames import library_of
 
 __all__ = ["CompileEvents", "CompileObserver", "FunctionCompiles", "GraphBreak", "LimitHit", "SizeChange", "Mark",
@@ -178,17 +179,15 @@ def _wrapped() -> tuple[str, str] | None:
     optimized = getattr(eval_frame, "OptimizedModule", None)
     if not isinstance(optimized, type):
         return None
-    import gc
     import inspect
 
     classes = set()
-    for o in gc.get_objects():  # read once per finding, when a wrapper frame is in dynamo's records
-        if issubclass(type(o), optimized):  # (not isinstance: it reads __class__, which some objects warn on)
-            code = getattr(getattr(getattr(o, "forward", None), "__wrapped__", None), "__code__", None)
-            original = getattr(o, "_orig_mod", None)
-            if code is not None and original is not None \
-                    and _is_wrapper(getattr(code, "co_qualname", code.co_name), code.co_filename):  # (3.11+)
-                classes.add(type(original))
+    for o in live_instances(optimized):  # read once per finding, when a wrapper frame is in dynamo's records
+        code = getattr(getattr(getattr(o, "forward", None), "__wrapped__", None), "__code__", None)
+        original = getattr(o, "_orig_mod", None)
+        if code is not None and original is not None \
+                and _is_wrapper(getattr(code, "co_qualname", code.co_name), code.co_filename):  # (3.11+)
+            classes.add(type(original))
     if len(classes) != 1:
         return None
     (cls,) = classes

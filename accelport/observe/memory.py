@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from accelport.heap import live_instances
 from accelport.sharding import is_dtensor, memory_of
 
 __all__ = ["MemoryWatch", "OutOfMemory", "Signature", "SIGNATURES", "KeptGraph", "SavedActivations",
@@ -587,23 +588,16 @@ class MemoryWatch:
         wanted = {id(p) for o in self.optimizers() for g in o.param_groups for p in g["params"]}
         if not wanted:
             return None
-        import gc
-        import warnings
-
         import torch
 
         best, most = None, 0
-        with warnings.catch_warnings():  # isinstance on deprecated proxies in the heap warns
-            warnings.simplefilter("ignore")
-            for obj in gc.get_objects():
-                try:
-                    if not isinstance(obj, torch.nn.Module):
-                        continue
-                    held = sum(1 for p in obj.parameters() if id(p) in wanted)
-                except Exception:  # noqa: BLE001 - a half-built module in the heap
-                    continue
-                if held > most:
-                    best, most = obj, held
+        for obj in live_instances(torch.nn.Module):
+            try:
+                held = sum(1 for p in obj.parameters() if id(p) in wanted)
+            except Exception:  # noqa: BLE001 - a half-built module in the heap
+                continue
+            if held > most:
+                best, most = obj, held
         return best
 
     # -- out of memory ----------------------------------------------------------------------------------

@@ -47,14 +47,13 @@ step (``ap.optimizer_step``), at a cost that stays out of the step:
 
 from __future__ import annotations
 
-import gc
 import math
 import time
-import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from accelport.heap import live_instances
 from accelport.sharding import is_dtensor, local_shard
 
 __all__ = ["NumericsWatch", "NonFinite", "Stalled", "Inspected", "check_batch", "batch_tensors", "param_names",
@@ -222,18 +221,13 @@ def param_names(params: Iterable[Any]) -> dict[int, str]:
 
     wanted = {id(p) for p in params}
     best: dict[int, str] = {}
-    module = torch.nn.Module
-    with warnings.catch_warnings():  # isinstance on deprecated proxies in the heap warns
-        warnings.simplefilter("ignore")
-        for obj in gc.get_objects():
-            try:
-                if not isinstance(obj, module):
-                    continue
-                names = {id(p): n.replace("_orig_mod.", "") for n, p in obj.named_parameters() if id(p) in wanted}
-            except Exception:  # noqa: BLE001 - a half-built module in the heap
-                continue
-            if len(names) > len(best):
-                best = names
+    for obj in live_instances(torch.nn.Module):
+        try:
+            names = {id(p): n.replace("_orig_mod.", "") for n, p in obj.named_parameters() if id(p) in wanted}
+        except Exception:  # noqa: BLE001 - a half-built module in the heap
+            continue
+        if len(names) > len(best):
+            best = names
     return best
 
 

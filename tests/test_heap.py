@@ -1,0 +1,121 @@
+"""Searching the live objects: only instances come back, and a tuple another thread is growing survives it."""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from accelport.heap import live_instances
+from accelport.observe.memory import MemoryWatch
+from accelport.observe.numerics import param_names
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 2)
+
+
+def test_live_instances_gives_the_instances_of_a_class_and_its_subclasses_only() -> None:
+    class Base:
+        pass
+
+    class Child(Base):
+        pass
+
+    kept = [Base(), Child(), Base()]
+    found = live_instances(Base)
+    assert sorted(map(id, found)) == sorted(map(id, kept))
+    assert [o for o in live_instances(Child)] == [kept[1]]
+
+
+def test_an_object_whose_class_property_raises_leaves_the_search_whole() -> None:
+    class Proxy:
+        """What a context-bound proxy does outside its context (werkzeug's LocalProxy, say)."""
+
+        @property  # type: ignore[misc]
+        def __class__(self) -> type:
+            raise RuntimeError("working outside of its context")
+
+    class Wanted:
+        pass
+
+    held = (Proxy(), Wanted())
+    assert [o for o in live_instances(Wanted)] == [held[1]]
+
+
+def test_live_instances_refuses_a_class_whose_check_is_python_code() -> None:
+    class Abstract(abc.ABC):
+        @abc.abstractmethod
+        def run(self) -> None: ...
+
+    with pytest.raises(TypeError, match="metaclass is type, not ABCMeta"):
+        live_instances(Abstract)
+
+
+def _grown_beside(search: Callable[[], Any]) -> dict[str, Any]:
+    """Run ``search`` while another thread is halfway through ``tuple(generator)``; the thread finishes while
+    the search calls a module's method. What the thread got: its tuple, or the error it raised."""
+    release, ready = threading.Event(), threading.Event()
+    got: dict[str, Any] = {}
+
+    def items() -> Any:
+        yield 1
+        ready.set()
+        release.wait(120)
+        yield 2
+
+    def grow() -> None:
+        try:
+            got["tuple"] = tuple(items())  # (its guessed length is 10: cut back to 2 at the end, in place)
+        except SystemError as exc:
+            got["error"] = exc
+
+    class Trigger(torch.nn.Module):
+        """A module whose parameters are asked for during the search: the other thread goes on meanwhile."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+            release.set()
+            thread.join(120)
+            return super().named_parameters(*args, **kwargs)
+
+        def parameters(self, recurse: bool = True) -> Any:
+            return (p for _, p in self.named_parameters(recurse=recurse))
+
+    trigger = Trigger()
+    thread = threading.Thread(target=grow)
+    thread.start()
+    assert ready.wait(120)
+    search()
+    thread.join(120)
+    del trigger
+    return got
+
+
+def test_naming_parameters_leaves_a_tuple_another_thread_grows_alone() -> None:
+    net = _Net()
+    names: dict[int, str] = {}
+    got = _grown_beside(lambda: names.update(param_names(list(net.parameters()))))
+    assert got == {"tuple": (1, 2)}
+    assert sorted(names.values()) == ["fc.bias", "fc.weight"]
+
+
+def test_finding_the_model_for_its_memory_leaves_a_tuple_another_thread_grows_alone() -> None:
+    net = _Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    watch = MemoryWatch(SimpleNamespace())  # (a backend that shards nothing: the model is searched for)
+    watch.step_end(1, opt)
+    found: list[Any] = []
+    got = _grown_beside(lambda: found.append(watch.model()))
+    assert got == {"tuple": (1, 2)}
+    assert found == [net]

@@ -121,6 +121,10 @@ class Runtime:
                     warn_deprecations(backend, env, matrix=self.matrix(), found=found)
                     self._warn_unmet_pjrt(backend)
                     backend.prepare()
+                    # Exit hooks run last registered first: one the backend's library registered as it was
+                    # imported (torch_xla's tears its runtime down) must run after accelport's last read.
+                    atexit.unregister(_flush_at_exit)
+                    atexit.register(_flush_at_exit)
                     backend.reason = reason
                     # The backends' counters are process-wide: from its start, every one is 0.
                     self._baseline = {} if self._from_process_start else backend.counters()

@@ -114,9 +114,16 @@ def test_what_a_pass_left_unread_is_read_when_its_scoped_run_ends(monkeypatch: p
 
 
 _TWO_LOOPS = """
+import sys
 import accelport as ap
 import torch
 ap.use("xla")
+import torch_xla
+teardown = torch_xla._XLAC._prepare_to_exit  # (what torch_xla's own exit hook calls)
+def said_then_teardown():
+    print("torch_xla tears its runtime down", file=sys.stderr, flush=True)
+    teardown()
+torch_xla._XLAC._prepare_to_exit = said_then_teardown
 torch.manual_seed(0)
 g = torch.Generator().manual_seed(1)
 w = torch.randn(12, 1, generator=g)
@@ -139,14 +146,16 @@ print("trained", flush=True)
 
 def test_a_script_whose_last_short_pass_diverges_is_told_as_it_exits(tmp_path: Any) -> None:
     # Its last pass's end came within PASS_END_READ_SECONDS of the first's read: the read at the process's exit
-    # finds it (after torch_xla's own exit hook, which runs first since accelport was imported first).
+    # finds it, before torch_xla's own exit hook tears its runtime down (though accelport was imported first).
     from tests.diagnose_cli.runs import run
 
     script = tmp_path / "two_loops.py"
     script.write_text(_TWO_LOOPS)
     out = run(str(script), cwd=tmp_path, diagnose=False, env={"PJRT_DEVICE": "CPU", "PYTHONWARNINGS": "default"})
     assert out.returncode == 0 and out.stdout.strip() == "trained", out.stdout + out.stderr
-    assert "[non-finite] PROBLEM: the weights became NaN or Inf after step 5 and by step 25" in out.stderr, out.stderr
+    said = "[non-finite] PROBLEM: the weights became NaN or Inf after step 5 and by step 25"
+    assert said in out.stderr, out.stderr
+    assert out.stderr.index(said) < out.stderr.index("torch_xla tears its runtime down"), out.stderr
 
 
 def test_no_gradient_outlives_its_step_so_no_step_graph_outputs_one() -> None:

@@ -3,30 +3,30 @@
 from __future__ import annotations
 
 import gc
-import warnings
-from itertools import chain, starmap
+from functools import partial
+from itertools import chain, compress, repeat, starmap
 from typing import Any
 
 __all__ = ["live_instances"]
 
 
 def live_instances(cls: type) -> list[Any]:
-    """Every object the garbage collector tracks that is an instance of ``cls`` (a plain class, not an ABC).
+    """Every object the garbage collector tracks whose own type is ``cls`` or a subclass of it.
 
     ``gc.get_objects()`` hands out every tracked object, tuples that another thread is still growing from a
     generator included: ``tuple()`` resizes those in place and raises SystemError in that thread if anything
     else holds one meanwhile (a DataLoader's pin-memory thread rebuilding a namedtuple batch, a prefetch
-    thread). Holding the heap's list while Python code runs (a loop over it, a method called on each module)
-    lets such a thread run. So the list is made, filtered and let go inside one call of C functions: nothing
-    starts before ``list()`` pulls on it, ``type.__instancecheck__`` of a plain class is C, and no iterator
-    that buffers is used (one made before the heap was read is in it: a cycle that would keep the heap's
-    objects alive until the next collection). Only an object's own ``__class__`` property runs Python code.
+    thread). Holding the heap's list while any Python code runs (a loop over it, a method of each module, an
+    object's ``__class__`` property) lets such a thread run. So the list is made, filtered and let go inside
+    the one ``list()`` call below, which runs C functions only:
+
+    - nothing starts before ``list()`` pulls on it: ``gc.get_objects()`` runs inside it (``starmap``);
+    - the list is handed out twice (``repeat``), once for the objects and once for their types, so no
+      iterator buffers objects: one made before the heap was read is in it, and buffering would make a cycle
+      that keeps the heap's objects alive until the next collection;
+    - each object is judged by its own type (``type.__subclasscheck__``: neither ``__class__`` nor a
+      metaclass's ``__instancecheck__`` is read, so a proxy that claims to be a ``cls`` is not one).
     """
-    if type(cls).__instancecheck__ is not type.__instancecheck__:  # (an ABC's check is Python code)
-        raise TypeError(f"live_instances() needs a class whose metaclass is type, not {type(cls).__name__}")
-    with warnings.catch_warnings():  # (reading the __class__ of a deprecated proxy in the heap warns)
-        warnings.simplefilter("ignore")
-        try:
-            return list(filter(cls.__instancecheck__, chain.from_iterable(starmap(gc.get_objects, ((),)))))
-        except Exception:  # noqa: BLE001 - an object whose __class__ property raises: told by its type alone
-            return [o for o in gc.get_objects() if issubclass(type(o), cls)]
+    heaps = chain.from_iterable(map(repeat, starmap(gc.get_objects, ((),)), (2,)))  # the one list, twice
+    flags = partial(map, partial(type.__subclasscheck__, cls))
+    return list(chain.from_iterable(map(compress, heaps, map(flags, map(partial(map, type), heaps)))))

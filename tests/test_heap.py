@@ -1,14 +1,16 @@
-"""Searching the live objects: only instances come back, and a tuple another thread is growing survives it."""
+"""Searching the live objects: only instances come back, by their own type; a tuple another thread is growing
+survives it, and nothing is kept alive by it."""
 
 from __future__ import annotations
 
 import abc
+import gc
 import threading
+import weakref
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
 import torch
 
 from accelport.heap import live_instances
@@ -35,28 +37,48 @@ def test_live_instances_gives_the_instances_of_a_class_and_its_subclasses_only()
     assert [o for o in live_instances(Child)] == [kept[1]]
 
 
-def test_an_object_whose_class_property_raises_leaves_the_search_whole() -> None:
-    class Proxy:
-        """What a context-bound proxy does outside its context (werkzeug's LocalProxy, say)."""
-
-        @property  # type: ignore[misc]
-        def __class__(self) -> type:
-            raise RuntimeError("working outside of its context")
-
+def test_an_object_is_judged_by_its_own_type_never_by_what_its_class_property_says() -> None:
     class Wanted:
         pass
 
-    held = (Proxy(), Wanted())
-    assert [o for o in live_instances(Wanted)] == [held[1]]
+    class Claims:
+        """A proxy that says it is a Wanted (a mock with a spec), or cannot say anything (werkzeug's
+        LocalProxy outside its context): reading its __class__ runs Python code, or raises."""
 
+        def __init__(self, says: Any) -> None:
+            self.says = says
 
-def test_live_instances_refuses_a_class_whose_check_is_python_code() -> None:
-    class Abstract(abc.ABC):
+        @property  # type: ignore[misc]
+        def __class__(self) -> type:
+            if self.says is None:
+                raise RuntimeError("working outside of its context")
+            return self.says
+
+    class Abstract(abc.ABC):  # (a metaclass whose own check is Python code: not asked either)
         @abc.abstractmethod
         def run(self) -> None: ...
 
-    with pytest.raises(TypeError, match="metaclass is type, not ABCMeta"):
-        live_instances(Abstract)
+    class Concrete(Abstract):
+        def run(self) -> None: ...
+
+    held = (Claims(Wanted), Claims(None), Wanted(), Concrete())
+    assert live_instances(Wanted) == [held[2]]
+    assert live_instances(Abstract) == [held[3]]
+
+
+def test_the_search_keeps_nothing_alive() -> None:
+    class Other:
+        pass
+
+    gone = Other()
+    ref = weakref.ref(gone)
+    gc.disable()  # (a cycle through the heap's list would keep it until a collection)
+    try:
+        live_instances(_Net)
+        del gone
+        assert ref() is None
+    finally:
+        gc.enable()
 
 
 def _grown_beside(search: Callable[[], Any]) -> dict[str, Any]:
@@ -92,14 +114,31 @@ def _grown_beside(search: Callable[[], Any]) -> dict[str, Any]:
         def parameters(self, recurse: bool = True) -> Any:
             return (p for _, p in self.named_parameters(recurse=recurse))
 
-    trigger = Trigger()
+    class Claims:
+        """An object whose __class__ property lets the other thread go on, were it read during the search."""
+
+        @property  # type: ignore[misc]
+        def __class__(self) -> type:
+            release.set()
+            thread.join(120)
+            return Claims
+
+    trigger, claims = Trigger(), Claims()
     thread = threading.Thread(target=grow)
     thread.start()
     assert ready.wait(120)
     search()
+    release.set()
     thread.join(120)
-    del trigger
+    del trigger, claims
     return got
+
+
+def test_the_search_itself_leaves_a_tuple_another_thread_grows_alone() -> None:
+    found: list[Any] = []
+    got = _grown_beside(lambda: found.extend(live_instances(_Net)))
+    assert got == {"tuple": (1, 2)}
+    assert found == []
 
 
 def test_naming_parameters_leaves_a_tuple_another_thread_grows_alone() -> None:

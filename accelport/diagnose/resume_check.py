@@ -196,8 +196,10 @@ def _scaler_state(frame: Any) -> str | None:
 def _schedulers(optimizer: Any) -> list[str]:
     """The class names of the learning-rate schedulers that drive ``optimizer`` (asked once per run)."""
     module = sys.modules.get("torch.optim.lr_scheduler")
-    kinds = {c for c in (getattr(module, "LRScheduler", None), getattr(module, "ReduceLROnPlateau", None))
-             if isinstance(c, type)}  # (ReduceLROnPlateau is an LRScheduler since torch 2.2; not before)
+    kinds = [c for c in (getattr(module, "LRScheduler", None), getattr(module, "ReduceLROnPlateau", None))
+             if isinstance(c, type)]
+    # (ReduceLROnPlateau is an LRScheduler since torch 2.2, not before: each class searched for is no other's.)
+    kinds = [c for c in kinds if not any(c is not k and issubclass(c, k) for k in kinds)]
     return sorted({type(o).__name__ for kind in kinds for o in live_instances(kind)
                    if getattr(o, "optimizer", None) is optimizer})
 

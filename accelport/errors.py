@@ -29,6 +29,7 @@ __all__ = [
     "did_you_mean",
     "warn_user",
     "user_stacklevel",
+    "ending_with_uncaught_exception",
 ]
 
 
@@ -92,6 +93,12 @@ def user_stacklevel(skip: int = 1, also: frozenset[str] = frozenset()) -> int:
 def warn_user(message: str, category: type[Warning]) -> None:
     """``warnings.warn`` attributed to the user's line, whatever depth accelport called it from."""
     warnings.warn(message, category, stacklevel=user_stacklevel())
+
+
+def ending_with_uncaught_exception() -> bool:
+    """Whether the process is ending with an uncaught exception (asked in an exit hook: Python keeps it as
+    ``sys.last_exc``, ``sys.last_value`` before 3.12). A ``SystemExit`` sets neither."""
+    return getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
 
 
 class AccelportError(Exception):

@@ -122,8 +122,9 @@ class Runtime:
                     self._warn_unmet_pjrt(backend)
                     backend.prepare()
                     # Exit hooks run last registered first: one the backend's library registered as it was
-                    # imported (torch_xla's tears its runtime down) must run after accelport's last read.
-                    atexit.unregister(_flush_at_exit)
+                    # imported (torch_xla's tears its runtime down) must run after accelport's last read. So it
+                    # is registered again, not moved (a backend chosen inside another exit hook would lose it:
+                    # a hook registered while they run never runs), and runs once.
                     atexit.register(_flush_at_exit)
                     backend.reason = reason
                     # The backends' counters are process-wide: from its start, every one is 0.
@@ -515,15 +516,32 @@ def profile_warning(environ: Mapping[str, str]) -> Any:
     return say
 
 
+_exit_flushed = threading.Event()
+
+
 @atexit.register
 def _flush_at_exit() -> None:
     # Steps a loop without ap.loader left unread (ap.loader hands them over as it ends), and a
-    # profile window still open.
+    # profile window still open. (Registered once more as each backend is chosen: the first call does it.)
+    if _exit_flushed.is_set():
+        return
+    _exit_flushed.set()
+    from accelport.errors import ending_with_uncaught_exception
+
+    flush_at_exit(RUNTIME, uncaught=ending_with_uncaught_exception())
+
+
+def flush_at_exit(runtime: Runtime, *, uncaught: bool) -> None:
+    """What the process's exit hook does for ``runtime``; ``uncaught``: an exception ends the process. Then, on a
+    lazy backend with several replicas, nothing runs the device's pending work: its graph may hold a collective
+    that peers, gone or elsewhere, never join (a hang at exit instead of the error)."""
     try:
-        search = RUNTIME.tracker.nan_search
+        search = runtime.tracker.nan_search
         if search is not None:
             search.finish()  # an op found in a step whose update never came: the rules see it now
-        RUNTIME.tracker.end_run()
+        backend = runtime.selected
+        alone = backend is None or not backend.lazy or backend.world_size() <= 1
+        runtime.tracker.end_run(sync=alone or not uncaught)
         if search is not None:
             from accelport.errors import DiagnosticWarning
             from accelport.observe.nan_search import ENV

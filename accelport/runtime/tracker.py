@@ -265,14 +265,15 @@ class StepTracker:
         if len(pending) >= self._every:
             self._hand_over()
 
-    def flush(self, *, pass_ended: bool = True) -> None:
+    def flush(self, *, pass_ended: bool = True, sync: bool = True) -> None:
         """Hand every finished step over, and settle what is still open.
 
         The end of an ``ap.loader`` loop (``pass_ended``: what runs until its next batch is work between
         the training steps), ``ap.diagnostics()``, a change of backend and the end of the process call it:
         the step checks read what they keep (at a pass's end on a lazy backend, at most once per
         ``PASS_END_READ_SECONDS``: there a read is a sync of its own), a graph run outside the steps is looked at,
-        and the rules see what was found since the last step.
+        and the rules see what was found since the last step. ``sync=False``: nothing that runs the device's
+        pending work (the checks' read on a lazy backend).
         """
         self._hand_over()
         if self.flops is not None:
@@ -286,7 +287,8 @@ class StepTracker:
         if self._shapes is not None:
             self._shapes.pause()
         watch = self.numerics
-        if watch is not None and watch.deferred and not self._failed and (not pass_ended or watch.read_at_pass_end()):
+        if watch is not None and watch.deferred and not self._failed and sync and \
+                (not pass_ended or watch.read_at_pass_end()):
             watch.read()
             for _ in range(3):  # (the reads run at a sync; a bad newest gradient asks for the others: a second read)
                 if not (watch.pending and backend.lazy):
@@ -343,10 +345,10 @@ class StepTracker:
                 carried[key] = carried.get(key, 0) + value
         return delta
 
-    def end_run(self) -> None:
+    def end_run(self, *, sync: bool = True) -> None:
         """The run is over (the process exits, the diagnosed script ended): every step handed over, and a
-        profile window still open closed (or said to have been missed)."""
-        self.flush(pass_ended=False)
+        profile window still open closed (or said to have been missed). ``sync``: as :meth:`flush`'s."""
+        self.flush(pass_ended=False, sync=sync)
         self._after_last_step()
         profile = self.profile
         if profile is not None:

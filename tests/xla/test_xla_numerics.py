@@ -158,6 +158,37 @@ def test_a_script_whose_last_short_pass_diverges_is_told_as_it_exits(tmp_path: A
     assert out.stderr.index(said) < out.stderr.index("torch_xla tears its runtime down"), out.stderr
 
 
+_RAISES_AT_THE_END = """
+backend = ap.backend()
+backend._sync = lambda sync=backend._sync: (print("synced", file=sys.stderr, flush=True), sync())
+if REPLICAS > 1:  # a stand-in: several XLA replicas cannot run on XLA:CPU here
+    backend.world_size = lambda: REPLICAS
+    backend._world = REPLICAS
+print("trained", flush=True)
+raise RuntimeError("the script failed")
+"""
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_an_exception_that_ends_a_job_of_several_replicas_runs_no_device_work_at_exit(
+        tmp_path: Any, replicas: int) -> None:
+    # The pending graph of a replica that failed may hold a collective the others never join: at exit neither the
+    # checks' read nor the pending closures' sync runs it (a hang in place of the error). Alone, both run.
+    from tests.diagnose_cli.runs import run
+
+    script = tmp_path / "fails.py"
+    script.write_text(_TWO_LOOPS.replace('print("trained", flush=True)', "")
+                      + _RAISES_AT_THE_END.replace("REPLICAS", str(replicas)))
+    out = run(str(script), cwd=tmp_path, diagnose=False, env={"PJRT_DEVICE": "CPU", "PYTHONWARNINGS": "default"})
+    assert out.returncode == 1 and out.stdout.strip() == "trained", out.stdout + out.stderr
+    assert "RuntimeError: the script failed" in out.stderr, out.stderr
+    said = "[non-finite] PROBLEM: the weights became NaN or Inf after step 5 and by step 25"
+    if replicas > 1:
+        assert "synced" not in out.stderr and said not in out.stderr, out.stderr
+    else:
+        assert "synced" in out.stderr and said in out.stderr, out.stderr
+
+
 def test_no_gradient_outlives_its_step_so_no_step_graph_outputs_one() -> None:
     # A tensor live at the loop's sync is an output of the step's graph, made and let go each step: the
     # checks keep no gradient on XLA (they read the canary's values), so those the script let go of are gone.

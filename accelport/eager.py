@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from accelport.collectives import Collectives
 from accelport.contract import Backend
 from accelport.device_loader import prefetch_iter
-from accelport.errors import BackendUnavailableError, ending_with_uncaught_exception
+from accelport.errors import BackendUnavailableError, ending_with_error
 from accelport.settings import env_int
 from accelport.sharding import optimizer_is_sharded
 from accelport.tensors import tree_map_tensors
@@ -109,7 +109,7 @@ def _teardown_at_exit() -> None:
     # After an uncaught exception the peers may be inside a collective this process will
     # never join: waiting for them, or destroying gloo's threads under them, could hang.
     # (A SystemExit sets neither: a launched worker says so with skip_teardown_at_exit.)
-    if not ending_with_uncaught_exception():
+    if not ending_with_error():
         teardown_process_group()
 
 

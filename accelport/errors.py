@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Iterable
 
@@ -29,7 +30,8 @@ __all__ = [
     "did_you_mean",
     "warn_user",
     "user_stacklevel",
-    "ending_with_uncaught_exception",
+    "ending_with_error",
+    "mark_ending_with_error",
 ]
 
 
@@ -95,10 +97,22 @@ def warn_user(message: str, category: type[Warning]) -> None:
     warnings.warn(message, category, stacklevel=user_stacklevel())
 
 
-def ending_with_uncaught_exception() -> bool:
-    """Whether the process is ending with an uncaught exception (asked in an exit hook: Python keeps it as
-    ``sys.last_exc``, ``sys.last_value`` before 3.12). A ``SystemExit`` sets neither."""
-    return getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
+#: Set once something caught the error that ends this process (see mark_ending_with_error).
+_ENDING_WITH_ERROR = threading.Event()
+
+
+def mark_ending_with_error() -> None:
+    """This process ends with an error that something caught and turned into its exit status (a launched worker's
+    wrapper, ``accelport diagnose``): the exit hooks treat it as an uncaught one."""
+    _ENDING_WITH_ERROR.set()
+
+
+def ending_with_error() -> bool:
+    """Whether the process is ending with an error (asked in an exit hook): an exception Python did not catch
+    (kept as ``sys.last_exc``, ``sys.last_value`` before 3.12), or one marked by :func:`mark_ending_with_error`.
+    A plain ``sys.exit(1)`` is neither."""
+    return _ENDING_WITH_ERROR.is_set() or getattr(sys, "last_exc", None) is not None or \
+        getattr(sys, "last_value", None) is not None
 
 
 class AccelportError(Exception):

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from accelport import _packages
 from accelport.collectives import Collectives
 from accelport.contract import Backend, Probe
-from accelport.errors import AccelportError, ending_with_uncaught_exception
+from accelport.errors import AccelportError, ending_with_error
 from accelport.platform import PlatformInfo, detect
 from accelport.settings import env_int, explicit_pjrt_device, is_true
 from accelport.tensors import to_host
@@ -638,9 +638,9 @@ class LazyBackend(Backend):
             self._flush_at_exit = True
 
     def _flush_pending(self) -> None:
-        if ending_with_uncaught_exception() and (self._world or self._replicas()) > 1:
-            return  # the pending graph may hold a collective that the other replicas never join: a hang
         try:
+            if ending_with_error() and (self._world or self._replicas()) > 1:
+                return  # the pending graph may hold a collective that the other replicas never join: a hang
             self.sync()
         except Exception:  # the runtime may already be shutting down; nothing to report to
             pass

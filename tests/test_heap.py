@@ -6,11 +6,13 @@ from __future__ import annotations
 import abc
 import gc
 import threading
+import traceback
 import weakref
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 
 from accelport.heap import live_instances
@@ -64,6 +66,32 @@ def test_an_object_is_judged_by_its_own_type_never_by_what_its_class_property_sa
     held = (Claims(Wanted), Claims(None), Wanted(), Concrete())
     assert live_instances(Wanted) == [held[2]]
     assert live_instances(Abstract) == [held[3]]
+
+
+@pytest.mark.parametrize("cls", [None, list, object])
+def test_a_class_the_search_would_find_itself_in_or_no_class_is_refused(cls: Any) -> None:
+    with pytest.raises(TypeError, match="needs a class of the caller's objects"):
+        live_instances(cls)
+
+
+def test_no_collection_runs_during_the_search() -> None:
+    # (On Python 3.11 a collection can start at any allocation and run the gc.callbacks, Python code.)
+    ran: list[str] = []
+
+    def callback(phase: str, info: Any) -> None:
+        if any(frame.name == "live_instances" for frame in traceback.extract_stack()):
+            ran.append(phase)
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    gc.callbacks.append(callback)
+    try:
+        live_instances(_Net)
+        during = list(ran)
+    finally:
+        gc.callbacks.remove(callback)
+        gc.set_threshold(*threshold)
+    assert during == []
 
 
 def test_the_search_keeps_nothing_alive() -> None:

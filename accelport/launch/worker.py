@@ -42,6 +42,7 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from accelport.errors import mark_ending_with_error
 from accelport.launch.heartbeat import (
     DONE_PREFIX,
     HEARTBEAT_PREFIX,
@@ -72,6 +73,7 @@ def _describe(exc: BaseException) -> str:
 
 def record_failure(rank: int, exc: BaseException) -> None:
     """Record why this worker fails, and leave its process group alone at exit (the peers may never come)."""
+    mark_ending_with_error()  # (nor does any exit hook run device work that may wait for them)
     if "accelport.eager" in sys.modules:  # (otherwise no process group of accelport's to leave alone)
         from accelport.eager import skip_teardown_at_exit
 

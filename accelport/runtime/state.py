@@ -526,22 +526,19 @@ def _flush_at_exit() -> None:
     if _exit_flushed.is_set():
         return
     _exit_flushed.set()
-    from accelport.errors import ending_with_uncaught_exception
+    from accelport.errors import ending_with_error
 
-    flush_at_exit(RUNTIME, uncaught=ending_with_uncaught_exception())
+    flush_at_exit(RUNTIME, failed=ending_with_error())
 
 
-def flush_at_exit(runtime: Runtime, *, uncaught: bool) -> None:
-    """What the process's exit hook does for ``runtime``; ``uncaught``: an exception ends the process. Then, on a
-    lazy backend with several replicas, nothing runs the device's pending work: its graph may hold a collective
-    that peers, gone or elsewhere, never join (a hang at exit instead of the error)."""
+def flush_at_exit(runtime: Runtime, *, failed: bool) -> None:
+    """What the process's exit hook does for ``runtime``; ``failed``: an error ends the process (see
+    :meth:`StepTracker.end_run`)."""
     try:
         search = runtime.tracker.nan_search
         if search is not None:
             search.finish()  # an op found in a step whose update never came: the rules see it now
-        backend = runtime.selected
-        alone = backend is None or not backend.lazy or backend.world_size() <= 1
-        runtime.tracker.end_run(sync=alone or not uncaught)
+        runtime.tracker.end_run(failed=failed)
         if search is not None:
             from accelport.errors import DiagnosticWarning
             from accelport.observe.nan_search import ENV

@@ -345,14 +345,26 @@ class StepTracker:
                 carried[key] = carried.get(key, 0) + value
         return delta
 
-    def end_run(self, *, sync: bool = True) -> None:
+    def end_run(self, *, failed: bool = False) -> None:
         """The run is over (the process exits, the diagnosed script ended): every step handed over, and a
-        profile window still open closed (or said to have been missed). ``sync``: as :meth:`flush`'s."""
-        self.flush(pass_ended=False, sync=sync)
+        profile window still open closed (or said to have been missed). ``failed``: an error ends it; then, on a
+        lazy backend with several replicas, nothing runs the device's pending work (its graph may hold a
+        collective that the other replicas, gone or elsewhere, never join: a hang in place of the error)."""
+        self.flush(pass_ended=False, sync=not failed or not self._lazy_replicas())
         self._after_last_step()
         profile = self.profile
         if profile is not None:
             profile.run_ended(self.steps)
+
+    def _lazy_replicas(self) -> bool:
+        """Whether the run is on a lazy backend with several replicas (True where that cannot be told)."""
+        backend = self._backend
+        if backend is None or not backend.lazy:
+            return False
+        try:
+            return backend.world_size() > 1
+        except Exception:  # noqa: BLE001 - a backend that cannot say: no device work, to be safe
+            return True
 
     def _after_last_step(self) -> None:
         """What the counters moved by after the last step (a final evaluation that compiled its graphs) goes on a

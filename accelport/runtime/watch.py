@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from accelport.device_loader import describe_loader, signature
-from accelport.errors import AccelportError, DiagnosticWarning
+from accelport.errors import AccelportError, DiagnosticWarning, mark_ending_with_error
 from accelport.lazy import OWN_CLOSURE
 from accelport.observe import tracer
 from accelport.observe.dynamo import CompileEvents
@@ -771,6 +771,7 @@ class Watcher(JobHooks):
     def failed(self, exc: BaseException) -> None:
         """The script raised ``exc``: an out-of-memory error is a finding, made before its traceback is printed."""
         self.error = exc
+        mark_ending_with_error()  # (the process's exit hooks: this process fails, though diagnose caught it)
         if self._feeding:
             try:
                 self.tracker.failed(exc)
@@ -787,7 +788,7 @@ class Watcher(JobHooks):
             if self._feeding:
                 if self._open is not None:
                     self._close()
-                self.tracker.end_run()
+                self.tracker.end_run(failed=self.error is not None)
             elif self.tracker.profile is not None and self.tracker.profile.state in ("running", "stopped"):
                 self.tracker.profile.run_ended(self.tracker.steps)  # (watching stopped: its traces still written)
         except Exception as exc:

@@ -189,6 +189,20 @@ def test_an_exception_that_ends_a_job_of_several_replicas_runs_no_device_work_at
         assert "synced" in out.stderr and said in out.stderr, out.stderr
 
 
+def test_a_replica_whose_error_accelport_diagnose_caught_runs_no_device_work_at_its_end(tmp_path: Any) -> None:
+    # accelport diagnose catches the script's error (its exit status says it): its last hand-over of the steps and
+    # the process's exit hooks take it for the error it is.
+    from tests.diagnose_cli.runs import run
+
+    script = tmp_path / "fails.py"
+    script.write_text(_TWO_LOOPS.replace('print("trained", flush=True)', "")
+                      + _RAISES_AT_THE_END.replace("REPLICAS", "2"))
+    out = run(str(script), cwd=tmp_path, env={"PJRT_DEVICE": "CPU"})
+    assert out.returncode == 1 and "trained" in out.stdout, out.stdout + out.stderr
+    assert "RuntimeError: the script failed" in out.stderr, out.stderr
+    assert "synced" not in out.stderr, out.stderr
+
+
 def test_no_gradient_outlives_its_step_so_no_step_graph_outputs_one() -> None:
     # A tensor live at the loop's sync is an output of the step's graph, made and let go each step: the
     # checks keep no gradient on XLA (they read the canary's values), so those the script let go of are gone.

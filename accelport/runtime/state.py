@@ -526,19 +526,13 @@ def _flush_at_exit() -> None:
     if _exit_flushed.is_set():
         return
     _exit_flushed.set()
-    from accelport.errors import ending_with_error
-
-    flush_at_exit(RUNTIME, failed=ending_with_error())
-
-
-def flush_at_exit(runtime: Runtime, *, failed: bool) -> None:
-    """What the process's exit hook does for ``runtime``; ``failed``: an error ends the process (see
-    :meth:`StepTracker.end_run`)."""
     try:
-        search = runtime.tracker.nan_search
+        from accelport.errors import ending_with_error
+
+        search = RUNTIME.tracker.nan_search
         if search is not None:
             search.finish()  # an op found in a step whose update never came: the rules see it now
-        runtime.tracker.end_run(failed=failed)
+        RUNTIME.tracker.end_run(failed=ending_with_error())
         if search is not None:
             from accelport.errors import DiagnosticWarning
             from accelport.observe.nan_search import ENV

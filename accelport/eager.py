@@ -24,7 +24,7 @@ from accelport.settings import env_int
 from accelport.sharding import optimizer_is_sharded
 from accelport.tensors import tree_map_tensors
 
-__all__ = ["EagerBackend", "ACCELERATOR_EQUIVALENTS", "teardown_process_group"]
+__all__ = ["EagerBackend", "ACCELERATOR_EQUIVALENTS", "skip_teardown_at_exit", "teardown_process_group"]
 
 #: Device-module function -> its ``torch.accelerator`` equivalent (torch >= 2.6).
 ACCELERATOR_EQUIVALENTS: Mapping[str, str] = {
@@ -106,12 +106,23 @@ def teardown_process_group(timeout: float | None = None) -> bool | None:
 
 
 def _teardown_at_exit() -> None:
-    # A process that an error ends leaves its process group as it is: neither waits for the other replicas
-    # (they may run for much longer, or wait in a collective this process never joins: the launch would be held
-    # for the whole exit barrier) nor destroys gloo's threads under them. (Python records no exception for
-    # sys.exit("message") or SystemExit(1): the worker wrapper marks those, see errors.mark_ending_with_error.)
+    # After an uncaught exception the peers may be inside a collective this process will
+    # never join: waiting for them, or destroying gloo's threads under them, could hang.
+    # (A SystemExit sets neither: a launched worker says so with skip_teardown_at_exit.)
     if not ending_with_error():
         teardown_process_group()
+
+
+def skip_teardown_at_exit() -> None:
+    """This process is ending with an error: at exit, leave its process group as it is.
+
+    Neither wait for the other replicas (they may run for much longer, or wait in a
+    collective this process never joins: the launch would be held for the whole
+    exit barrier) nor destroy gloo's threads under them. Python records no exception
+    for ``sys.exit("message")`` or ``SystemExit(1)``, so the at-exit hook cannot tell
+    those from a clean end by itself; the worker wrapper calls this before they propagate.
+    """
+    atexit.unregister(_teardown_at_exit)
 
 
 class EagerBackend(Backend):

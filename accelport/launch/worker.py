@@ -73,7 +73,11 @@ def _describe(exc: BaseException) -> str:
 
 def record_failure(rank: int, exc: BaseException) -> None:
     """Record why this worker fails, and leave its process group alone at exit (the peers may never come)."""
-    mark_ending_with_error()  # (so no exit hook waits for the peers: the group's teardown, device work)
+    mark_ending_with_error()  # (nor does any exit hook run device work that may wait for them)
+    if "accelport.eager" in sys.modules:  # (otherwise no process group of accelport's to leave alone)
+        from accelport.eager import skip_teardown_at_exit
+
+        skip_teardown_at_exit()
     directory = os.environ.get("ACCELPORT_LAUNCH_DIR")
     if not directory:
         return

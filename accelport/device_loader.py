@@ -483,6 +483,7 @@ class DeviceLoader:
         clock = time.perf_counter
         bar = _progress_bar(self) if self.progress else None
         first = True
+        ended = False  # the source ran out (not a break, nor an error in the loop or at its sync)
         copied = backend.transfer_seconds  # the backend's copies of batches to the device so far
         try:
             while True:
@@ -497,6 +498,7 @@ class DeviceLoader:
                     before = busy.until(t0)
                     batch = next(it)
                 except StopIteration:
+                    ended = True
                     return
                 except BaseException as exc:  # on XLA an out-of-memory error surfaces at the loop's sync
                     tracker.failed(exc)
@@ -520,10 +522,15 @@ class DeviceLoader:
                 yield batch
         finally:
             try:
-                # The observers get every step of this loop now (see StepTracker).
-                runtime.tracker.flush()
+                # The observers get every step of this loop now (see StepTracker). A pass left early (a break,
+                # an error in the loop's body or at its sync) on a lazy backend with several replicas runs no
+                # device work here: the graph pending on this replica may hold a collective (an FSDP forward's
+                # all-gather) that the others never join, a hang in place of the error. The checks' read waits
+                # for the next pass's end, ap.diagnostics() or the run's end.
+                sync = ended or not tracker.lazy_replicas()
+                runtime.tracker.flush(sync=sync)
                 if tracker is not runtime.tracker:
-                    tracker.flush()
+                    tracker.flush(sync=sync)
             finally:
                 try:
                     close = getattr(wrapped, "close", None)

@@ -350,13 +350,13 @@ class StepTracker:
         profile window still open closed (or said to have been missed). ``failed``: an error ends it; then, on a
         lazy backend with several replicas, nothing runs the device's pending work (its graph may hold a
         collective that the other replicas, gone or elsewhere, never join: a hang in place of the error)."""
-        self.flush(pass_ended=False, sync=not failed or not self._lazy_replicas())
+        self.flush(pass_ended=False, sync=not failed or not self.lazy_replicas())
         self._after_last_step()
         profile = self.profile
         if profile is not None:
             profile.run_ended(self.steps)
 
-    def _lazy_replicas(self) -> bool:
+    def lazy_replicas(self) -> bool:
         """Whether the run is on a lazy backend with several replicas (True where that cannot be told)."""
         backend = self._backend
         if backend is None or not backend.lazy:

@@ -203,6 +203,48 @@ def test_a_replica_whose_error_accelport_diagnose_caught_runs_no_device_work_at_
     assert "synced" not in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("left_by", ["an error", "a break"])
+def test_a_pass_left_early_on_several_replicas_runs_no_device_work_as_its_loader_closes(
+        monkeypatch: pytest.MonkeyPatch, replicas: int, left_by: str) -> None:
+    # The loader's pass is closed when nothing holds it any more (its error handled, or at a break): the graph
+    # pending on this replica may hold a collective the others never join, so with several replicas the pass's
+    # end runs neither the checks' read nor a sync (a hang in place of the error). Alone, the first pass's end
+    # reads, as it always did. (The world size is a stand-in: several XLA replicas cannot run on XLA:CPU here.)
+    import torch
+
+    ap.use("xla")
+    backend = ap.backend()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).to(ap.device())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    synced: list[int] = []
+    batches = iter(ap.loader(data(6, 7)))
+    try:
+        for i, (x, y) in enumerate(batches):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            ap.optimizer_step(opt)
+            opt.zero_grad()
+            if i == 3:
+                model(x).sum()  # (a forward pending on this replica, as when a step fails midway)
+                monkeypatch.setattr(backend, "_sync", lambda sync=backend._sync: (synced.append(1), sync()))
+                if replicas > 1:
+                    monkeypatch.setattr(backend, "world_size", lambda: replicas)
+                    monkeypatch.setattr(backend, "_world", replicas)
+                if left_by == "a break":
+                    break
+                raise RuntimeError("the step failed")
+    except RuntimeError:
+        pass
+    before = ap.metrics().executions
+    batches.close()  # what happens when nothing holds the pass any more
+    ran = ap.metrics().executions - before
+    if replicas > 1:
+        assert synced == [] and ran == 0
+    else:
+        assert synced and ran > 0
+
+
 def test_no_gradient_outlives_its_step_so_no_step_graph_outputs_one() -> None:
     # A tensor live at the loop's sync is an output of the step's graph, made and let go each step: the
     # checks keep no gradient on XLA (they read the canary's values), so those the script let go of are gone.

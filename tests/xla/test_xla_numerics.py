@@ -204,14 +204,16 @@ def test_a_replica_whose_error_accelport_diagnose_caught_runs_no_device_work_at_
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
-@pytest.mark.parametrize("left_by", ["an error", "a break"])
+@pytest.mark.parametrize("left_by", ["an error", "a break", "its end"])
 def test_a_pass_left_early_on_several_replicas_runs_no_device_work_as_its_loader_closes(
         monkeypatch: pytest.MonkeyPatch, replicas: int, left_by: str) -> None:
     # The loader's pass is closed when nothing holds it any more (its error handled, or at a break): the graph
     # pending on this replica may hold a collective the others never join, so with several replicas the pass's
     # end runs neither the checks' read nor a sync (a hang in place of the error). Alone, the first pass's end
-    # reads, as it always did. (The world size is a stand-in: several XLA replicas cannot run on XLA:CPU here.)
+    # reads, as it always did, and so does a pass that runs to its end on several replicas (after the loop's own
+    # sync). (The world size is a stand-in: several XLA replicas cannot run on XLA:CPU here.)
     import torch
+    import torch_xla.core.xla_model as xm
 
     ap.use("xla")
     backend = ap.backend()
@@ -225,7 +227,7 @@ def test_a_pass_left_early_on_several_replicas_runs_no_device_work_as_its_loader
             torch.nn.functional.mse_loss(model(x), y).backward()
             ap.optimizer_step(opt)
             opt.zero_grad()
-            if i == 3:
+            if i == (5 if left_by == "its end" else 3):
                 model(x).sum()  # (a forward pending on this replica, as when a step fails midway)
                 monkeypatch.setattr(backend, "_sync", lambda sync=backend._sync: (synced.append(1), sync()))
                 if replicas > 1:
@@ -233,9 +235,14 @@ def test_a_pass_left_early_on_several_replicas_runs_no_device_work_as_its_loader
                     monkeypatch.setattr(backend, "_world", replicas)
                 if left_by == "a break":
                     break
-                raise RuntimeError("the step failed")
+                if left_by == "an error":
+                    raise RuntimeError("the step failed")
     except RuntimeError:
         pass
+    if left_by == "its end":  # the loop's own sync, then the checks' read at the pass's end: on any number of replicas
+        assert synced == [1, 1]
+        return
+    xm.wait_device_ops()  # (executions are counted as they start)
     before = ap.metrics().executions
     batches.close()  # what happens when nothing holds the pass any more
     ran = ap.metrics().executions - before
@@ -243,6 +250,39 @@ def test_a_pass_left_early_on_several_replicas_runs_no_device_work_as_its_loader
         assert synced == [] and ran == 0
     else:
         assert synced and ran > 0
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_findings_asked_while_an_error_is_handled_on_several_replicas_run_no_device_work(
+        monkeypatch: pytest.MonkeyPatch, replicas: int) -> None:
+    # A handler that logs ap.diagnostics() before it re-raises: with several replicas the checks' read (a sync on
+    # XLA) waits, since the graph pending here may hold a collective the others never join. Asked again once the
+    # error is handled, the read runs. Alone, it runs at once.
+    import torch
+
+    from accelport.observe import numerics
+
+    monkeypatch.setattr(numerics, "PASS_END_READ_SECONDS", 1e9)  # only the first pass's end reads
+    ap.use("xla")
+    backend = ap.backend()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).to(ap.device())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for batches in (data(3, 7), data(3, 7)):  # the second pass's steps are not read at its end
+        for x, y in ap.loader(batches):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            ap.optimizer_step(opt)
+            opt.zero_grad()
+    model(x).sum()  # (a forward pending on this replica, as when a step fails midway)
+    synced: list[int] = []
+    monkeypatch.setattr(backend, "_sync", lambda sync=backend._sync: (synced.append(1), sync()))
+    monkeypatch.setattr(backend, "world_size", lambda: replicas)
+    try:
+        raise RuntimeError("the step failed")
+    except RuntimeError:
+        assert ap.diagnostics() == []
+        assert len(synced) == (0 if replicas > 1 else 1)
+    assert ap.diagnostics() == [] and len(synced) == 1
 
 
 def test_no_gradient_outlives_its_step_so_no_step_graph_outputs_one() -> None:

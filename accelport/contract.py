@@ -381,6 +381,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def world_size(self) -> int: ...
 
+    def has_peers(self) -> bool:
+        """Whether other processes take part in the collectives of the work this one runs (several replicas): then,
+        once an error ends a step midway, accelport runs none of that work (a hang in place of the error)."""
+        return self.world_size() > 1
+
     @abc.abstractmethod
     def rank(self) -> int: ...
 

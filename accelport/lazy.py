@@ -565,6 +565,14 @@ class LazyBackend(Backend):
         self._x()
         return int(self._xr.world_size())
 
+    def has_peers(self) -> bool:
+        # Several replicas, or SPMD over several processes (a multi-host slice): world_size() is 1 under SPMD,
+        # while each host's graph holds collectives that the other hosts' graphs join.
+        if (self._world or self._replicas()) > 1:
+            return True
+        count = getattr(self._xr, "process_count", None)
+        return count is not None and int(count()) > 1
+
     def rank(self) -> int:
         self._x()
         return int(self._xr.global_ordinal())
@@ -639,7 +647,7 @@ class LazyBackend(Backend):
 
     def _flush_pending(self) -> None:
         try:
-            if ending_with_error() and (self._world or self._replicas()) > 1:
+            if ending_with_error() and self.has_peers():
                 return  # the pending graph may hold a collective that the other replicas never join: a hang
             self.sync()
         except Exception:  # the runtime may already be shutting down; nothing to report to

@@ -357,12 +357,13 @@ class StepTracker:
             profile.run_ended(self.steps)
 
     def lazy_replicas(self) -> bool:
-        """Whether the run is on a lazy backend with several replicas (True where that cannot be told)."""
+        """Whether the run is on a lazy backend whose graphs other processes' join (several replicas, a multi-host
+        SPMD slice; True where that cannot be told)."""
         backend = self._backend
         if backend is None or not backend.lazy:
             return False
         try:
-            return backend.world_size() > 1
+            return backend.has_peers()
         except Exception:  # noqa: BLE001 - a backend that cannot say: no device work, to be safe
             return True
 

@@ -161,29 +161,32 @@ def test_a_script_whose_last_short_pass_diverges_is_told_as_it_exits(tmp_path: A
 _RAISES_AT_THE_END = """
 backend = ap.backend()
 backend._sync = lambda sync=backend._sync: (print("synced", file=sys.stderr, flush=True), sync())
-if REPLICAS > 1:  # a stand-in: several XLA replicas cannot run on XLA:CPU here
-    backend.world_size = lambda: REPLICAS
-    backend._world = REPLICAS
+# Stand-ins: several XLA processes cannot run on XLA:CPU here.
+if PEERS == "replicas":
+    backend.world_size = lambda: 2
+    backend._world = 2
+elif PEERS == "hosts":  # an SPMD slice of two hosts: a world of 1, two processes
+    backend._xr.process_count = lambda: 2
 print("trained", flush=True)
 raise RuntimeError("the script failed")
 """
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("peers", ["alone", "replicas", "hosts"])
 def test_an_exception_that_ends_a_job_of_several_replicas_runs_no_device_work_at_exit(
-        tmp_path: Any, replicas: int) -> None:
+        tmp_path: Any, peers: str) -> None:
     # The pending graph of a replica that failed may hold a collective the others never join: at exit neither the
     # checks' read nor the pending closures' sync runs it (a hang in place of the error). Alone, both run.
     from tests.diagnose_cli.runs import run
 
     script = tmp_path / "fails.py"
     script.write_text(_TWO_LOOPS.replace('print("trained", flush=True)', "")
-                      + _RAISES_AT_THE_END.replace("REPLICAS", str(replicas)))
+                      + _RAISES_AT_THE_END.replace("PEERS", repr(peers)))
     out = run(str(script), cwd=tmp_path, diagnose=False, env={"PJRT_DEVICE": "CPU", "PYTHONWARNINGS": "default"})
     assert out.returncode == 1 and out.stdout.strip() == "trained", out.stdout + out.stderr
     assert "RuntimeError: the script failed" in out.stderr, out.stderr
     said = "[non-finite] PROBLEM: the weights became NaN or Inf after step 5 and by step 25"
-    if replicas > 1:
+    if peers != "alone":
         assert "synced" not in out.stderr and said not in out.stderr, out.stderr
     else:
         assert "synced" in out.stderr and said in out.stderr, out.stderr
@@ -196,22 +199,32 @@ def test_a_replica_whose_error_accelport_diagnose_caught_runs_no_device_work_at_
 
     script = tmp_path / "fails.py"
     script.write_text(_TWO_LOOPS.replace('print("trained", flush=True)', "")
-                      + _RAISES_AT_THE_END.replace("REPLICAS", "2"))
+                      + _RAISES_AT_THE_END.replace("PEERS", repr("replicas")))
     out = run(str(script), cwd=tmp_path, env={"PJRT_DEVICE": "CPU"})
     assert out.returncode == 1 and "trained" in out.stdout, out.stdout + out.stderr
     assert "RuntimeError: the script failed" in out.stderr, out.stderr
     assert "synced" not in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
+def stand_in_peers(monkeypatch: pytest.MonkeyPatch, backend: Any, peers: str) -> None:
+    """Other processes that join this one's graphs, stood in for (several XLA processes cannot run on XLA:CPU here):
+    "replicas" (a world of 2), "hosts" (an SPMD slice of two hosts: a world of 1, two processes), or "alone"."""
+    if peers == "replicas":
+        monkeypatch.setattr(backend, "world_size", lambda: 2)
+        monkeypatch.setattr(backend, "_world", 2)
+    elif peers == "hosts":
+        monkeypatch.setattr(backend._xr, "process_count", lambda: 2)
+
+
+@pytest.mark.parametrize("peers", ["alone", "replicas", "hosts"])
 @pytest.mark.parametrize("left_by", ["an error", "a break", "its end"])
 def test_a_pass_left_early_on_several_replicas_runs_no_device_work_as_its_loader_closes(
-        monkeypatch: pytest.MonkeyPatch, replicas: int, left_by: str) -> None:
+        monkeypatch: pytest.MonkeyPatch, peers: str, left_by: str) -> None:
     # The loader's pass is closed when nothing holds it any more (its error handled, or at a break): the graph
     # pending on this replica may hold a collective the others never join, so with several replicas the pass's
     # end runs neither the checks' read nor a sync (a hang in place of the error). Alone, the first pass's end
     # reads, as it always did, and so does a pass that runs to its end on several replicas (after the loop's own
-    # sync). (The world size is a stand-in: several XLA replicas cannot run on XLA:CPU here.)
+    # sync). The same holds for the hosts of a multi-host SPMD slice (a world size of 1, several processes).
     import torch
     import torch_xla.core.xla_model as xm
 
@@ -230,9 +243,7 @@ def test_a_pass_left_early_on_several_replicas_runs_no_device_work_as_its_loader
             if i == (5 if left_by == "its end" else 3):
                 model(x).sum()  # (a forward pending on this replica, as when a step fails midway)
                 monkeypatch.setattr(backend, "_sync", lambda sync=backend._sync: (synced.append(1), sync()))
-                if replicas > 1:
-                    monkeypatch.setattr(backend, "world_size", lambda: replicas)
-                    monkeypatch.setattr(backend, "_world", replicas)
+                stand_in_peers(monkeypatch, backend, peers)
                 if left_by == "a break":
                     break
                 if left_by == "an error":
@@ -246,15 +257,15 @@ def test_a_pass_left_early_on_several_replicas_runs_no_device_work_as_its_loader
     before = ap.metrics().executions
     batches.close()  # what happens when nothing holds the pass any more
     ran = ap.metrics().executions - before
-    if replicas > 1:
+    if peers != "alone":
         assert synced == [] and ran == 0
     else:
         assert synced and ran > 0
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("peers", ["alone", "replicas", "hosts"])
 def test_findings_asked_while_an_error_is_handled_on_several_replicas_run_no_device_work(
-        monkeypatch: pytest.MonkeyPatch, replicas: int) -> None:
+        monkeypatch: pytest.MonkeyPatch, peers: str) -> None:
     # A handler that logs ap.diagnostics() before it re-raises: with several replicas the checks' read (a sync on
     # XLA) waits, since the graph pending here may hold a collective the others never join. Asked again once the
     # error is handled, the read runs. Alone, it runs at once.
@@ -276,12 +287,12 @@ def test_findings_asked_while_an_error_is_handled_on_several_replicas_run_no_dev
     model(x).sum()  # (a forward pending on this replica, as when a step fails midway)
     synced: list[int] = []
     monkeypatch.setattr(backend, "_sync", lambda sync=backend._sync: (synced.append(1), sync()))
-    monkeypatch.setattr(backend, "world_size", lambda: replicas)
+    stand_in_peers(monkeypatch, backend, peers)
     try:
         raise RuntimeError("the step failed")
     except RuntimeError:
         assert ap.diagnostics() == []
-        assert len(synced) == (0 if replicas > 1 else 1)
+        assert len(synced) == (0 if peers != "alone" else 1)
     assert ap.diagnostics() == [] and len(synced) == 1
 
 

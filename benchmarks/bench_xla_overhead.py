@@ -14,6 +14,14 @@ first twice), interleaved round by round in one process so machine noise hits al
 - no-observer: the same loop with the rules off, so no step record is built and no
               per-step counters are read (the step checks the rules asked for stay)
 
+With ``--ablate``, two more loops split what is left by switching one part off (each a loop of
+the shipped build with that part patched out for its passes only, so not a product setting):
+
+- no bookkeeping: the step tracker's per-step calls off (a batch's arrival, the optimizer
+              step's start and end, the loop's sync): no record, no time breakdown, no step
+              checks. What it saves is the bookkeeping's cost, by elimination
+- no loader look: the loader thread's look at each host batch for NaN and Inf off
+
 A step's time is the wall time between consecutive batches arriving in the loop.
 Reported: the median step time of each, its ratio to raw, the median over rounds of
 each round's ratio (the headline figure, target <= 1.03: pairing within a round cancels
@@ -56,13 +64,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--ablate", action="store_true", help="also run the loops with one part switched off")
     args = parser.parse_args()
 
     ap.use("xla")
     device = ap.device()
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(16, 32, generator=g), torch.randn(16, 1, generator=g)) for _ in range(args.steps)]
-    models = {name: make_model(device) for name in ("raw", "raw again", "accelport", "no-observer")}
+    names = ["raw", "raw again", "accelport", "no-observer"]
+    if args.ablate:
+        names += ["no bookkeeping", "no loader look"]
+    models = {name: make_model(device) for name in names}
     host = RUNTIME.host()
     engine = RUNTIME.diagnostics()
 
@@ -90,6 +102,24 @@ def main() -> None:
             return train_pass(ap.loader(data), *models["no-observer"], ap.optimizer_step)
 
     runs = {"raw": raw, "raw again": lambda: raw("raw again"), "accelport": accel, "no-observer": quiet}
+    if args.ablate:
+        tracker = RUNTIME.tracker
+
+        def without(name: str, off: dict[str, Any]) -> tuple[list[float], float]:
+            """A pass of the shipped loop with the tracker's methods in ``off`` replaced for its duration."""
+            vars(tracker).update(off)
+            try:
+                return train_pass(ap.loader(data), *models[name], ap.optimizer_step)
+            finally:
+                for key in off:
+                    del vars(tracker)[key]
+
+        def nothing(*args: Any, **kwargs: Any) -> None:
+            return None
+
+        bookkeeping = dict.fromkeys(("batch_arrived", "optimizer_started", "step_end", "synced"), nothing)
+        runs["no bookkeeping"] = lambda: without("no bookkeeping", bookkeeping)
+        runs["no loader look"] = lambda: without("no loader look", {"inspector": lambda: None})
     rounds = interleave(runs, args.rounds)
     torch_xla.sync()
     med = {k: statistics.median(v) for k, v in rounds.times.items()}
@@ -104,7 +134,7 @@ def main() -> None:
         # CPU time: the loop thread's, which leaves out the time other processes take the core away
         # (XLA:CPU computes in threads of its own: this is the host's tracing and accelport's work).
         extra_cpu = statistics.median(a - b for a, b in zip(rounds.cpu[k], rounds.cpu["raw"], strict=True)) * 1e6
-        print(f"{k:12s} median step {med[k] * 1e6:8.1f} us   ratio to raw {med[k] / med['raw']:.3f}   "
+        print(f"{k:14s} median step {med[k] * 1e6:8.1f} us   ratio to raw {med[k] / med['raw']:.3f}   "
               f"median of per-round ratios {by_median[k]:.3f} [quartiles {spread[k][0]:.3f} to {spread[k][1]:.3f}] "
               f"(of means {by_mean[k]:.3f}, "
               f"of CPU time {by_cpu[k]:.3f}; {extra_cpu:+.1f} us of CPU a step)")

@@ -41,9 +41,7 @@ class LoaderTracker(Protocol):
 
     def synced(self) -> None: ...
 
-    def flush(self, *, pass_ended: bool = True, sync: bool = True) -> None: ...
-
-    def lazy_replicas(self) -> bool: ...
+    def flush(self, *, pass_ended: bool = True, interrupted: bool = False) -> None: ...
 
     def failed(self, exc: BaseException) -> None: ...
 
@@ -525,14 +523,10 @@ class DeviceLoader:
         finally:
             try:
                 # The observers get every step of this loop now (see StepTracker). A pass left early (a break,
-                # an error in the loop's body or at its sync) on a lazy backend with several replicas runs no
-                # device work here: the graph pending on this replica may hold a collective (an FSDP forward's
-                # all-gather) that the others never join, a hang in place of the error. The checks' read waits
-                # for the next pass's end, ap.diagnostics() or the run's end.
-                sync = ended or not tracker.lazy_replicas()
-                runtime.tracker.flush(sync=sync)
+                # an error in the loop's body or at its sync) may leave a step midway: see flush's interrupted.
+                runtime.tracker.flush(interrupted=not ended)
                 if tracker is not runtime.tracker:
-                    tracker.flush(sync=sync)
+                    tracker.flush(interrupted=not ended)
             finally:
                 try:
                     close = getattr(wrapped, "close", None)

@@ -346,11 +346,9 @@ class Runtime:
 
     def findings(self) -> list[Diagnosis]:
         """What the rules found so far in this run (every finished step judged first)."""
-        # Asked while an error is handled (a handler that logs the findings before it re-raises) on a lazy backend
-        # with several replicas: the graph pending on this replica may hold a collective that the others never
-        # join, so the checks' read, a sync of its own there, waits for a later call or the run's end.
-        tracker = self.tracker
-        tracker.flush(pass_ended=False, sync=sys.exc_info()[1] is None or not tracker.lazy_replicas())
+        # Asked while an error is handled (a handler that logs the findings before it re-raises), the error may
+        # have left a step midway (see StepTracker.flush).
+        self.tracker.flush(pass_ended=False, interrupted=sys.exc_info()[1] is not None)
         engine = self._engine
         return engine.current() if engine is not None else []
 

@@ -265,15 +265,17 @@ class StepTracker:
         if len(pending) >= self._every:
             self._hand_over()
 
-    def flush(self, *, pass_ended: bool = True, sync: bool = True) -> None:
+    def flush(self, *, pass_ended: bool = True, interrupted: bool = False) -> None:
         """Hand every finished step over, and settle what is still open.
 
         The end of an ``ap.loader`` loop (``pass_ended``: what runs until its next batch is work between
         the training steps), ``ap.diagnostics()``, a change of backend and the end of the process call it:
         the step checks read what they keep (at a pass's end on a lazy backend, at most once per
         ``PASS_END_READ_SECONDS``: there a read is a sync of its own), a graph run outside the steps is looked at,
-        and the rules see what was found since the last step. ``sync=False``: nothing that runs the device's
-        pending work (the checks' read on a lazy backend).
+        and the rules see what was found since the last step. ``interrupted``: a step may have been left midway (an
+        error, a loop left early); then, on a lazy backend whose graphs other processes join, nothing runs the
+        device's pending work (the checks' read, a sync there): that graph may hold a collective the others never
+        join, a hang in place of the error. The read waits for a later flush.
         """
         self._hand_over()
         if self.flops is not None:
@@ -287,8 +289,8 @@ class StepTracker:
         if self._shapes is not None:
             self._shapes.pause()
         watch = self.numerics
-        if watch is not None and watch.deferred and not self._failed and sync and \
-                (not pass_ended or watch.read_at_pass_end()):
+        if watch is not None and watch.deferred and not self._failed and \
+                (not pass_ended or watch.read_at_pass_end()) and not (interrupted and self._lazy_replicas()):
             watch.read()
             for _ in range(3):  # (the reads run at a sync; a bad newest gradient asks for the others: a second read)
                 if not (watch.pending and backend.lazy):
@@ -350,14 +352,14 @@ class StepTracker:
         profile window still open closed (or said to have been missed). ``failed``: an error ends it; then, on a
         lazy backend with several replicas, nothing runs the device's pending work (its graph may hold a
         collective that the other replicas, gone or elsewhere, never join: a hang in place of the error)."""
-        self.flush(pass_ended=False, sync=not failed or not self.lazy_replicas())
+        self.flush(pass_ended=False, interrupted=failed)
         self._after_last_step()
         profile = self.profile
         if profile is not None:
             profile.run_ended(self.steps)
 
-    def lazy_replicas(self) -> bool:
-        """Whether the run is on a lazy backend whose graphs other processes' join (several replicas, a multi-host
+    def _lazy_replicas(self) -> bool:
+        """Whether the run is on a lazy backend whose graphs other processes join (several replicas, a multi-host
         SPMD slice; True where that cannot be told)."""
         backend = self._backend
         if backend is None or not backend.lazy:

@@ -366,6 +366,8 @@ class _Busy:
     def __init__(self) -> None:
         self.total = 0.0
         self.since: float | None = None  # when the fetch in progress started
+        #: What the source raised (the pass then ends there, and ap.loader raises it in the loop).
+        self.error: BaseException | None = None
 
     def until(self, now: float) -> float:
         """Seconds busy up to ``now``, the fetch in progress included."""
@@ -396,6 +398,13 @@ def _signed(source: Iterable[Any], signatures: collections.deque[Any], busy: _Bu
             batch = next(it)
         except StopIteration:
             busy.since = None
+            return
+        except BaseException as exc:
+            # Kept for the loop (ap.loader raises it where the next batch would have come), and the pass ends
+            # here: the thread that reads the source may not forward an error (torch_xla's ParallelLoader
+            # only prints it and ends the pass, as if the source had run out).
+            busy.since = None
+            busy.error = exc
             return
         sig = intern(sig := signature(batch), sig)
         append(sig if inspect is None else inspect(batch, sig))
@@ -495,14 +504,23 @@ class DeviceLoader:
                         tracker.synced()
                     first = False
                     t0 = clock()
-                    before = busy.until(t0)
+                    since = busy.since  # (busy.until(t0), written out: once a step)
+                    before = busy.total + (t0 - since if since is not None else 0.0)
                     batch = next(it)
                 except StopIteration:
-                    ended = True
-                    return
+                    raised: BaseException | None = busy.error
+                    if raised is None:
+                        ended = True
+                        return
                 except BaseException as exc:  # on XLA an out-of-memory error surfaces at the loop's sync
                     tracker.failed(exc)
                     raise
+                else:
+                    raised = None
+                if raised is not None:  # the source raised: here, after the batches it gave before
+                    busy.error = None
+                    tracker.failed(raised)
+                    raise raised
                 now = clock()
                 blocked = now - t0
                 # Waiting for data is waiting while the source was busy giving batches: a loop that waited
@@ -510,7 +528,8 @@ class DeviceLoader:
                 # machine), which more workers would not change. (Several batches may go up in one transfer:
                 # all that the source did meanwhile counts.) Of the rest, what went to the backend's copies
                 # of batches since the last one is transfer.
-                wait = min(blocked, busy.until(now) - before)
+                since = busy.since
+                wait = min(blocked, busy.total + (now - since if since is not None else 0.0) - before)
                 total = backend.transfer_seconds
                 transfer = min(blocked - wait, total - copied) if total != copied else 0.0
                 copied = total

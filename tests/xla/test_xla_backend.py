@@ -194,6 +194,32 @@ def test_loader_prefetch_settings_and_early_exit() -> None:
     assert ap.backend()._loading == 0
 
 
+def test_a_source_that_raises_midway_raises_in_the_loop_after_the_batches_before_it(
+        capfd: pytest.CaptureFixture[str]) -> None:
+    # torch_xla's ParallelLoader reads the source in a thread of its own, which only prints an error and ends
+    # the pass as if the source had run out: an epoch cut short without a word. The loop gets the error, as
+    # on the other backends, and the next pass reads as usual.
+    import torch
+
+    ap.use("xla")
+
+    def source(bad: int | None) -> Any:
+        for i in range(5):
+            if i == bad:
+                raise ValueError(f"bad sample {i}")
+            yield (torch.full((2,), float(i)),)
+
+    for prefetch in (None, 0, 3):
+        got: list[int] = []
+        with pytest.raises(ValueError, match="bad sample 3"):
+            for (x,) in ap.loader(source(3), prefetch=prefetch):
+                got.append(int(x.cpu()[0]))
+        assert got == [0, 1, 2], prefetch
+        assert [int(x.cpu()[0]) for (x,) in ap.loader(source(None), prefetch=prefetch)] == [0, 1, 2, 3, 4]
+    assert "Exception in thread" not in capfd.readouterr().err  # (said once, in the loop: not by the thread)
+    assert ap.backend()._loading == 0
+
+
 def test_the_same_script_trains_on_cpu_and_on_xla() -> None:
     ap.use("cpu")
     on_cpu = train_tiny(steps=30)

@@ -18,6 +18,8 @@ importing torch_xla on a TPU VM takes the TPU, so it is imported in
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -167,10 +169,8 @@ class LazyBackend(Backend):
         self._torch: Any = None
         self._xm: Any = None
         self._device: Any = None
-        # ap.loader iterations in progress (they sync once per batch), and how many of
-        # them read from a ParallelLoader.
+        # ap.loader iterations in progress (they sync once per batch).
         self._loading = 0
-        self._parallel = 0
         self._world: int | None = None
         self._flush_at_exit = False
         self._closures_pending = 0  # ap.after_step closures waiting for the next sync
@@ -274,11 +274,6 @@ class LazyBackend(Backend):
         spmd = getattr(xr, "is_spmd", None)
         self._execute_counters = (("ExecuteReplicated", "ExecuteComputation") if spmd is not None and spmd()
                                   else ("ExecuteComputation",))
-        # ParallelLoader syncs when it hands out a batch unless this flag says a sync
-        # just happened (torch_xla's profiler StepTrace sets it the same way).
-        import torch_xla.debug.profiler as xp
-
-        self._mark_synced = getattr(xp, "set_tracer_marked_step", None)
         self._start_step_counts()
 
     def _x(self) -> Any:
@@ -305,12 +300,8 @@ class LazyBackend(Backend):
         clock = self._clock
         if clock is None:
             self._sync()
-            return
-        clock.enter(phase)
-        try:
-            self._sync()
-        finally:
-            clock.leave(phase)
+        else:
+            clock.run(phase, self._sync)
 
     # -- where a step's time goes ---------------------------------------------------------
     def time_phases(self) -> Mapping[str, str]:
@@ -365,9 +356,11 @@ class LazyBackend(Backend):
         return bool(self._loading) and (self._world or self._replicas()) == 1
 
     def end_of_batch(self) -> None:
-        self._timed_sync()
-        if self._parallel and self._mark_synced is not None:
-            self._mark_synced(True)  # the ParallelLoader's own sync would be an empty one
+        clock = self._clock  # (_timed_sync, written out: once a step)
+        if clock is None:
+            self._sync()
+        else:
+            clock.run("sync", self._sync)
 
     def wrap_loader(self, iterable: Iterable[Any], *, prefetch: int | None) -> Iterable[Any]:
         self._x()
@@ -394,7 +387,7 @@ class LazyBackend(Backend):
         # one transfer; None keeps torch_xla's defaults, the same as a raw MpDeviceLoader.
         kwargs = {} if prefetch is None else {"device_prefetch_size": prefetch}
         parallel = TimedLoader(iterable, [device], **kwargs)
-        return _Loading(self, parallel, parallel.per_device_loader(device))
+        return _Loading(self, parallel, parallel.per_device_loader(device), device)
 
     def _unprefetched(self, iterable: Iterable[Any], device: Any) -> Iterator[Any]:
         """prefetch=0: upload each batch in the loop's thread (end_of_batch syncs between batches)."""
@@ -664,17 +657,24 @@ class LazyBackend(Backend):
 class _Loading:
     """A loop's device batches, counted as loading (the step's sync is left to the loop: see
     ``LazyBackend.optimizer_step``) until :meth:`close`, which ``ap.loader`` calls when its pass ends, as
-    does the garbage collector. ``iter()`` hands out the device iterator itself: no layer of Python
-    per batch between the loop and torch_xla's loader."""
+    does the garbage collector."""
 
-    def __init__(self, backend: LazyBackend, parallel: Any, it: Iterator[Any]) -> None:
-        self._backend, self._parallel_loader, self._it = backend, parallel, it
+    def __init__(self, backend: LazyBackend, parallel: Any, it: Iterator[Any], device: Any = None) -> None:
+        self._backend, self._parallel_loader, self._it, self._device = backend, parallel, it, device
         backend._loading += 1
-        backend._parallel += parallel is not None
         self._open = True
 
     def __iter__(self) -> Iterator[Any]:
-        return self._it
+        """The device batches. From a ParallelLoader: the first and the end through its per-device loader (a sync
+        before the first batch, as a raw loop has, and the upload thread's error or the end), the others straight
+        from its device queue (``ParallelLoader.next_item``): ``ap.loader`` syncs between batches itself, and the
+        per-device loader's own check for a sync (three Python calls a batch) would only find one done. No layer
+        of Python per batch between the loop and torch_xla's queue: ``chain`` and ``iter(callable, None)`` are C."""
+        parallel, it = self._parallel_loader, self._it
+        if parallel is None:
+            return it
+        rest = iter(functools.partial(parallel.next_item, self._device), None)
+        return itertools.chain(_first(it), rest, _first(it))
 
     def close(self) -> None:
         """The loop is done: count it out, and stop the upload thread (none is left behind on an early break)."""
@@ -683,12 +683,18 @@ class _Loading:
         self._open = False
         backend, parallel = self._backend, self._parallel_loader
         backend._loading -= 1
-        backend._parallel -= parallel is not None
         if parallel is not None:
             parallel.close()
 
     def __del__(self) -> None:
         self.close()
+
+
+def _first(it: Iterator[Any]) -> Iterator[Any]:
+    """The next item of ``it``, alone (none where it has ended; its error raised)."""
+    for item in it:
+        yield item
+        return
 
 
 #: Where a step's time goes on a lazy backend (see LazyBackend.time_phases).

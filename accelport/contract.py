@@ -271,6 +271,13 @@ class Backend(abc.ABC):
         calls its ``close()``, where it has one, when the pass ends (finished, left early, or failed).
         """
 
+    def loader_reads_ahead(self, prefetch: int | None) -> int:
+        """How many batches :meth:`wrap_loader` with ``prefetch`` takes from its source at a time (torch_xla's
+        ParallelLoader uploads its device queue's depth in one transfer). ``ap.loader`` then reads that many
+        before handing them on, and looks at their values together: one check for NaN and Inf for all of them
+        instead of one per batch, in the thread that reads the source. 1 (the default): one at a time."""
+        return 1
+
     def end_of_batch(self) -> None:  # noqa: B027 - optional hook for subclasses
         """Called by ``ap.loader`` when the loop asks for its next batch, before the wait is timed.
 

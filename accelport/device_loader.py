@@ -23,8 +23,8 @@ from typing import Any, Protocol
 from accelport.contract import Backend
 from accelport.errors import DiagnosticWarning
 
-__all__ = ["DeviceLoader", "LoaderRun", "LoaderTracker", "POSITION_ATTRIBUTE", "prefetch_iter", "shard_batches",
-           "signature"]
+__all__ = ["BatchLook", "DeviceLoader", "LoaderRun", "LoaderTracker", "POSITION_ATTRIBUTE", "prefetch_iter",
+           "shard_batches", "signature"]
 
 
 class LoaderTracker(Protocol):
@@ -34,7 +34,7 @@ class LoaderTracker(Protocol):
     step_seconds: float
     data_wait: float
 
-    def inspector(self) -> Any: ...
+    def inspector(self) -> BatchLook | None: ...
 
     def batch_arrived(self, wait: float, sig: Any, batch: Any = None, *, blocked: float | None = None,
                       transfer: float = 0.0) -> None: ...
@@ -375,8 +375,17 @@ class _Busy:
         return self.total + (now - since if since is not None else 0.0)
 
 
+class BatchLook(Protocol):
+    """The diagnostics' look at each host batch (:class:`accelport.observe.numerics.NumericsWatch`): what it hands
+    back goes in the batch's signature's place, and the step tracker unpacks it."""
+
+    def inspect(self, batch: Any, signature: Any) -> Any: ...
+
+    def inspect_many(self, batches: list[Any], signatures: list[Any]) -> list[Any]: ...
+
+
 def _signed(source: Iterable[Any], signatures: collections.deque[Any], busy: _Busy,
-            inspect: Callable[[Any, Any], Any] | None = None) -> Iterator[Any]:
+            look: BatchLook | None = None) -> Iterator[Any]:
     """``source``, appending each batch's signature to ``signatures`` as it is read, and timing in ``busy`` how long
     the source took to give the batches.
 
@@ -384,9 +393,10 @@ def _signed(source: Iterable[Any], signatures: collections.deque[Any], busy: _Bu
     when there is one, off the training loop's own thread. The host batch has the
     shapes and dtypes its device copy will have, and batches keep their order.
     Equal signatures come out as one object, so the loop compares them by identity.
-    ``inspect(batch, signature)`` (the diagnostics' look at the host batch) may hand
+    ``look.inspect(batch, signature)`` (the diagnostics' look at the host batch) may hand
     back something in the signature's place, which the step tracker unpacks.
     """
+    inspect = look.inspect if look is not None else None
     append = signatures.append
     known: dict[tuple[Any, ...], tuple[Any, ...]] = {}
     intern = known.setdefault
@@ -411,6 +421,36 @@ def _signed(source: Iterable[Any], signatures: collections.deque[Any], busy: _Bu
         busy.total += clock() - start
         busy.since = None
         yield batch
+
+
+def _signed_together(source: Iterable[Any], signatures: collections.deque[Any], busy: _Busy,
+                     look: BatchLook | None, ahead: int) -> Iterator[Any]:
+    """:func:`_signed` for a backend that takes ``ahead`` batches from its source at a time: that many are read,
+    signed and looked at together (``look.inspect_many``: one check of all their values), then handed on in
+    order. An error of the source ends the pass after the batches read before it, as in :func:`_signed`."""
+    known: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+    intern = known.setdefault
+    clock = time.perf_counter
+    it = iter(source)
+    while True:
+        busy.since = start = clock()
+        got: list[Any] = []
+        try:
+            while len(got) < ahead:
+                got.append(next(it))
+        except StopIteration:
+            pass
+        except BaseException as exc:  # (see _signed)
+            busy.error = exc
+        sigs = [intern(sig := signature(batch), sig) for batch in got]
+        if look is not None and got:
+            sigs = look.inspect_many(got, sigs)
+        signatures.extend(sigs)
+        busy.total += clock() - start
+        busy.since = None
+        yield from got
+        if len(got) < ahead:  # the source ran out, or raised
+            return
 
 
 class DeviceLoader:
@@ -473,17 +513,21 @@ class DeviceLoader:
         tracker = runtime.tracker
         tracker.loader_info = describe_loader(self.iterable)
         signatures: collections.deque[Any] = collections.deque()
-        inspect = tracker.inspector()
+        look = tracker.inspector()
         position = getattr(self, POSITION_ATTRIBUTE, None) or getattr(self.iterable, POSITION_ATTRIBUTE, None)
         source: Iterable[Any] = self.iterable
         if position is not None:  # a checkpointed run: this pass may resume one, and its batches are counted
             world = backend.world_size()
             source = position.begin(source, world if self.shard and world > 1 else 1)
         busy = _Busy()
-        wrapped = backend.wrap_loader(_signed(self._source(backend, source), signatures, busy, inspect),
-                                      prefetch=self.prefetch)
+        ahead = backend.loader_reads_ahead(self.prefetch)
+        sharded = self._source(backend, source)
+        signed = _signed(sharded, signatures, busy, look) if ahead <= 1 else \
+            _signed_together(sharded, signatures, busy, look, ahead)
+        wrapped = backend.wrap_loader(signed, prefetch=self.prefetch)
         it = iter(wrapped)
-        del source  # (a pass's generator) only what reads it holds it: a prefetch thread lets go of it itself
+        del source, sharded, signed  # (a pass's generators) only what reads them holds them: a prefetch thread
+        # lets go of them itself
         next_signature = signatures.popleft
         # Eager backends neither run a graph between batches nor defer a step's record.
         between = getattr(backend.end_of_batch, "__func__", None) is not Backend.end_of_batch or \

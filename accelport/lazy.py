@@ -362,6 +362,11 @@ class LazyBackend(Backend):
         else:
             clock.run("sync", self._sync)
 
+    def loader_reads_ahead(self, prefetch: int | None) -> int:
+        # The ParallelLoader's upload thread takes its device queue's depth of batches at once (torch_xla's
+        # default depth: 8); prefetch=0 uploads each batch as it is read.
+        return 1 if prefetch == 0 else (prefetch or _DEVICE_PREFETCH)
+
     def wrap_loader(self, iterable: Iterable[Any], *, prefetch: int | None) -> Iterable[Any]:
         self._x()
         device = self.device()
@@ -696,6 +701,9 @@ def _first(it: Iterator[Any]) -> Iterator[Any]:
         yield item
         return
 
+
+#: torch_xla's ParallelLoader's default ``device_prefetch_size``: the batches its upload thread takes at once.
+_DEVICE_PREFETCH = 8
 
 #: Where a step's time goes on a lazy backend (see LazyBackend.time_phases).
 _LAZY_PHASES: Mapping[str, str] = {

@@ -173,6 +173,34 @@ def _plain_finite(batch: tuple[Any, ...] | list[Any], torch: Any) -> bool:
     return bool(batch)
 
 
+def _all_finite(batches: list[Any], torch: Any) -> bool:
+    """Whether ``batches`` are all tuples or lists of host tensors of a usual size, their floating ones of one dtype
+    and all finite: :func:`_plain_finite` for batches read together, in four torch ops for all of them (in the
+    thread that reads the source, each op hands the GIL to the training loop and back). False where each batch
+    must be looked at on its own."""
+    tensor, strided = torch.Tensor, torch.strided
+    floats = []
+    for batch in batches:
+        if type(batch) not in (tuple, list) or not batch:
+            return False
+        for t in batch:
+            if type(t) is not tensor or not t.is_cpu or t.layout is not strided or t.is_complex() or \
+                    t.numel() > INPUT_CHECK_MAX:
+                return False
+            if t.is_floating_point() and t.numel():
+                floats.append(t)
+    if not floats:
+        return True  # (integer ids hold no NaN)
+    dtype = floats[0].dtype
+    if any(t.dtype != dtype for t in floats):
+        return False
+    try:
+        # The largest magnitude of all of them: NaN or Inf where any value is (it never overflows).
+        return math.isfinite(torch.stack(torch._foreach_norm(floats, math.inf)).max().item())
+    except (RuntimeError, TypeError, AttributeError):  # a torch without the fused norm: one batch at a time
+        return False
+
+
 def _check_batch(batch: Any) -> tuple[str | None, bool]:
     """:func:`check_batch`'s answer, and whether it covers the batch: False where no tensor was
     found in it, or a floating one was passed over (on a device, another layout, no sum), so
@@ -345,6 +373,16 @@ class NumericsWatch:
         if covered:
             self._inspected += 1  # (only this thread writes it)
         return signature if found is None else Inspected(signature, found)
+
+    def inspect_many(self, batches: list[Any], signatures: list[Any]) -> list[Any]:
+        """:meth:`inspect` of batches read together: the common case (plain host tensors, all finite) is one check
+        of all of them; otherwise each batch is looked at on its own, so a bad one is named as before."""
+        import torch
+
+        if _all_finite(batches, torch):
+            self._inspected += len(batches)  # (only this thread writes it)
+            return list(signatures)
+        return [self.inspect(batch, signature) for batch, signature in zip(batches, signatures, strict=True)]
 
     def read_at_pass_end(self) -> bool:
         """Whether a loader's pass that ends now reads the kept values (:meth:`read`): always, but on lazy backends

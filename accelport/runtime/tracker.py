@@ -149,12 +149,13 @@ class StepTracker:
         if self._backend is not None:
             profile.arm(self._backend, self.steps)
 
-    def inspector(self) -> Any:
-        """What ``ap.loader`` runs on each host batch in its reading thread (None: nothing)."""
+    def inspector(self) -> NumericsWatch | None:
+        """What looks at each host batch in ``ap.loader``'s reading thread (its ``inspect``, or ``inspect_many``
+        for batches read together; None: nothing)."""
         watch = self.numerics
         # Where the host is the device the batch itself goes with the step (batch_arrived):
         # it is looked at only if the step's gradients turn out non-finite.
-        return watch.inspect if watch is not None and watch.deferred else None
+        return watch if watch is not None and watch.deferred else None
 
     def batch_arrived(self, wait: float, sig: Any, batch: Any = None, *, blocked: float | None = None,
                       transfer: float = 0.0) -> None:

@@ -8,6 +8,7 @@ import sys
 import textwrap
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -320,3 +321,72 @@ def test_progress_without_tqdm_says_how_to_install(monkeypatch) -> None:  # type
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)
     with pytest.raises(ap.AccelportError, match="pip install tqdm"):
         ap.loader([1], progress=True)
+
+
+def _lazy_look() -> Any:
+    """The step checks' look at host batches, as on a lazy backend (its checks are deferred)."""
+    import types
+
+    from accelport.observe.numerics import NumericsWatch
+
+    return NumericsWatch(types.SimpleNamespace(lazy=True, name="xla"))
+
+
+def test_batches_read_together_keep_their_order_and_the_one_with_a_nan_is_named() -> None:
+    # XLA's loader takes 8 batches at a time: they are read, signed and looked at together (one check of all their
+    # values), and a batch with a NaN is still named as when each is looked at alone.
+    import collections
+
+    import torch
+
+    from accelport.device_loader import _Busy, _signed_together
+    from accelport.observe.numerics import Inspected
+
+    batches = [(torch.full((4, 3), float(i)), torch.arange(4)) for i in range(7)]
+    batches[4][0][1, 2] = float("nan")
+    sigs: collections.deque[Any] = collections.deque()
+    busy = _Busy()
+    look = _lazy_look()
+    got = list(_signed_together(iter(batches), sigs, busy, look, 3))
+    assert got == batches and busy.error is None
+    assert [isinstance(s, Inspected) for s in sigs] == [i == 4 for i in range(7)]
+    assert sigs[4].info == "input 0: 1 of 12 values are NaN or Inf"
+    assert all(s is sigs[0] for i, s in enumerate(sigs) if i != 4)  # equal shapes: one signature object
+    alone = [look.inspect(batch, signature(batch)) for batch in batches]  # one at a time: the same verdicts
+    assert [getattr(s, "info", None) for s in alone] == [getattr(s, "info", None) for s in sigs]
+
+
+def test_batches_read_together_of_two_float_dtypes_are_looked_at_one_by_one() -> None:
+    import collections
+
+    import torch
+
+    from accelport.device_loader import _Busy, _signed_together
+    from accelport.observe.numerics import Inspected
+
+    batches = [(torch.zeros(2, 3), torch.zeros(2, dtype=torch.float64)) for _ in range(4)]
+    batches[2][1][0] = float("inf")
+    sigs: collections.deque[Any] = collections.deque()
+    assert list(_signed_together(iter(batches), sigs, _Busy(), _lazy_look(), 8)) == batches
+    assert [s.info if isinstance(s, Inspected) else None for s in sigs] == \
+        [None, None, "input 1: 1 of 2 values are NaN or Inf", None]
+
+
+def test_batches_read_together_end_at_a_source_error_after_the_batches_before_it() -> None:
+    import collections
+
+    import torch
+
+    from accelport.device_loader import _Busy, _signed_together
+
+    def source() -> Any:
+        for i in range(7):
+            if i == 5:
+                raise ValueError("bad sample 5")
+            yield (torch.full((2,), float(i)),)
+
+    sigs: collections.deque[Any] = collections.deque()
+    busy = _Busy()
+    got = list(_signed_together(source(), sigs, busy, _lazy_look(), 3))
+    assert [int(x[0]) for (x,) in got] == [0, 1, 2, 3, 4] and len(sigs) == 5
+    assert isinstance(busy.error, ValueError) and str(busy.error) == "bad sample 5"  # (ap.loader raises it)

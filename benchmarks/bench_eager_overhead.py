@@ -7,7 +7,8 @@ The same small model (a 32-64-4 MLP, batch 64, SGD: a step of well under a milli
 where overhead shows most) trains in loops written two ways, eager and compiled,
 interleaved round by round in one process so machine noise hits all alike:
 
-- raw:        ``for x, y in batches:`` ... ``opt.step()`` (compiled: ``torch.compile(model)``)
+- raw:        ``for x, y in batches:`` ... ``opt.step()`` (compiled: ``torch.compile(model)``), with torch's
+              own ``torch.autograd.backward`` (accelport's process-wide wrapper of it put aside for its passes)
 - accelport:  ``for x, y in ap.loader(batches):`` ... ``ap.optimizer_step(opt)`` with every
               diagnosis on, as shipped (compiled: ``ap.compile(model)``)
 - accelport eager + checkpointer: the same, with ``ckpt.step()`` of an ``ap.Checkpointer``
@@ -32,7 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from _rounds import interleave, per_call, train_pass
+from _rounds import interleave, per_call, raw_pass, train_pass
 
 import accelport as ap
 from accelport.runtime.state import RUNTIME
@@ -71,7 +72,7 @@ def main() -> None:
     for kind in kinds:
         raw_model = make_model("torch" if kind == "compiled" else None)
         ap_model = make_model("ap" if kind == "compiled" else None)
-        runs[f"raw {kind}"] = lambda m=raw_model: train_pass(data, *m, lambda opt: opt.step())
+        runs[f"raw {kind}"] = lambda m=raw_model: raw_pass(data, *m, lambda opt: opt.step())
         runs[f"accelport {kind}"] = lambda m=ap_model: train_pass(ap.loader(data), *m, ap.optimizer_step)
     ckpt = None
     if "eager" in kinds:

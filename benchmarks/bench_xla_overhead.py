@@ -5,7 +5,8 @@
 The same tiny model (where overhead shows most) trains in loops written three ways (the
 first twice), interleaved round by round in one process so machine noise hits all alike:
 
-- raw:        MpDeviceLoader(batches, device) + xm.optimizer_step(opt), torch_xla's defaults
+- raw:        MpDeviceLoader(batches, device) + xm.optimizer_step(opt), torch_xla's defaults, with torch's own
+              torch.autograd.backward (accelport's process-wide wrapper of it put aside for its passes)
 - raw again:  the same raw loop a second time, with a model of its own: a control. Its ratio to
               raw is what this machine's noise alone makes of two equal loops, the yardstick
               for the figures of the others
@@ -46,7 +47,7 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 import torch  # noqa: E402
 import torch_xla  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
-from _rounds import call_times, interleave, per_call, train_pass  # noqa: E402
+from _rounds import call_times, interleave, per_call, raw_pass, train_pass  # noqa: E402
 from torch_xla.distributed.parallel_loader import MpDeviceLoader  # noqa: E402
 
 import accelport as ap  # noqa: E402
@@ -88,7 +89,7 @@ def main() -> None:
             RUNTIME.tracker.bind(ap.backend(), host, engine, RUNTIME.tracker.numerics)
 
     def raw(name: str = "raw") -> tuple[list[float], float]:
-        return train_pass(MpDeviceLoader(data, device), *models[name], xm.optimizer_step)
+        return raw_pass(MpDeviceLoader(data, device), *models[name], xm.optimizer_step)
 
     watching: list[str] = []  # the observers the "accelport" loop ran with
 

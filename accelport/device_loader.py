@@ -385,7 +385,7 @@ class BatchLook(Protocol):
 
 
 def _signed(source: Iterable[Any], signatures: collections.deque[Any], busy: _Busy,
-            look: BatchLook | None = None) -> Iterator[Any]:
+            look: BatchLook | None = None, ahead: int = 1) -> Iterator[Any]:
     """``source``, appending each batch's signature to ``signatures`` as it is read, and timing in ``busy`` how long
     the source took to give the batches.
 
@@ -395,13 +395,40 @@ def _signed(source: Iterable[Any], signatures: collections.deque[Any], busy: _Bu
     Equal signatures come out as one object, so the loop compares them by identity.
     ``look.inspect(batch, signature)`` (the diagnostics' look at the host batch) may hand
     back something in the signature's place, which the step tracker unpacks.
+
+    ``ahead`` > 1, for a backend that takes that many batches from its source at a time: they are read,
+    signed and looked at together (``look.inspect_many``: one check of all their values), then handed on.
+
+    An error of the source is kept for the loop (ap.loader raises it where the next batch would have come, after
+    the batches read before it), and the pass ends there: the thread that reads the source may not forward an
+    error (torch_xla's ParallelLoader only prints it and ends the pass, as if the source had run out).
     """
-    inspect = look.inspect if look is not None else None
-    append = signatures.append
     known: dict[tuple[Any, ...], tuple[Any, ...]] = {}
     intern = known.setdefault
     clock = time.perf_counter
     it = iter(source)
+    if ahead > 1:
+        while True:
+            busy.since = start = clock()
+            got: list[Any] = []
+            try:
+                while len(got) < ahead:
+                    got.append(next(it))
+            except StopIteration:
+                pass
+            except BaseException as exc:
+                busy.error = exc
+            sigs = [intern(sig := signature(batch), sig) for batch in got]
+            if look is not None and got:
+                sigs = look.inspect_many(got, sigs)
+            signatures.extend(sigs)
+            busy.total += clock() - start
+            busy.since = None
+            yield from got
+            if len(got) < ahead:  # the source ran out, or raised
+                return
+    inspect = look.inspect if look is not None else None
+    append = signatures.append
     while True:
         busy.since = start = clock()
         try:
@@ -410,9 +437,6 @@ def _signed(source: Iterable[Any], signatures: collections.deque[Any], busy: _Bu
             busy.since = None
             return
         except BaseException as exc:
-            # Kept for the loop (ap.loader raises it where the next batch would have come), and the pass ends
-            # here: the thread that reads the source may not forward an error (torch_xla's ParallelLoader
-            # only prints it and ends the pass, as if the source had run out).
             busy.since = None
             busy.error = exc
             return
@@ -421,36 +445,6 @@ def _signed(source: Iterable[Any], signatures: collections.deque[Any], busy: _Bu
         busy.total += clock() - start
         busy.since = None
         yield batch
-
-
-def _signed_together(source: Iterable[Any], signatures: collections.deque[Any], busy: _Busy,
-                     look: BatchLook | None, ahead: int) -> Iterator[Any]:
-    """:func:`_signed` for a backend that takes ``ahead`` batches from its source at a time: that many are read,
-    signed and looked at together (``look.inspect_many``: one check of all their values), then handed on in
-    order. An error of the source ends the pass after the batches read before it, as in :func:`_signed`."""
-    known: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-    intern = known.setdefault
-    clock = time.perf_counter
-    it = iter(source)
-    while True:
-        busy.since = start = clock()
-        got: list[Any] = []
-        try:
-            while len(got) < ahead:
-                got.append(next(it))
-        except StopIteration:
-            pass
-        except BaseException as exc:  # (see _signed)
-            busy.error = exc
-        sigs = [intern(sig := signature(batch), sig) for batch in got]
-        if look is not None and got:
-            sigs = look.inspect_many(got, sigs)
-        signatures.extend(sigs)
-        busy.total += clock() - start
-        busy.since = None
-        yield from got
-        if len(got) < ahead:  # the source ran out, or raised
-            return
 
 
 class DeviceLoader:
@@ -522,8 +516,7 @@ class DeviceLoader:
         busy = _Busy()
         ahead = backend.loader_reads_ahead(self.prefetch)
         sharded = self._source(backend, source)
-        signed = _signed(sharded, signatures, busy, look) if ahead <= 1 else \
-            _signed_together(sharded, signatures, busy, look, ahead)
+        signed = _signed(sharded, signatures, busy, look, ahead)
         wrapped = backend.wrap_loader(signed, prefetch=self.prefetch)
         it = iter(wrapped)
         del source, sharded, signed  # (a pass's generators) only what reads them holds them: a prefetch thread

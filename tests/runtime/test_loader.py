@@ -339,7 +339,7 @@ def test_batches_read_together_keep_their_order_and_the_one_with_a_nan_is_named(
 
     import torch
 
-    from accelport.device_loader import _Busy, _signed_together
+    from accelport.device_loader import _Busy, _signed
     from accelport.observe.numerics import Inspected
 
     batches = [(torch.full((4, 3), float(i)), torch.arange(4)) for i in range(7)]
@@ -347,7 +347,7 @@ def test_batches_read_together_keep_their_order_and_the_one_with_a_nan_is_named(
     sigs: collections.deque[Any] = collections.deque()
     busy = _Busy()
     look = _lazy_look()
-    got = list(_signed_together(iter(batches), sigs, busy, look, 3))
+    got = list(_signed(iter(batches), sigs, busy, look, 3))
     assert got == batches and busy.error is None
     assert [isinstance(s, Inspected) for s in sigs] == [i == 4 for i in range(7)]
     assert sigs[4].info == "input 0: 1 of 12 values are NaN or Inf"
@@ -361,13 +361,13 @@ def test_batches_read_together_of_two_float_dtypes_are_looked_at_one_by_one() ->
 
     import torch
 
-    from accelport.device_loader import _Busy, _signed_together
+    from accelport.device_loader import _Busy, _signed
     from accelport.observe.numerics import Inspected
 
     batches = [(torch.zeros(2, 3), torch.zeros(2, dtype=torch.float64)) for _ in range(4)]
     batches[2][1][0] = float("inf")
     sigs: collections.deque[Any] = collections.deque()
-    assert list(_signed_together(iter(batches), sigs, _Busy(), _lazy_look(), 8)) == batches
+    assert list(_signed(iter(batches), sigs, _Busy(), _lazy_look(), 8)) == batches
     assert [s.info if isinstance(s, Inspected) else None for s in sigs] == \
         [None, None, "input 1: 1 of 2 values are NaN or Inf", None]
 
@@ -377,7 +377,7 @@ def test_batches_read_together_end_at_a_source_error_after_the_batches_before_it
 
     import torch
 
-    from accelport.device_loader import _Busy, _signed_together
+    from accelport.device_loader import _Busy, _signed
 
     def source() -> Any:
         for i in range(7):
@@ -387,6 +387,6 @@ def test_batches_read_together_end_at_a_source_error_after_the_batches_before_it
 
     sigs: collections.deque[Any] = collections.deque()
     busy = _Busy()
-    got = list(_signed_together(source(), sigs, busy, _lazy_look(), 3))
+    got = list(_signed(source(), sigs, busy, _lazy_look(), 3))
     assert [int(x[0]) for (x,) in got] == [0, 1, 2, 3, 4] and len(sigs) == 5
     assert isinstance(busy.error, ValueError) and str(busy.error) == "bad sample 5"  # (ap.loader raises it)

@@ -368,6 +368,8 @@ class _Busy:
         self.since: float | None = None  # when the fetch in progress started
         #: What the source raised (the pass then ends there, and ap.loader raises it in the loop).
         self.error: BaseException | None = None
+        #: The loop left the pass: a group being read stops after the batch in hand (a break waits for one read).
+        self.stopped = False
 
     def until(self, now: float) -> float:
         """Seconds busy up to ``now``, the fetch in progress included."""
@@ -397,42 +399,57 @@ def _signed(source: Iterable[Any], signatures: collections.deque[Any], busy: _Bu
     back something in the signature's place, which the step tracker unpacks.
 
     ``ahead`` > 1, for a backend that takes that many batches from its source at a time: they are read,
-    signed and looked at together (``look.inspect_many``: one check of all their values), then handed on.
+    signed and looked at together (``look.inspect_many``: one check of all their values), then handed on. A
+    loop that leaves the pass (``busy.stopped``) stops a group's reading after the batch in hand.
 
-    An error of the source is kept for the loop (ap.loader raises it where the next batch would have come, after
-    the batches read before it), and the pass ends there: the thread that reads the source may not forward an
-    error (torch_xla's ParallelLoader only prints it and ends the pass, as if the source had run out).
+    An error of the source, or of the signature or the look at a batch, is kept for the loop (ap.loader raises
+    it where the next batch would have come, after the batches before it), and the pass ends there: the thread
+    that reads the source may not forward an error (torch_xla's ParallelLoader only prints it and ends the pass,
+    as if the source had run out).
     """
     known: dict[tuple[Any, ...], tuple[Any, ...]] = {}
     intern = known.setdefault
     clock = time.perf_counter
     it = iter(source)
-    if ahead > 1:
+    inspect = look.inspect if look is not None else None
+    if ahead > 1 and look is not None:  # (without a look, a group would only make a break wait longer)
         while True:
             busy.since = start = clock()
             got: list[Any] = []
             try:
-                while len(got) < ahead:
+                while len(got) < ahead and not busy.stopped:
                     got.append(next(it))
             except StopIteration:
                 pass
             except BaseException as exc:
                 busy.error = exc
-            sigs = [intern(sig := signature(batch), sig) for batch in got]
-            if look is not None and got:
-                sigs = look.inspect_many(got, sigs)
+            if busy.stopped:
+                return
+            try:
+                sigs = look.inspect_many(got, [intern(sig := signature(batch), sig) for batch in got])
+            except BaseException:  # one batch at a time: those before the one that fails go on, then its error
+                sigs = []
+                for batch in got:
+                    try:
+                        sigs.append(look.inspect(batch, intern(sig := signature(batch), sig)))
+                    except BaseException as exc:
+                        busy.error = exc
+                        del got[len(sigs):]
+                        break
             signatures.extend(sigs)
             busy.total += clock() - start
             busy.since = None
             yield from got
-            if len(got) < ahead:  # the source ran out, or raised
+            if len(got) < ahead or busy.error is not None:  # the source ran out, or raised
                 return
-    inspect = look.inspect if look is not None else None
     append = signatures.append
     while True:
         busy.since = start = clock()
         try:
             batch = next(it)
+            sig = intern(sig := signature(batch), sig)
+            if inspect is not None:
+                sig = inspect(batch, sig)
         except StopIteration:
             busy.since = None
             return
@@ -440,8 +457,7 @@ def _signed(source: Iterable[Any], signatures: collections.deque[Any], busy: _Bu
             busy.since = None
             busy.error = exc
             return
-        sig = intern(sig := signature(batch), sig)
-        append(sig if inspect is None else inspect(batch, sig))
+        append(sig)
         busy.total += clock() - start
         busy.since = None
         yield batch
@@ -577,6 +593,7 @@ class DeviceLoader:
                     _advance(bar, tracker, backend, runtime.baseline.get("compilations"))
                 yield batch
         finally:
+            busy.stopped = True  # (a group being read ends after the batch in hand)
             try:
                 # The observers get every step of this loop now (see StepTracker). A pass left early (a break,
                 # an error in the loop's body or at its sync) may leave a step midway: see flush's interrupted.

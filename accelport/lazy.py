@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -171,6 +172,7 @@ class LazyBackend(Backend):
         self._device: Any = None
         # ap.loader iterations in progress (they sync once per batch).
         self._loading = 0
+        self._default_depth: int | None = None  # the ParallelLoader's default device queue depth, once read
         self._world: int | None = None
         self._flush_at_exit = False
         self._closures_pending = 0  # ap.after_step closures waiting for the next sync
@@ -363,9 +365,20 @@ class LazyBackend(Backend):
             clock.run("sync", self._sync)
 
     def loader_reads_ahead(self, prefetch: int | None) -> int:
-        # The ParallelLoader's upload thread takes its device queue's depth of batches at once (torch_xla's
-        # default depth: 8); prefetch=0 uploads each batch as it is read.
-        return 1 if prefetch == 0 else (prefetch or _DEVICE_PREFETCH)
+        # The ParallelLoader's upload thread takes its device queue's depth of batches at once (prefetch, or
+        # torch_xla's default depth, read from its signature: it differs between releases); prefetch=0 uploads
+        # each batch as it is read.
+        if prefetch is not None:
+            return max(prefetch, 1)
+        if self._default_depth is None:
+            import inspect
+
+            self._x()
+            from torch_xla.distributed.parallel_loader import ParallelLoader
+
+            depth = inspect.signature(ParallelLoader.__init__).parameters.get("device_prefetch_size")
+            self._default_depth = depth.default if depth is not None and isinstance(depth.default, int) else 1
+        return self._default_depth
 
     def wrap_loader(self, iterable: Iterable[Any], *, prefetch: int | None) -> Iterable[Any]:
         self._x()
@@ -674,11 +687,14 @@ class _Loading:
         before the first batch, as a raw loop has, and the upload thread's error or the end), the others straight
         from its device queue (``ParallelLoader.next_item``): ``ap.loader`` syncs between batches itself, and the
         per-device loader's own check for a sync (three Python calls a batch) would only find one done. No layer
-        of Python per batch between the loop and torch_xla's queue: ``chain`` and ``iter(callable, None)`` are C."""
+        of Python per batch between the loop and torch_xla's queue: ``chain`` and ````takewhile`` over ``map`` are C."""
         parallel, it = self._parallel_loader, self._it
         if parallel is None:
             return it
-        rest = iter(functools.partial(parallel.next_item, self._device), None)
+        # Until the queue says it is done (None), compared by identity: iter(callable, None) would compare each
+        # batch with ``==`` (a NumPy array's or a class's own __eq__ raises; a tensor's is a slow TypeError).
+        rest = itertools.takewhile(functools.partial(operator.is_not, None),
+                                   map(parallel.next_item, itertools.repeat(self._device)))
         return itertools.chain(_first(it), rest, _first(it))
 
     def close(self) -> None:
@@ -701,9 +717,6 @@ def _first(it: Iterator[Any]) -> Iterator[Any]:
         yield item
         return
 
-
-#: torch_xla's ParallelLoader's default ``device_prefetch_size``: the batches its upload thread takes at once.
-_DEVICE_PREFETCH = 8
 
 #: Where a step's time goes on a lazy backend (see LazyBackend.time_phases).
 _LAZY_PHASES: Mapping[str, str] = {

@@ -168,7 +168,10 @@ def _plain_finite(batch: tuple[Any, ...] | list[Any], torch: Any) -> bool:
         if type(t) is not tensor or not t.is_cpu or t.layout is not strided or t.is_complex() or \
                 t.numel() > INPUT_CHECK_MAX:
             return False
-        if t.is_floating_point() and not math.isfinite(t.sum().item()):
+        try:
+            if t.is_floating_point() and not math.isfinite(t.sum().item()):
+                return False
+        except (RuntimeError, TypeError, ValueError):  # a dtype without a sum (float8): the full look decides
             return False
     return bool(batch)
 

@@ -390,3 +390,60 @@ def test_batches_read_together_end_at_a_source_error_after_the_batches_before_it
     got = list(_signed(source(), sigs, busy, _lazy_look(), 3))
     assert [int(x[0]) for (x,) in got] == [0, 1, 2, 3, 4] and len(sigs) == 5
     assert isinstance(busy.error, ValueError) and str(busy.error) == "bad sample 5"  # (ap.loader raises it)
+
+
+def test_a_group_being_read_stops_after_the_batch_in_hand_once_the_loop_left() -> None:
+    # A loop that breaks waits for one read of its source, as when batches are read one at a time, not for a group.
+    import collections
+
+    from accelport.device_loader import _Busy, _signed
+
+    busy = _Busy()
+    read: list[int] = []
+
+    def source() -> Any:
+        for i in range(10):
+            read.append(i)
+            if i == 1:
+                busy.stopped = True  # (what ap.loader sets as the loop leaves the pass)
+            yield (i,)
+
+    assert list(_signed(source(), collections.deque(), busy, _lazy_look(), 8)) == []
+    assert read == [0, 1]
+
+
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_an_error_of_the_look_at_a_batch_ends_the_pass_after_the_batches_before_it(ahead: int) -> None:
+    # In torch_xla's reading thread an error would only be printed, and the pass would end as if the data had run
+    # out: it is kept for the loop instead, as the source's own errors are.
+    import collections
+
+    import torch
+
+    from accelport.device_loader import _Busy, _signed
+
+    look = _lazy_look()
+    plain = look.inspect
+
+    def inspect(batch: Any, sig: Any) -> Any:
+        if int(batch[0][0]) == 4:
+            raise RuntimeError("the look failed on batch 4")
+        return plain(batch, sig)
+
+    look.inspect = inspect  # type: ignore[method-assign]
+    look.inspect_many = lambda batches, sigs: [  # type: ignore[method-assign]
+        inspect(b, s) for b, s in zip(batches, sigs, strict=True)]
+    batches = [(torch.full((2,), float(i)),) for i in range(7)]
+    sigs: collections.deque[Any] = collections.deque()
+    busy = _Busy()
+    got = list(_signed(iter(batches), sigs, busy, look, ahead))
+    assert got == batches[:4] and len(sigs) == 4
+    assert str(busy.error) == "the look failed on batch 4"
+
+
+def test_the_look_at_a_batch_of_a_dtype_without_a_sum_passes_it_over() -> None:
+    import torch
+
+    from accelport.observe.numerics import _check_batch
+
+    assert _check_batch((torch.zeros(4, dtype=torch.float8_e4m3fn), torch.arange(4))) == (None, False)

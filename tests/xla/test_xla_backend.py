@@ -220,6 +220,27 @@ def test_a_source_that_raises_midway_raises_in_the_loop_after_the_batches_before
     assert ap.backend()._loading == 0
 
 
+def test_batches_that_are_no_tuple_of_tensors_arrive_whatever_their_equality_says() -> None:
+    # ap.loader reads torch_xla's device queue until it says it is done: by identity, never with the batch's own
+    # ``==`` (a NumPy array's raises on a truth test, a class's own __eq__ may not take None).
+    import numpy as np
+    import torch
+
+    class Pair:
+        def __init__(self, i: int) -> None:
+            self.x = torch.full((2,), float(i))
+
+        def __eq__(self, other: object) -> bool:
+            return bool((self.x == other.x).all())  # type: ignore[attr-defined]
+
+    ap.use("xla")
+    arrays = [np.full((2,), i, dtype=np.float32) for i in range(5)]
+    assert [int(a[0]) for a in ap.loader(arrays)] == [0, 1, 2, 3, 4]
+    pairs = [Pair(i) for i in range(5)]
+    got = [p.x for p in ap.loader(pairs)]
+    assert [x.device.type for x in got] == ["xla"] * 5 and [int(x.cpu()[0]) for x in got] == [0, 1, 2, 3, 4]
+
+
 def test_the_same_script_trains_on_cpu_and_on_xla() -> None:
     ap.use("cpu")
     on_cpu = train_tiny(steps=30)

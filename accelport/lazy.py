@@ -687,7 +687,7 @@ class _Loading:
         before the first batch, as a raw loop has, and the upload thread's error or the end), the others straight
         from its device queue (``ParallelLoader.next_item``): ``ap.loader`` syncs between batches itself, and the
         per-device loader's own check for a sync (three Python calls a batch) would only find one done. No layer
-        of Python per batch between the loop and torch_xla's queue: ``chain`` and ````takewhile`` over ``map`` are C."""
+        of Python per batch between the loop and torch_xla's queue: ``chain`` and ``takewhile`` over ``map`` are C."""
         parallel, it = self._parallel_loader, self._it
         if parallel is None:
             return it

@@ -402,6 +402,9 @@ def _signed(source: Iterable[Any], signatures: collections.deque[Any], busy: _Bu
     signed and looked at together (``look.inspect_many``: one check of all their values), then handed on. A
     loop that leaves the pass (``busy.stopped``) stops a group's reading after the batch in hand.
 
+    A ``None`` batch gets no signature (the loop takes none for it): torch_xla's loader drops it, and the
+    signatures of the batches after it must stay theirs.
+
     An error of the source, or of the signature or the look at a batch, is kept for the loop (ap.loader raises
     it where the next batch would have come, after the batches before it), and the pass ends there: the thread
     that reads the source may not forward an error (torch_xla's ParallelLoader only prints it and ends the pass,
@@ -425,16 +428,19 @@ def _signed(source: Iterable[Any], signatures: collections.deque[Any], busy: _Bu
                 busy.error = exc
             if busy.stopped:
                 return
+            present = [batch for batch in got if batch is not None]  # (None: see below)
             try:
-                sigs = look.inspect_many(got, [intern(sig := signature(batch), sig) for batch in got])
+                sigs = look.inspect_many(present, [intern(sig := signature(batch), sig) for batch in present])
             except BaseException:  # one batch at a time: those before the one that fails go on, then its error
                 sigs = []
-                for batch in got:
+                for i, batch in enumerate(got):
+                    if batch is None:
+                        continue
                     try:
                         sigs.append(look.inspect(batch, intern(sig := signature(batch), sig)))
                     except BaseException as exc:
                         busy.error = exc
-                        del got[len(sigs):]
+                        del got[i:]
                         break
             signatures.extend(sigs)
             busy.total += clock() - start
@@ -447,9 +453,10 @@ def _signed(source: Iterable[Any], signatures: collections.deque[Any], busy: _Bu
         busy.since = start = clock()
         try:
             batch = next(it)
-            sig = intern(sig := signature(batch), sig)
-            if inspect is not None:
-                sig = inspect(batch, sig)
+            if batch is not None:
+                sig = intern(sig := signature(batch), sig)
+                if inspect is not None:
+                    sig = inspect(batch, sig)
         except StopIteration:
             busy.since = None
             return
@@ -457,7 +464,8 @@ def _signed(source: Iterable[Any], signatures: collections.deque[Any], busy: _Bu
             busy.since = None
             busy.error = exc
             return
-        append(sig)
+        if batch is not None:
+            append(sig)
         busy.total += clock() - start
         busy.since = None
         yield batch
@@ -586,7 +594,8 @@ class DeviceLoader:
                 total = backend.transfer_seconds
                 transfer = min(blocked - wait, total - copied) if total != copied else 0.0
                 copied = total
-                tracker.batch_arrived(wait, next_signature(), batch, blocked=blocked, transfer=transfer)
+                tracker.batch_arrived(wait, next_signature() if batch is not None else (), batch, blocked=blocked,
+                                      transfer=transfer)
                 if position is not None:
                     position.advance()
                 if bar is not None:

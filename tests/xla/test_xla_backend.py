@@ -241,6 +241,27 @@ def test_batches_that_are_no_tuple_of_tensors_arrive_whatever_their_equality_say
     assert [x.device.type for x in got] == ["xla"] * 5 and [int(x.cpu()[0]) for x in got] == [0, 1, 2, 3, 4]
 
 
+def test_a_none_batch_that_torch_xla_drops_leaves_each_later_step_its_own_shapes() -> None:
+    # torch_xla's loader drops a None batch without a word (so does a raw MpDeviceLoader); the shapes the
+    # diagnostics give each step stay those of its own batch.
+    import torch
+
+    from accelport.runtime.state import RUNTIME
+
+    ap.use("xla")
+    w = torch.nn.Parameter(torch.ones((), device=ap.device()))
+    opt = torch.optim.SGD([w], lr=1e-3)
+    data = [(torch.ones(n),) if n != 3 else None for n in range(1, 6)]
+    seen = []
+    for (x,) in ap.loader(data):
+        (x * w).sum().backward()
+        ap.optimizer_step(opt)
+        opt.zero_grad()
+        seen.append(x.shape[0])
+    assert seen == [1, 2, 4, 5]
+    assert RUNTIME.tracker.signatures == {((torch.Size([n]), "float32"),) for n in (1, 2, 4, 5)}
+
+
 def test_the_same_script_trains_on_cpu_and_on_xla() -> None:
     ap.use("cpu")
     on_cpu = train_tiny(steps=30)

@@ -565,8 +565,7 @@ class DeviceLoader:
                         tracker.synced()
                     first = False
                     t0 = clock()
-                    since = busy.since  # (busy.until(t0), written out: once a step)
-                    before = busy.total + (t0 - since if since is not None else 0.0)
+                    before = busy.until(t0)
                     batch = next(it)
                 except StopIteration:
                     raised: BaseException | None = busy.error
@@ -589,8 +588,7 @@ class DeviceLoader:
                 # machine), which more workers would not change. (Several batches may go up in one transfer:
                 # all that the source did meanwhile counts.) Of the rest, what went to the backend's copies
                 # of batches since the last one is transfer.
-                since = busy.since
-                wait = min(blocked, busy.total + (now - since if since is not None else 0.0) - before)
+                wait = min(blocked, busy.until(now) - before)
                 total = backend.transfer_seconds
                 transfer = min(blocked - wait, total - copied) if total != copied else 0.0
                 copied = total

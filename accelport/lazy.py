@@ -302,8 +302,12 @@ class LazyBackend(Backend):
         clock = self._clock
         if clock is None:
             self._sync()
-        else:
-            clock.run(phase, self._sync)
+            return
+        clock.enter(phase)
+        try:
+            self._sync()
+        finally:
+            clock.leave(phase)
 
     # -- where a step's time goes ---------------------------------------------------------
     def time_phases(self) -> Mapping[str, str]:
@@ -358,11 +362,7 @@ class LazyBackend(Backend):
         return bool(self._loading) and (self._world or self._replicas()) == 1
 
     def end_of_batch(self) -> None:
-        clock = self._clock  # (_timed_sync, written out: once a step)
-        if clock is None:
-            self._sync()
-        else:
-            clock.run("sync", self._sync)
+        self._timed_sync()
 
     def loader_reads_ahead(self, prefetch: int | None) -> int:
         # The ParallelLoader's upload thread takes its device queue's depth of batches at once (prefetch, or

@@ -455,10 +455,7 @@ class MemoryWatch:
     def __init__(self, backend: Any, capacity_bytes: int | None = None, capacity_source: str | None = None) -> None:
         self._backend = backend
         self._optimizers: list[weakref.ReferenceType[Any]] = []
-        #: The optimizer of the last step, and the step from which :meth:`step_end` has work to do besides
-        #: noting a new optimizer: the step tracker calls it only then (it runs in every training step).
-        self.last_optimizer: Any = None
-        self.due = 1
+        self._last_optimizer: Any = None
         self._next_budget = 1
         self._broken = False
         self._fallback_capacity = capacity_bytes
@@ -487,8 +484,8 @@ class MemoryWatch:
     # -- each step ---------------------------------------------------------------------------------
     def step_end(self, step: int, optimizer: Any) -> None:
         """An optimizer step ended (called on the training loop's own stack)."""
-        if optimizer is not None and optimizer is not self.last_optimizer:
-            self.last_optimizer = optimizer
+        if optimizer is not None and optimizer is not self._last_optimizer:
+            self._last_optimizer = optimizer
             if all(ref() is not optimizer for ref in self._optimizers):
                 self._optimizers.append(weakref.ref(optimizer))
         if step >= self._next_budget:
@@ -508,8 +505,6 @@ class MemoryWatch:
         self.budget_step = step
         self.sharded = any(is_dtensor(g["params"][0]) for o in optimizers for g in o.param_groups if g["params"])
         self._next_budget = step + 1 if step < 3 else step + BUDGET_EVERY
-        if self._search is None:
-            self.due = self._next_budget
         return self.budget
 
     def read(self, step: int) -> dict[str, int] | None:
@@ -620,7 +615,6 @@ class MemoryWatch:
         """Look at the training loop's variables at the next two step ends (a rule that saw memory grow asks)."""
         if self._search is None and self.kept is None:
             self._search = _Search()
-            self.due = 0  # (every step end looks, until the search is done)
 
     def _look(self, step: int) -> None:
         search = self._search
@@ -642,7 +636,6 @@ class MemoryWatch:
         found.sort(key=lambda k: (k.kind != "container", -(k.after - k.before)))
         self.kept = tuple(found)
         self._search = None
-        self.due = self._next_budget
 
 
 # -- an exception that ends the program ---------------------------------------------------------------

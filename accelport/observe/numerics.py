@@ -159,14 +159,18 @@ def check_batch(batch: Any) -> str | None:
     return _check_batch(batch)[0]
 
 
+def _plain(t: Any, torch: Any) -> bool:
+    """Whether ``t`` is a host tensor of a usual size whose values a sum can look at (the common case)."""
+    return type(t) is torch.Tensor and t.is_cpu and t.layout is torch.strided and not t.is_complex() and \
+        t.numel() <= INPUT_CHECK_MAX
+
+
 def _plain_finite(batch: tuple[Any, ...] | list[Any], torch: Any) -> bool:
     """Whether ``batch`` is host tensors of a usual size whose sums are all finite: the common case, said
     without naming anything (this runs in the loader's thread for every batch, holding the GIL the loop needs).
     False where :func:`_check_batch`'s full look must decide."""
-    tensor, strided = torch.Tensor, torch.strided
     for t in batch:
-        if type(t) is not tensor or not t.is_cpu or t.layout is not strided or t.is_complex() or \
-                t.numel() > INPUT_CHECK_MAX:
+        if not _plain(t, torch):
             return False
         try:
             if t.is_floating_point() and not math.isfinite(t.sum().item()):
@@ -181,14 +185,12 @@ def _all_finite(batches: list[Any], torch: Any) -> bool:
     and all finite: :func:`_plain_finite` for batches read together, in four torch ops for all of them (in the
     thread that reads the source, each op hands the GIL to the training loop and back). False where each batch
     must be looked at on its own."""
-    tensor, strided = torch.Tensor, torch.strided
     floats = []
     for batch in batches:
         if type(batch) not in (tuple, list) or not batch:
             return False
         for t in batch:
-            if type(t) is not tensor or not t.is_cpu or t.layout is not strided or t.is_complex() or \
-                    t.numel() > INPUT_CHECK_MAX:
+            if not _plain(t, torch):
                 return False
             if t.is_floating_point() and t.numel():
                 floats.append(t)

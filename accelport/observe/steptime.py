@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from accelport.contract import TIME_CATEGORIES
@@ -123,11 +123,8 @@ class StepClock:
             self._mark, self.parts, self._loose = start, {}, False
             self.thread = threading.get_ident()
             mark = None
-        elif start > mark:  # (_charge, written out: once a step)
-            top = self._stack[-1]
-            parts = self.parts
-            parts[top] = parts.get(top, 0.0) + (start - mark)
-            self._mark = start
+        elif start > mark:
+            self._charge(start)
         if not self.phased:
             # A backward of the loop's thread since the last batch was training work: the batch before was a
             # training one, though no optimizer step followed it yet (the micro-batches of a gradient
@@ -240,33 +237,6 @@ class StepClock:
             self._charge(_clock())
             stack.pop()
 
-    def run(self, phase: str, fn: Callable[[], Any]) -> Any:
-        """``fn()`` in ``phase``, as between :meth:`enter` and :meth:`leave` (one call where a backend times its
-        sync, once a step: the two written out)."""
-        thread = self.thread
-        if thread is not None and _get_ident() != thread:
-            return fn()
-        stack = self._stack
-        mark = self._mark
-        if mark is not None:
-            now = _clock()
-            top = stack[-1]
-            parts = self.parts
-            parts[top] = parts.get(top, 0.0) + (now - mark)
-            self._mark = now
-        stack.append(phase)
-        try:
-            return fn()
-        finally:
-            if len(stack) > 1 and stack[-1] == phase:
-                mark = self._mark
-                if mark is not None:
-                    now = _clock()
-                    parts = self.parts
-                    parts[phase] = parts.get(phase, 0.0) + (now - mark)
-                    self._mark = now
-                stack.pop()
-
     def span(self, phase: str, since: float) -> None:
         """The loop spent the time from ``since`` until now in ``phase`` (known only once it ended: a copy
         that turned out to be a host read). Inside a sync it stays the sync's: what a sync runs after the
@@ -298,12 +268,9 @@ class StepClock:
             self._mark = now
             self.thread = threading.get_ident()
             return {}
-        stack = self._stack
+        self._charge(now)
         out, self.parts = self.parts, {}
-        top = stack[-1]  # (_charge, written out: once a step)
-        out[top] = out.get(top, 0.0) + (now - self._mark)
-        self._mark = now
-        stack[0] = "pre"
+        self._stack[0] = "pre"
         return out
 
 

@@ -210,14 +210,13 @@ class StepTracker:
         watch = self.numerics
         if optimizer is not None and watch is not None:
             watch.step_end(self.steps, optimizer)
-        shapes = self._shapes
-        if shapes is not None and shapes.armed:  # (it records nothing until armed: no call in most steps)
-            shapes.step_end()
+        if self._shapes is not None:
+            self._shapes.step_end()
         signature = self._last_signature
         if signature is not self._flops_quiet and self.flops is not None and self.nan_search is None:
             self._flops_quiet = signature if self.flops.step_end(signature) else _ANY
         memory = self.memory
-        if memory is not None and (self.steps >= memory.due or optimizer is not memory.last_optimizer):
+        if memory is not None:
             memory.step_end(self.steps, optimizer)
         backend = self._backend
         if backend is not None and backend.step_deferred():
